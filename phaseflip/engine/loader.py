@@ -1,0 +1,394 @@
+"""The checkpoint loader: an HF-format model directory -> ModelConfig, validated weights, Tokenizer.
+
+Owns: reading config.json (ModelConfig), *.safetensors (+ model.safetensors.index.json) into a dict of HF
+tensor names, checking every tensor the architecture needs against shapes computed from the config,
+choosing the compute dtype, and the tokenizer (tokenizer.json + tokenizer_config.json + chat template).
+Every defect of a checkpoint is a CheckpointError that names the file and the field or tensor.
+
+It never imports transformers, never touches a device other than the CPU, and never shards or packs
+weights (layouts/shard.py and layouts/arena.py do that from the dict returned here).
+"""
+from __future__ import annotations
+
+import json
+import logging
+from datetime import datetime
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+
+from phaseflip.layouts.model_config import ARCHITECTURES, ModelConfig, RopeScaling
+
+logger = logging.getLogger(__name__)
+
+CONFIG_FILE = "config.json"
+INDEX_FILE = "model.safetensors.index.json"
+
+# HF defaults (transformers 5 configuration_*.py) for fields a config.json may omit.
+_DEFAULTS = {
+    "LlamaForCausalLM": dict(max_position_embeddings=2048, head_dim=None, sliding_window=None),
+    "MistralForCausalLM": dict(max_position_embeddings=4096 * 32, head_dim=None, sliding_window=4096),
+    "Qwen2ForCausalLM": dict(max_position_embeddings=32768, head_dim=None, sliding_window=None),
+    "Qwen3ForCausalLM": dict(max_position_embeddings=32768, head_dim=128, sliding_window=None),
+}
+_DEFAULT_ROPE_THETA = 10_000.0
+_LLAMA3_ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+
+_DTYPES = {
+    "float32": torch.float32, "fp32": torch.float32,
+    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+    "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
+}
+
+
+class CheckpointError(ValueError):
+    """A model directory that cannot be loaded; the message names the file and the field or tensor."""
+
+
+# ---------------------------------------------------------------------------------------------- config
+
+def load_model_config(model_dir: str | Path) -> ModelConfig:
+    """Parse <model_dir>/config.json into a ModelConfig (HF defaults for omitted optional fields)."""
+    path = Path(model_dir) / CONFIG_FILE
+    raw = _read_json(path)
+    archs = raw.get("architectures")
+    if not isinstance(archs, list) or not archs:
+        raise CheckpointError(f"{path}: missing required field 'architectures'")
+    arch = archs[0]
+    if arch not in ARCHITECTURES:
+        raise CheckpointError(f"{path}: field 'architectures' names unsupported architecture {arch!r}; "
+                              f"supported: {', '.join(ARCHITECTURES)}")
+    defaults = _DEFAULTS[arch]
+    _check_unsupported(raw, arch, path)
+    num_heads = _int_field(raw, "num_attention_heads", path)
+    hidden = _int_field(raw, "hidden_size", path)
+    head_dim = _int_field(raw, "head_dim", path, defaults["head_dim"] or hidden // num_heads)
+    rope_theta, rope_scaling = _parse_rope(raw, path)
+    max_pos = _capped_max_positions(raw, arch, path, _int_field(raw, "max_position_embeddings", path,
+                                                                 defaults["max_position_embeddings"]))
+    fields = dict(
+        architecture=arch,
+        vocab_size=_int_field(raw, "vocab_size", path),
+        hidden_size=hidden,
+        intermediate_size=_int_field(raw, "intermediate_size", path),
+        num_layers=_int_field(raw, "num_hidden_layers", path),
+        num_heads=num_heads,
+        num_kv_heads=_int_field(raw, "num_key_value_heads", path, num_heads),
+        head_dim=head_dim,
+        rms_norm_eps=float(_number_field(raw, "rms_norm_eps", path, 1e-6)),
+        rope_theta=rope_theta,
+        max_position_embeddings=max_pos,
+        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+        qkv_bias=arch == "Qwen2ForCausalLM",
+        qk_norm=arch == "Qwen3ForCausalLM",
+        rope_scaling=rope_scaling,
+        bos_token_id=raw.get("bos_token_id"),
+        eos_token_ids=_eos_ids(raw.get("eos_token_id"), path),
+        torch_dtype=raw.get("dtype") or raw.get("torch_dtype"),
+    )
+    try:
+        return ModelConfig(**fields)
+    except ValueError as e:
+        raise CheckpointError(f"{path}: {e}") from e
+
+
+def _check_unsupported(raw: dict, arch: str, path: Path) -> None:
+    """Options that change the maths in ways ModelConfig cannot describe are refused, never ignored."""
+    if raw.get("hidden_act", "silu") != "silu":
+        raise CheckpointError(f"{path}: field 'hidden_act'={raw['hidden_act']!r} is not supported (only 'silu')")
+    # Llama/Qwen3 attention_bias puts a bias on o_proj as well as q/k/v; Llama mlp_bias on the MLP.
+    for name in ("attention_bias", "mlp_bias"):
+        if arch in ("LlamaForCausalLM", "Qwen3ForCausalLM") and raw.get(name):
+            raise CheckpointError(f"{path}: field {name!r}=true is not supported for {arch}")
+
+
+def _read_json(path: Path) -> dict:
+    if not path.is_file():
+        raise CheckpointError(f"{path}: file not found")
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{path}: invalid JSON ({e})") from e
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{path}: expected a JSON object, got {type(data).__name__}")
+    return data
+
+
+_REQUIRED = object()
+
+
+def _number_field(raw: dict, name: str, path: Path, default=_REQUIRED):
+    value = raw.get(name)
+    if value is None:
+        if default is _REQUIRED:
+            raise CheckpointError(f"{path}: missing required field {name!r}")
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise CheckpointError(f"{path}: field {name!r} must be a number, got {value!r}")
+    return value
+
+
+def _int_field(raw: dict, name: str, path: Path, default=_REQUIRED) -> int:
+    """A size or count: every integer field of config.json that ModelConfig takes is one."""
+    value = _number_field(raw, name, path, default)
+    if not isinstance(value, int) or value < 1:
+        raise CheckpointError(f"{path}: field {name!r} must be a positive integer, got {value!r}")
+    return value
+
+
+def _eos_ids(value, path: Path) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    ids = value if isinstance(value, list) else [value]
+    if not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+        raise CheckpointError(f"{path}: field 'eos_token_id' must be an int or a list of ints, got {value!r}")
+    return tuple(ids)
+
+
+def _parse_rope(raw: dict, path: Path) -> tuple[float, RopeScaling | None]:
+    """rope_parameters (transformers 5) wins; else legacy rope_theta + rope_scaling."""
+    if isinstance(raw.get("rope_parameters"), dict):
+        field, params = "rope_parameters", dict(raw["rope_parameters"])
+        params.setdefault("rope_theta", raw.get("rope_theta", _DEFAULT_ROPE_THETA))
+    else:
+        field, params = "rope_scaling", dict(raw.get("rope_scaling") or {})
+        params["rope_theta"] = raw.get("rope_theta", _DEFAULT_ROPE_THETA)
+    if any(isinstance(v, dict) for v in params.values()):
+        raise CheckpointError(f"{path}: field {field!r} holds per-layer-type parameters, which are not supported")
+    theta = float(_number_field(params, "rope_theta", path, _DEFAULT_ROPE_THETA))
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type == "default":
+        return theta, None
+    if rope_type != "llama3":
+        raise CheckpointError(f"{path}: field {field!r} has unsupported rope_type {rope_type!r}; "
+                              "supported: 'default', 'llama3'")
+    missing = [k for k in _LLAMA3_ROPE_KEYS if k not in params]
+    if missing:
+        raise CheckpointError(f"{path}: field {field!r} (llama3) is missing {', '.join(missing)}")
+    return theta, RopeScaling(
+        factor=float(params["factor"]),
+        low_freq_factor=float(params["low_freq_factor"]),
+        high_freq_factor=float(params["high_freq_factor"]),
+        original_max_position_embeddings=int(params["original_max_position_embeddings"]),
+    )
+
+
+def _capped_max_positions(raw: dict, arch: str, path: Path, max_pos: int) -> int:
+    """Sliding-window attention is not implemented: cap the context at the window so it never applies."""
+    window = raw.get("sliding_window", _DEFAULTS[arch]["sliding_window"])
+    if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
+        uses_window = raw.get("use_sliding_window", False) and \
+            raw.get("max_window_layers", 28) < raw.get("num_hidden_layers", 0)
+        window = window if uses_window else None
+    if window is None or window >= max_pos:
+        return max_pos
+    logger.info("%s: sliding_window=%d < max_position_embeddings=%d; capping the context at %d",
+                path, window, max_pos, window)
+    return int(window)
+
+
+# ---------------------------------------------------------------------------------------------- dtype
+
+def resolve_dtype(dtype: str | torch.dtype, device: str, checkpoint_dtype: str | None = None) -> torch.dtype:
+    """The compute dtype. "auto": float32 on CPU; on CUDA the checkpoint's bf16/fp16, else bfloat16."""
+    if isinstance(dtype, torch.dtype):
+        if dtype not in _DTYPES.values():
+            raise ValueError(f"unsupported dtype {dtype}; allowed: {', '.join(_DTYPES)}, auto")
+        return dtype
+    if dtype == "auto":
+        if not str(device).startswith("cuda"):
+            return torch.float32
+        return _DTYPES[checkpoint_dtype] if checkpoint_dtype in ("bfloat16", "float16") else torch.bfloat16
+    if dtype not in _DTYPES:
+        raise ValueError(f"unsupported dtype {dtype!r}; allowed: {', '.join(_DTYPES)}, auto")
+    return _DTYPES[dtype]
+
+
+# ---------------------------------------------------------------------------------------------- weights
+
+def expected_tensor_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor (HF name) the architecture needs, with its shape."""
+    c = config
+    H, q_out, kv_out = c.hidden_size, c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (c.vocab_size, H), "model.norm.weight": (H,)}
+    if not c.tie_word_embeddings:
+        shapes["lm_head.weight"] = (c.vocab_size, H)
+    for i in range(c.num_layers):
+        p = f"model.layers.{i}."
+        shapes.update({
+            p + "input_layernorm.weight": (H,),
+            p + "post_attention_layernorm.weight": (H,),
+            p + "self_attn.q_proj.weight": (q_out, H),
+            p + "self_attn.k_proj.weight": (kv_out, H),
+            p + "self_attn.v_proj.weight": (kv_out, H),
+            p + "self_attn.o_proj.weight": (H, q_out),
+            p + "mlp.gate_proj.weight": (c.intermediate_size, H),
+            p + "mlp.up_proj.weight": (c.intermediate_size, H),
+            p + "mlp.down_proj.weight": (H, c.intermediate_size),
+        })
+        if c.qkv_bias:
+            shapes.update({p + "self_attn.q_proj.bias": (q_out,), p + "self_attn.k_proj.bias": (kv_out,),
+                           p + "self_attn.v_proj.bias": (kv_out,)})
+        if c.qk_norm:
+            shapes.update({p + "self_attn.q_norm.weight": (c.head_dim,),
+                           p + "self_attn.k_norm.weight": (c.head_dim,)})
+    return shapes
+
+
+def load_weights(model_dir: str | Path, config: ModelConfig, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Read the checkpoint's tensors (HF names) cast to dtype, after checking every needed one is there."""
+    model_dir = Path(model_dir)
+    expected = expected_tensor_shapes(config)
+    weights: dict[str, torch.Tensor] = {}
+    origin: dict[str, Path] = {}
+    files = safetensors_files(model_dir)
+    for path in files:
+        for name, tensor in _read_file(path, expected).items():
+            if name in origin:
+                raise CheckpointError(f"{path}: tensor {name!r} is also in {origin[name]}")
+            weights[name], origin[name] = tensor.to(dtype), path
+    missing = [name for name in expected if name not in weights]
+    if missing:
+        read = ", ".join(f.name for f in files)
+        raise CheckpointError(f"{model_dir}: tensor {missing[0]!r} is missing from the checkpoint "
+                              f"({len(missing)} missing in all; read: {read})")
+    return weights
+
+
+def safetensors_files(model_dir: Path) -> list[Path]:
+    """The files the index names (when there is one), else every *.safetensors in the directory."""
+    index = model_dir / INDEX_FILE
+    if index.is_file():
+        weight_map = _read_json(index).get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise CheckpointError(f"{index}: missing required field 'weight_map'")
+        files = [model_dir / name for name in sorted(set(weight_map.values()))]
+        for f in files:
+            if not f.is_file():
+                raise CheckpointError(f"{index}: names {f.name!r}, which is not in {model_dir}")
+        return files
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"{model_dir}: no *.safetensors files (and no {INDEX_FILE})")
+    return files
+
+
+def _read_file(path: Path, expected: dict[str, tuple[int, ...]]) -> dict[str, torch.Tensor]:
+    """The tensors of one file that are in `expected`, shapes checked from the header before any data is
+    read; extras (a rotary inv_freq, a tied lm_head) are skipped."""
+    try:
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            names = [name for name in f.keys() if name in expected]
+            for name in names:
+                shape = tuple(f.get_slice(name).get_shape())
+                if shape != expected[name]:
+                    raise CheckpointError(f"{path}: tensor {name!r} has shape {shape}, expected {expected[name]}")
+            return {name: f.get_tensor(name) for name in names}
+    except (SafetensorError, OSError, RuntimeError) as e:
+        raise CheckpointError(f"{path}: unreadable safetensors file (truncated or corrupt?): {e}") from e
+
+
+# ---------------------------------------------------------------------------------------------- tokenizer
+
+class Tokenizer:
+    """tokenizer.json through the `tokenizers` library, with HF's special-token and chat-template rules."""
+
+    def __init__(self, model_dir: str | Path):
+        from tokenizers import Tokenizer as _Backend  # deferred: keeps `import loader` cheap
+        model_dir = Path(model_dir)
+        path = model_dir / "tokenizer.json"
+        if not path.is_file():
+            raise CheckpointError(f"{path}: file not found")
+        try:
+            self._backend = _Backend.from_file(str(path))
+        except Exception as e:  # the tokenizers library raises plain Exception on bad JSON
+            raise CheckpointError(f"{path}: unreadable tokenizer ({e})") from e
+        cfg_path = model_dir / "tokenizer_config.json"
+        cfg = _read_json(cfg_path) if cfg_path.is_file() else {}
+        smap_path = model_dir / "special_tokens_map.json"
+        smap = _read_json(smap_path) if smap_path.is_file() else {}
+        self.special_tokens = {key: tok for key in ("bos_token", "eos_token", "unk_token", "pad_token")
+                               if (tok := _token_text(cfg.get(key, smap.get(key)))) is not None}
+        self.bos_token_id = self._id_of("bos_token")
+        self.eos_token_id = self._id_of("eos_token")
+        self._clean_up_spaces = bool(cfg.get("clean_up_tokenization_spaces", False)) and \
+            type(self._backend.model).__name__ != "BPE"  # HF skips the clean-up for BPE models
+        # tokenizer.json's post-processor alone decides which special tokens encode() adds: transformers 5
+        # ignores tokenizer_config.json's add_bos_token/add_eos_token whenever tokenizer.json exists.
+        self._chat_template = _chat_template(model_dir, cfg)
+
+    @property
+    def vocab_size(self) -> int:
+        """Ids the tokenizer can produce, added tokens included (HF's len(tokenizer))."""
+        return self._backend.get_vocab_size(with_added_tokens=True)
+
+    @property
+    def all_special_ids(self) -> list[int]:
+        ids = {i for i, tok in self._backend.get_added_tokens_decoder().items() if tok.special}
+        ids.update(i for i in (self._id_of(k) for k in self.special_tokens) if i is not None)
+        return sorted(ids)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        text = self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+        return _clean_up_tokenization(text) if self._clean_up_spaces else text
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        if self._chat_template is None:
+            raise ValueError("this tokenizer has no chat template (neither chat_template.jinja nor "
+                             "tokenizer_config.json 'chat_template'); pass a plain prompt instead")
+        messages = [{k: v for k, v in m.items() if v is not None} for m in messages]
+        return _compile_template(self._chat_template).render(
+            messages=messages, tools=None, documents=None, add_generation_prompt=add_generation_prompt,
+            **self.special_tokens)
+
+    def _id_of(self, key: str) -> int | None:
+        tok = self.special_tokens.get(key)
+        return None if tok is None else self._backend.token_to_id(tok)
+
+
+def load_tokenizer(model_dir: str | Path) -> Tokenizer:
+    return Tokenizer(model_dir)
+
+
+def _token_text(tok) -> str | None:
+    return tok.get("content") if isinstance(tok, dict) else tok
+
+
+def _chat_template(model_dir: Path, cfg: dict) -> str | None:
+    """chat_template.jinja wins over tokenizer_config.json's "chat_template" (as in transformers 5)."""
+    jinja_file = model_dir / "chat_template.jinja"
+    if jinja_file.is_file():
+        return jinja_file.read_text(encoding="utf-8")
+    template = cfg.get("chat_template")
+    if isinstance(template, list):  # [{"name": ..., "template": ...}]: the "default" one
+        template = {t.get("name"): t.get("template") for t in template}.get("default")
+    return template
+
+
+def _compile_template(source: str):
+    from jinja2.exceptions import TemplateError
+    from jinja2.ext import loopcontrols
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message):
+        raise TemplateError(message)
+
+    def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    return env.from_string(source)
+
+
+def _clean_up_tokenization(text: str) -> str:
+    for before, after in ((" .", "."), (" ?", "?"), (" !", "!"), (" ,", ","), (" ' ", "'"), (" n't", "n't"),
+                          (" 'm", "'m"), (" 's", "'s"), (" 've", "'ve"), (" 're", "'re")):
+        text = text.replace(before, after)
+    return text

@@ -1,0 +1,40 @@
+"""Session-wide fixtures: tiny random checkpoints built once per test session (see tests/models.py)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.models import make_tiny_model, make_tokenizer
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory):
+    """Factory: tiny_model_dir("qwen2", tie=True, sharded=True) -> Path, built once per argument set.
+
+    The directories are shared by every test in the session: treat them as read-only (copy one with
+    shutil.copytree before corrupting it).
+    """
+    cache: dict[tuple, Path] = {}
+
+    def build(kind: str, **options) -> Path:
+        key = (kind, tuple(sorted(options.items())))
+        if key not in cache:
+            name = "-".join([kind] + [f"{k}={v}" for k, v in key[1]])
+            cache[key] = make_tiny_model(kind, tmp_path_factory.mktemp(name), **options)
+        return cache[key]
+
+    return build
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer_dir(tmp_path_factory) -> Path:
+    """A directory holding only the tiny test tokenizer (tokenizer.json + tokenizer_config.json)."""
+    return make_tokenizer(tmp_path_factory.mktemp("tokenizer"))
+
+
+@pytest.fixture(scope="session")
+def default_model_dir() -> Path:
+    """The embedded default model (SmolLM2-135M-Instruct), converted once into the cache by `make`."""
+    from phaseflip.engine.default_model import ensure_default_model
+    return ensure_default_model()
