@@ -1,0 +1,97 @@
+"""Request state on the controller and the vLLM-shaped outputs handed back to users.
+
+Owns: Sequence (the mutable per-request state the scheduler and block allocator act on) and the frozen
+output records RequestOutput / CompletionOutput / RequestMetrics. Plain Python: no torch here.
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+
+class SeqStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class Sequence:
+    """One request as the scheduler sees it.
+
+    `num_computed_tokens` counts tokens whose KV is in the cache. After a preemption (recompute) it
+    drops to 0 and the prompt plus the tokens generated so far are prefilled again.
+    """
+    seq_id: int
+    request_id: str
+    prompt_token_ids: list[int]
+    params: Any  # SamplingParams (engine/sampling_params.py)
+    arrival_time: float = 0.0
+    prompt_text: str | None = None
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    block_ids: list[int] = field(default_factory=list)
+    status: SeqStatus = SeqStatus.WAITING
+    finish_reason: str | None = None     # "stop" | "length"
+    stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+    num_preemptions: int = 0
+    output_text: str = ""
+    logprobs: list[dict[int, float]] | None = None
+    first_token_time: float | None = None
+    token_times: list[float] = field(default_factory=list)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SeqStatus.FINISHED
+
+    def token_at(self, i: int) -> int:
+        n = len(self.prompt_token_ids)
+        return self.prompt_token_ids[i] if i < n else self.output_token_ids[i - n]
+
+    def tokens_slice(self, start: int, stop: int) -> list[int]:
+        return (self.prompt_token_ids + self.output_token_ids)[start:stop]
+
+
+@dataclass(frozen=True)
+class RequestMetrics:
+    """Times in seconds (time.perf_counter clock). A time that was not observed is None."""
+    arrival_time: float
+    first_token_time: float | None
+    finished_time: float | None
+    time_to_first_token: float | None
+    token_times: tuple[float, ...]  # per output token, seconds since arrival
+    num_preemptions: int
+
+
+@dataclass(frozen=True)
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+    stop_reason: int | str | None = None
+    logprobs: list[dict[int, float]] | None = None
+    cumulative_logprob: float | None = None
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    metrics: RequestMetrics | None = None

@@ -1,0 +1,233 @@
+"""Continuous batching over paged KV: forms the next StepPlan from the waiting and running sequences.
+
+Owns: the FIFO waiting queue, the running list (in admission order), preemption by recompute and the
+bookkeeping after a step (num_computed_tokens, sampled tokens). It decides WHAT runs in a step; which
+layout runs it is engine/policy.py's business.
+
+One step (vLLM-V1 style, a single token budget `max_num_batched_tokens`):
+  1. Running sequences, in admission order, each take their next tokens: 1 when only the last sampled
+     token is uncomputed (a decode), else a prefill chunk of min(remaining, budget left,
+     max_prefill_chunk). When the pool cannot cover a sequence's chunk, the most recently admitted
+     running sequence not yet scheduled this step is preempted (recompute; possibly the sequence
+     itself) and the sequence retries.
+  2. If nothing was preempted, waiting sequences are admitted FIFO (head-of-line: never skip ahead)
+     while a slot, budget and blocks for their first chunk are available.
+Chunk order in the plan: decodes first, then prefill chunks; each group in admission order.
+
+A sequence whose next chunk needs more blocks than the whole pool holds can never run: it is finished
+with reason "length" (the pool is its max model length) instead of wedging the scheduler.
+
+Must never: import torch, or promise tokens the allocator cannot deliver.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, fields
+
+from phaseflip.engine.blocks import BlockAllocator
+from phaseflip.engine.requests import Sequence, SeqStatus
+from phaseflip.layouts.plan import NewRequest, Phase, SeqChunk, StepPlan
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int             # running sequences (decode slots)
+    max_num_batched_tokens: int   # token budget of one step
+    max_prefill_chunk: int        # tokens of one sequence's prefill chunk
+    block_size: int               # tokens per KV block; must equal the allocator's
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"SchedulerConfig.{f.name} must be an int >= 1, got {value!r}")
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, allocator: BlockAllocator) -> None:
+        if config.block_size != allocator.block_size:
+            raise ValueError(f"SchedulerConfig.block_size={config.block_size} != "
+                             f"allocator block_size={allocator.block_size}")
+        self.config = config
+        self.allocator = allocator
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []           # admission order
+        self.num_preemptions = 0                    # total, over all sequences
+        self._step_id = 0
+        self._announced: set[int] = set()           # seq ids already sent as NewRequest
+        self._finished_ids: list[int] = []          # finished since the last plan
+        self._live: dict[int, Sequence] = {}        # waiting + running, by seq_id
+        self._in_flight: int | None = None          # step_id of the plan awaiting on_step_done
+
+    # -- queue state ---------------------------------------------------------------------------
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def add(self, seq: Sequence) -> None:
+        """Queue a new sequence (FIFO). Refuses one whose prompt alone exceeds the whole KV pool."""
+        if seq.seq_id in self._live:
+            raise ValueError(f"seq_id {seq.seq_id} was already added")
+        if seq.num_prompt_tokens < 1:
+            raise ValueError(f"seq {seq.seq_id} has an empty prompt")
+        if seq.status is not SeqStatus.WAITING or seq.num_computed_tokens or seq.block_ids:
+            raise ValueError(f"seq {seq.seq_id} is not fresh: status={seq.status.value}, "
+                             f"num_computed_tokens={seq.num_computed_tokens}, blocks={seq.block_ids}")
+        num_blocks = self.allocator.blocks_needed(seq.num_prompt_tokens)
+        if num_blocks > self.allocator.num_total_blocks:
+            raise ValueError(f"seq {seq.seq_id}: its prompt of {seq.num_prompt_tokens} tokens needs "
+                             f"{num_blocks} KV blocks but the pool has only "
+                             f"{self.allocator.num_total_blocks} in total")
+        self.waiting.append(seq)
+        self._live[seq.seq_id] = seq
+
+    # -- one step ------------------------------------------------------------------------------
+    def schedule(self) -> StepPlan | None:
+        """The next step's plan, or None when there is nothing to run. One plan in flight at a time."""
+        if self._in_flight is not None:
+            raise RuntimeError(f"step {self._in_flight} is still in flight: call on_step_done first")
+        budget = self.config.max_num_batched_tokens
+        scheduled, budget, preempted = self._schedule_running(budget)
+        if not preempted:
+            scheduled += self._admit_waiting(budget)
+        if not scheduled:
+            return None
+        chunks = [self._make_chunk(seq, n) for seq, n in scheduled]
+        is_decode = [self._is_decode(seq, c) for (seq, _), c in zip(scheduled, chunks)]
+        ordered = [c for c, d in zip(chunks, is_decode) if d] + \
+                  [c for c, d in zip(chunks, is_decode) if not d]
+        new_requests = tuple(self._announce(seq) for seq, _ in scheduled
+                             if seq.seq_id not in self._announced)
+        self._step_id += 1
+        plan = StepPlan(step_id=self._step_id, phase=Phase.DECODE if all(is_decode) else Phase.PREFILL,
+                        chunks=tuple(ordered), new_requests=new_requests,
+                        finished_seq_ids=tuple(self._finished_ids))
+        self._finished_ids = []
+        self._in_flight = plan.step_id
+        return plan
+
+    def _schedule_running(self, budget: int) -> tuple[list[tuple[Sequence, int]], int, bool]:
+        scheduled: list[tuple[Sequence, int]] = []
+        preempted = False
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            if self._exceeds_pool(seq):
+                self.finish(seq, "length")
+                continue
+            n = self._num_next_tokens(seq, budget)
+            while not self.allocator.ensure_capacity(seq, seq.num_computed_tokens + n):
+                victim = self.running[-1]  # latest admitted; everything before index i is scheduled
+                self._preempt(victim)
+                preempted = True
+                if victim is seq:
+                    break
+            else:
+                scheduled.append((seq, n))
+                budget -= n
+                i += 1
+        return scheduled, budget, preempted
+
+    def _admit_waiting(self, budget: int) -> list[tuple[Sequence, int]]:
+        admitted: list[tuple[Sequence, int]] = []
+        while self.waiting and len(self.running) < self.config.max_num_seqs and budget > 0:
+            seq = self.waiting[0]
+            if self._exceeds_pool(seq):
+                self.finish(seq, "length")
+                continue
+            n = self._num_next_tokens(seq, budget)
+            if not self.allocator.ensure_capacity(seq, seq.num_computed_tokens + n):
+                break  # head-of-line: never skip ahead
+            self.waiting.popleft()
+            seq.status = SeqStatus.RUNNING
+            self.running.append(seq)
+            admitted.append((seq, n))
+            budget -= n
+        return admitted
+
+    def _num_next_tokens(self, seq: Sequence, budget: int) -> int:
+        remaining = seq.num_tokens - seq.num_computed_tokens
+        return min(remaining, budget, self.config.max_prefill_chunk)
+
+    def _exceeds_pool(self, seq: Sequence) -> bool:
+        """All of seq's tokens (the last sampled one included) must fit in KV before it can go on."""
+        return self.allocator.blocks_needed(seq.num_tokens) > self.allocator.num_total_blocks
+
+    def _preempt(self, seq: Sequence) -> None:
+        """Recompute preemption: drop the KV, requeue at the front; prompt + outputs are prefilled again."""
+        self.running.remove(seq)
+        self.allocator.release(seq)
+        seq.num_computed_tokens = 0
+        seq.status = SeqStatus.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+
+    def _make_chunk(self, seq: Sequence, n: int) -> SeqChunk:
+        start = seq.num_computed_tokens
+        return SeqChunk(seq_id=seq.seq_id, token_ids=tuple(seq.tokens_slice(start, start + n)),
+                        start_pos=start, block_ids=tuple(seq.block_ids),
+                        sample=start + n == seq.num_tokens)
+
+    @staticmethod
+    def _is_decode(seq: Sequence, chunk: SeqChunk) -> bool:
+        """Exactly the sequence's final token, and that token is a generated (output) one."""
+        return (chunk.num_tokens == 1 and chunk.start_pos == seq.num_tokens - 1
+                and chunk.start_pos >= seq.num_prompt_tokens)
+
+    def _announce(self, seq: Sequence) -> NewRequest:
+        self._announced.add(seq.seq_id)
+        return NewRequest(seq_id=seq.seq_id, params=seq.params, num_prompt_tokens=seq.num_prompt_tokens)
+
+    # -- after a step ----------------------------------------------------------------------------
+    def on_step_done(self, plan: StepPlan, sampled_token_ids: dict[int, int]) -> None:
+        """Advance every chunk's sequence; append the sampled token of chunks with sample=True.
+
+        Chunks of sequences finished (aborted) since the plan was made are skipped. Everything is
+        checked before anything changes.
+        """
+        if plan.step_id != self._in_flight:
+            raise RuntimeError(f"step {plan.step_id} is not the step in flight ({self._in_flight})")
+        live = [(c, self._live[c.seq_id]) for c in plan.chunks if c.seq_id in self._live]
+        for chunk, seq in live:
+            if seq.num_computed_tokens != chunk.start_pos:
+                raise RuntimeError(f"step {plan.step_id} is stale for seq {seq.seq_id}: chunk starts at "
+                                   f"{chunk.start_pos}, seq has {seq.num_computed_tokens} computed")
+            if chunk.sample and chunk.seq_id not in sampled_token_ids:
+                raise KeyError(f"step {plan.step_id}: no sampled token for seq {seq.seq_id}")
+        self._in_flight = None
+        for chunk, seq in live:
+            seq.num_computed_tokens += chunk.num_tokens
+            if chunk.sample:
+                seq.output_token_ids.append(sampled_token_ids[chunk.seq_id])
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        """Mark seq finished, free its blocks, drop it from the queues. A finished seq is left as is."""
+        if seq.status is SeqStatus.FINISHED:
+            return
+        if self._live.pop(seq.seq_id, None) is None:
+            raise ValueError(f"seq {seq.seq_id} is not scheduled here")
+        if seq.status is SeqStatus.RUNNING:
+            self.running.remove(seq)
+        else:
+            self.waiting.remove(seq)
+        self.allocator.release(seq)
+        seq.status = SeqStatus.FINISHED
+        seq.finish_reason = reason
+        self._announced.discard(seq.seq_id)
+        self._finished_ids.append(seq.seq_id)
+
+    def abort_all(self, reason: str = "abort") -> list[Sequence]:
+        """Finish every waiting and running sequence; returns them (running first, admission order)."""
+        seqs = list(self.running) + list(self.waiting)
+        for seq in seqs:
+            self.finish(seq, reason)
+        self._in_flight = None
+        return seqs
