@@ -1,0 +1,106 @@
+"""SamplingParams: how one request's next tokens are chosen and when its generation stops.
+
+Owns: the frozen, validated, vLLM-shaped options of a request. Plain Python (no torch) so it travels to
+rank processes in a NewRequest. It never samples (layouts/sampler.py does) and never knows the model:
+limits that depend on it (max_model_len, the vocabulary) are checked by the engine.
+
+Normalisation done here, once, so readers see one spelling of each option:
+- `top_k`: vLLM accepts 0 and -1 for "off"; -1 is stored as 0. `top_k_enabled` is `top_k > 0`.
+- `stop`: a str or a list of str becomes a tuple of str; `stop_token_ids` becomes a tuple of int.
+- `max_tokens=None` means "until the sequence reaches max_model_len" (as in vLLM).
+- `temperature < 1e-5` is greedy (argmax), as in vLLM; top_k/top_p/min_p/seed are then unused.
+Options are keyword-only; an unknown option is a TypeError naming it (the dataclass __init__ does this).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+GREEDY_EPS = 1e-5     # temperatures below this are greedy (vLLM's _SAMPLING_EPS)
+MAX_LOGPROBS = 20     # the most top-N logprobs a request may ask for (vLLM's default max_logprobs)
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_real(value) -> bool:
+    return (isinstance(value, (int, float)) and not isinstance(value, bool)) and math.isfinite(value)
+
+
+@dataclass(frozen=True, kw_only=True)
+class SamplingParams:
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0                   # 0 or -1: off (stored as 0)
+    min_p: float = 0.0
+    seed: int | None = None          # None: drawn from the engine seed and the sequence id
+    max_tokens: int | None = 16      # None: until max_model_len
+    stop: str | list[str] | tuple[str, ...] | None = None      # stored as tuple[str, ...]
+    stop_token_ids: list[int] | tuple[int, ...] | None = None  # stored as tuple[int, ...]
+    ignore_eos: bool = False
+    logprobs: int | None = None      # top-N logprobs per generated token (0: the sampled token only)
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+
+    def __post_init__(self):
+        self._check_sampling()
+        self._check_limits()
+        object.__setattr__(self, "top_k", 0 if self.top_k == -1 else self.top_k)
+        object.__setattr__(self, "stop", _normalise_stop(self.stop))
+        object.__setattr__(self, "stop_token_ids", _normalise_stop_token_ids(self.stop_token_ids))
+
+    def _check_sampling(self) -> None:
+        if not _is_int(self.n) or self.n != 1:
+            raise ValueError(f"n={self.n!r} is invalid: only n=1 is supported")
+        if not _is_real(self.temperature) or self.temperature < 0:
+            raise ValueError(f"temperature={self.temperature!r} is invalid: must be a finite number >= 0")
+        if not _is_real(self.top_p) or not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p={self.top_p!r} is invalid: must be in (0, 1]")
+        if not _is_int(self.top_k) or self.top_k < -1:
+            raise ValueError(f"top_k={self.top_k!r} is invalid: must be an int >= 1, or 0 or -1 to disable")
+        if not _is_real(self.min_p) or not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p={self.min_p!r} is invalid: must be in [0, 1]")
+        if self.seed is not None and not _is_int(self.seed):
+            raise ValueError(f"seed={self.seed!r} is invalid: must be an int or None")
+
+    def _check_limits(self) -> None:
+        if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
+            raise ValueError(f"max_tokens={self.max_tokens!r} is invalid: must be an int >= 1, "
+                             f"or None for 'until max_model_len'")
+        if self.logprobs is not None and (not _is_int(self.logprobs)
+                                          or not 0 <= self.logprobs <= MAX_LOGPROBS):
+            raise ValueError(f"logprobs={self.logprobs!r} is invalid: must be an int in [0, {MAX_LOGPROBS}] "
+                             f"or None")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < GREEDY_EPS
+
+    @property
+    def top_k_enabled(self) -> bool:
+        return self.top_k > 0
+
+
+def _normalise_stop(stop) -> tuple[str, ...]:
+    if stop is None:
+        return ()
+    strings = (stop,) if isinstance(stop, str) else stop
+    if not isinstance(strings, (list, tuple)):
+        raise ValueError(f"stop={stop!r} is invalid: must be a str, a list of str, or None")
+    for s in strings:
+        if not isinstance(s, str) or not s:
+            raise ValueError(f"stop string {s!r} in stop={stop!r} is invalid: must be a non-empty str")
+    return tuple(strings)
+
+
+def _normalise_stop_token_ids(ids) -> tuple[int, ...]:
+    if ids is None:
+        return ()
+    if not isinstance(ids, (list, tuple)):
+        raise ValueError(f"stop_token_ids={ids!r} is invalid: must be a list of int >= 0, or None")
+    for t in ids:
+        if not _is_int(t) or t < 0:
+            raise ValueError(f"stop token id {t!r} in stop_token_ids={ids!r} is invalid: must be an int >= 0")
+    return tuple(ids)
