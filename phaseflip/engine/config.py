@@ -1,0 +1,69 @@
+"""EngineConfig: what the user asked the engine for, frozen and validated before any work starts.
+
+Owns: the option names LLM(...) accepts, their defaults and their validation. Values derived from the
+model and the machine (block counts, buckets, the resolved dtype) live in engine/boot.py's BootPlan,
+never written back here.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+
+def _check(cond: bool, msg: str) -> None:
+    if not cond:
+        raise ValueError(msg)
+
+
+def _int_tuple(name: str, values) -> tuple[int, ...] | None:
+    if values is None:
+        return None
+    out = tuple(values)
+    _check(len(out) > 0 and all(isinstance(v, int) and v >= 1 for v in out),
+           f"{name}={values!r} is invalid: must be a non-empty list of integers >= 1")
+    return tuple(sorted(set(out)))
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str | None = None            # HF-format directory; None = the embedded default (SmolLM2)
+    dtype: str = "auto"                 # float32 | bfloat16 | float16 | auto (float32 on CPU)
+    device: str = "auto"                # cpu | cuda | auto
+    max_model_len: int | None = None    # None = the model's max_position_embeddings
+    max_num_seqs: int = 64              # sequences running at once
+    max_num_batched_tokens: int = 512   # token budget of one step (= the prefill chunk size)
+    block_size: int = 16                # tokens per KV block
+    num_kv_blocks: int | None = None    # None = from kv_cache_memory_gib
+    kv_cache_memory_gib: float = 2.0    # KV pool budget when num_kv_blocks is None
+    seed: int = 0                       # base seed of sampling for requests without their own
+    enforce_eager: bool = False         # True: run every step uncaptured (debugging)
+    decode_buckets: tuple[int, ...] | None = None   # batch sizes captured; None = 1,2,4,8,16,24,32,...
+    prefill_buckets: tuple[int, ...] | None = None  # token counts captured; None = 32,64,...,budget
+    num_threads: int | None = None      # torch intra-op threads on CPU; None = torch's default
+
+    def __post_init__(self):
+        _check(self.dtype in ("auto", "float32", "fp32", "bfloat16", "bf16", "float16", "fp16", "half"),
+               f"dtype={self.dtype!r} is invalid: allowed are auto, float32, bfloat16, float16")
+        _check(self.device in ("auto", "cpu", "cuda"),
+               f"device={self.device!r} is invalid: allowed are auto, cpu, cuda")
+        _check(self.max_model_len is None or self.max_model_len >= 2,
+               f"max_model_len={self.max_model_len} is invalid: must be >= 2 (or None)")
+        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
+            _check(isinstance(getattr(self, name), int) and getattr(self, name) >= 1,
+                   f"{name}={getattr(self, name)!r} is invalid: must be an integer >= 1")
+        _check(self.num_kv_blocks is None or self.num_kv_blocks >= 1,
+               f"num_kv_blocks={self.num_kv_blocks} is invalid: must be >= 1 (or None)")
+        _check(self.kv_cache_memory_gib > 0,
+               f"kv_cache_memory_gib={self.kv_cache_memory_gib} is invalid: must be > 0")
+        _check(self.num_threads is None or self.num_threads >= 1,
+               f"num_threads={self.num_threads} is invalid: must be >= 1 (or None)")
+        object.__setattr__(self, "decode_buckets", _int_tuple("decode_buckets", self.decode_buckets))
+        object.__setattr__(self, "prefill_buckets", _int_tuple("prefill_buckets", self.prefill_buckets))
+
+    @classmethod
+    def from_kwargs(cls, **kwargs) -> "EngineConfig":
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(kwargs) - known)
+        if unknown:
+            raise TypeError(f"unknown engine option(s) {', '.join(unknown)}; "
+                            f"known options: {', '.join(sorted(known))}")
+        return cls(**kwargs)

@@ -1,0 +1,72 @@
+"""EngineCore: the step loop — schedule, execute, apply sampled tokens, finish what stopped.
+
+Owns: driving the scheduler and the executor step by step and the per-request timing stamps. It holds
+no model state (the executor does) and knows no API shapes (engine/llm.py does).
+"""
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+from phaseflip.engine.requests import Sequence
+from phaseflip.engine.scheduler import Scheduler
+from phaseflip.engine.stopping import check_stop
+from phaseflip.layouts.plan import StepPlan, StepResult
+
+
+class EngineCore:
+    def __init__(self, scheduler: Scheduler, execute: Callable[[StepPlan], StepResult], tokenizer,
+                 eos_token_ids: frozenset[int], max_model_len: int):
+        self.scheduler = scheduler
+        self.execute = execute
+        self.tokenizer = tokenizer
+        self.eos_token_ids = eos_token_ids
+        self.max_model_len = max_model_len
+        self.seqs: dict[int, Sequence] = {}
+        self.num_steps = 0
+
+    def add(self, seq: Sequence) -> None:
+        self.seqs[seq.seq_id] = seq
+        self.scheduler.add(seq)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def step(self) -> list[Sequence]:
+        """Run one step; return the sequences that finished in it."""
+        plan = self.scheduler.schedule()
+        if plan is None:
+            if self.scheduler.has_unfinished():
+                raise RuntimeError("scheduler produced no step while requests are unfinished (engine bug)")
+            return []
+        # The scheduler itself finishes a sequence that outgrew the whole KV pool ("length").
+        finished = [self.seqs.pop(i) for i in plan.finished_seq_ids
+                    if i in self.seqs and self.seqs[i].is_finished]
+        result = self.execute(plan)
+        now = time.perf_counter()
+        sampled = {s.seq_id: s.token_id for s in result.sampled}
+        self.scheduler.on_step_done(plan, sampled)
+        self.num_steps += 1
+        for s in result.sampled:
+            seq = self.seqs[s.seq_id]
+            self._record(seq, s, now)
+            decision = check_stop(seq, self.tokenizer, self.eos_token_ids, self.max_model_len)
+            if decision is not None:
+                seq.stop_reason = decision.stop_reason
+                self.scheduler.finish(seq, decision.finish_reason)
+                finished.append(self.seqs.pop(seq.seq_id))
+        return finished
+
+    @staticmethod
+    def _record(seq: Sequence, s, now: float) -> None:
+        if seq.first_token_time is None:
+            seq.first_token_time = now
+        seq.token_times.append(now - seq.arrival_time)
+        if seq.params.logprobs is not None:
+            if seq.logprobs is None:
+                seq.logprobs = []
+            seq.logprobs.append(s.top_logprobs or {s.token_id: s.logprob})
+
+    def abort_all(self) -> None:
+        self.scheduler.abort_all()
+        self.seqs.clear()

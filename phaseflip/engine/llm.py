@@ -1,0 +1,151 @@
+"""LLM: the offline API, shaped like vLLM's (generate, chat, stats, shutdown, context manager).
+
+Owns: booting the engine from an EngineConfig, validating and submitting requests, running the step
+loop until they finish, and building RequestOutputs. Model maths, scheduling and sampling live elsewhere.
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+
+import torch
+from tqdm.auto import tqdm
+
+from phaseflip.engine.blocks import BlockAllocator
+from phaseflip.engine.boot import BootReport, build_executor, make_plan
+from phaseflip.engine.config import EngineConfig
+from phaseflip.engine.core import EngineCore
+from phaseflip.engine.loader import load_model_config, load_tokenizer, load_weights
+from phaseflip.engine.prompts import prepare_prompts
+from phaseflip.engine.requests import CompletionOutput, RequestMetrics, RequestOutput, Sequence
+from phaseflip.engine.sampling_params import SamplingParams
+from phaseflip.engine.scheduler import Scheduler, SchedulerConfig
+from phaseflip.engine.stopping import final_text
+
+log = logging.getLogger("phaseflip")
+
+
+class LLM:
+    def __init__(self, model: str | None = None, **kwargs):
+        self.config = EngineConfig.from_kwargs(model=model, **kwargs)
+        if self.config.num_threads is not None:
+            torch.set_num_threads(self.config.num_threads)
+        self.boot_report = BootReport()
+        self._boot()
+        self._ids = itertools.count()
+        self._closed = False
+
+    def _boot(self) -> None:
+        cfg, report = self.config, self.boot_report
+        with report.timed("load"):
+            model_dir = cfg.model or _default_model_dir()
+            mc = load_model_config(model_dir)
+            self.tokenizer = load_tokenizer(model_dir)
+            self.plan = make_plan(cfg, mc, str(model_dir))
+            hf = load_weights(model_dir, mc, self.plan.dtype)
+        self.model_config = mc
+        self.executor = build_executor(self.plan, mc, hf, report, cfg.seed, capture=not cfg.enforce_eager)
+        del hf
+        shapes = self.plan.shapes
+        self.allocator = BlockAllocator(self.plan.num_kv_blocks, shapes.block_size)
+        scheduler = Scheduler(SchedulerConfig(max_num_seqs=shapes.max_num_seqs,
+                                              max_num_batched_tokens=shapes.max_num_batched_tokens,
+                                              max_prefill_chunk=shapes.max_num_batched_tokens,
+                                              block_size=shapes.block_size), self.allocator)
+        eos = set(mc.eos_token_ids)
+        if self.tokenizer.eos_token_id is not None:
+            eos.add(self.tokenizer.eos_token_id)
+        self.core = EngineCore(scheduler, self.executor.execute, self.tokenizer, frozenset(eos),
+                               self.plan.max_model_len)
+        log.info("phaseflip booted %s (%s, %s): %s", model_dir, self.plan.device, self.plan.dtype,
+                 ", ".join(f"{k} {v:.0f} ms" for k, v in report.phases_ms.items()))
+
+    # -- the offline API ---------------------------------------------------------------------------
+    def get_tokenizer(self):
+        return self.tokenizer
+
+    def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        self._check_open()
+        shapes = self.plan.shapes
+        prepared = prepare_prompts(prompts, sampling_params, self.tokenizer,
+                                   vocab_size=self.model_config.vocab_size,
+                                   max_model_len=self.plan.max_model_len,
+                                   max_tokens_in_pool=self.plan.num_kv_blocks * shapes.block_size)
+        seqs = [self._submit(p) for p in prepared]
+        bar = tqdm(total=len(seqs), desc="Processed prompts", disable=not use_tqdm or not seqs)
+        try:
+            while self.core.has_unfinished():
+                bar.update(len(self.core.step()))
+        finally:
+            bar.close()
+            self.core.abort_all()  # no-op after a clean run; after an interrupt, frees every block
+        return [self._output(s) for s in seqs]
+
+    def chat(self, messages, sampling_params=None, use_tqdm: bool = True,
+             add_generation_prompt: bool = True) -> list[RequestOutput]:
+        """One conversation (a list of {"role", "content"} dicts) or a list of conversations."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        prompts = [self.tokenizer.apply_chat_template(c, add_generation_prompt=add_generation_prompt)
+                   for c in conversations]
+        token_ids = [self.tokenizer.encode(p, add_special_tokens=False) for p in prompts]
+        outputs = self.generate(token_ids, sampling_params, use_tqdm)
+        return [RequestOutput(o.request_id, p, o.prompt_token_ids, o.outputs, o.finished, o.metrics)
+                for o, p in zip(outputs, prompts)]
+
+    def _submit(self, p) -> Sequence:
+        seq_id = next(self._ids)
+        seq = Sequence(seq_id=seq_id, request_id=str(seq_id), prompt_token_ids=p.token_ids, params=p.params,
+                       arrival_time=time.perf_counter(), prompt_text=p.prompt)
+        self.core.add(seq)
+        return seq
+
+    def _output(self, seq: Sequence) -> RequestOutput:
+        completion = CompletionOutput(
+            index=0, text=final_text(seq, self.tokenizer), token_ids=list(seq.output_token_ids),
+            finish_reason=seq.finish_reason, stop_reason=seq.stop_reason, logprobs=seq.logprobs,
+            cumulative_logprob=(sum(d[t] for d, t in zip(seq.logprobs, seq.output_token_ids))
+                                if seq.logprobs else None))
+        ttft = None if seq.first_token_time is None else seq.first_token_time - seq.arrival_time
+        metrics = RequestMetrics(arrival_time=seq.arrival_time, first_token_time=seq.first_token_time,
+                                 finished_time=seq.arrival_time + seq.token_times[-1] if seq.token_times else None,
+                                 time_to_first_token=ttft, token_times=tuple(seq.token_times),
+                                 num_preemptions=seq.num_preemptions)
+        return RequestOutput(seq.request_id, seq.prompt_text, list(seq.prompt_token_ids), [completion],
+                             seq.is_finished, metrics)
+
+    # -- introspection and lifetime ----------------------------------------------------------------
+    def stats(self) -> dict:
+        registry = self.executor.registry
+        return {
+            "active_layout": self.executor.layout,
+            "steps": self.core.num_steps,
+            "captures_at_boot": registry.captures_at_boot,
+            "captures_after_boot": registry.captures_after_boot,
+            "eager_fallbacks": {f"{k[0]}:{k[1]}": v for k, v in registry.eager_fallbacks.items()},
+            "boot_ms": dict(self.boot_report.phases_ms),
+            "num_kv_blocks": self.plan.num_kv_blocks,
+            "free_kv_blocks": self.allocator.num_free_blocks,
+            "num_preemptions": self.core.scheduler.num_preemptions,
+            "flips": 0,
+            "flip_log": [],
+        }
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("this LLM was shut down; create a new one")
+
+    def shutdown(self) -> None:
+        self._closed = True
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.shutdown()
+
+
+def _default_model_dir():
+    from phaseflip.engine.default_model import ensure_default_model
+    return ensure_default_model()

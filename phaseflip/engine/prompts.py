@@ -1,0 +1,81 @@
+"""Normalising and validating the prompts and sampling params a user hands to generate().
+
+Owns: turning str / list[str] / list[list[int]] / {"prompt"| "prompt_token_ids"} into token ids, and
+every up-front check, so a bad request raises (naming its index and the bad value) before any runs.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from phaseflip.engine.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class PreparedPrompt:
+    prompt: str | None
+    token_ids: list[int]
+    params: SamplingParams
+
+
+def _as_list(prompts) -> list:
+    if isinstance(prompts, (str, dict)):
+        return [prompts]
+    if isinstance(prompts, (list, tuple)) and prompts and all(isinstance(t, int) for t in prompts):
+        return [list(prompts)]  # one prompt given as token ids
+    if isinstance(prompts, (list, tuple)):
+        return list(prompts)
+    raise TypeError(f"prompts must be a str, a list of str or a list of token-id lists; got {type(prompts).__name__}")
+
+
+def _tokens(i: int, p, tokenizer) -> tuple[str | None, list[int]]:
+    if isinstance(p, dict):
+        if "prompt_token_ids" in p:
+            p = list(p["prompt_token_ids"])
+        elif "prompt" in p:
+            p = p["prompt"]
+        else:
+            raise ValueError(f"prompt {i}: a dict prompt needs 'prompt' or 'prompt_token_ids'; got keys {sorted(p)}")
+    if isinstance(p, str):
+        if not p:
+            raise ValueError(f"prompt {i} is empty: give at least one character or token")
+        return p, tokenizer.encode(p)
+    if isinstance(p, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in p):
+        return None, list(p)
+    raise TypeError(f"prompt {i} must be a str or a list of int token ids; got {type(p).__name__}")
+
+
+def _params_list(n: int, sampling_params) -> list[SamplingParams]:
+    if sampling_params is None:
+        return [SamplingParams()] * n
+    if isinstance(sampling_params, SamplingParams):
+        return [sampling_params] * n
+    params = list(sampling_params)
+    if len(params) != n:
+        raise ValueError(f"got {len(params)} SamplingParams for {n} prompts: pass one, or one per prompt")
+    for i, sp in enumerate(params):
+        if not isinstance(sp, SamplingParams):
+            raise TypeError(f"sampling_params[{i}] is a {type(sp).__name__}, not a SamplingParams")
+    return params
+
+
+def prepare_prompts(prompts, sampling_params, tokenizer, *, vocab_size: int, max_model_len: int,
+                    max_tokens_in_pool: int) -> list[PreparedPrompt]:
+    items = _as_list(prompts)
+    params = _params_list(len(items), sampling_params)
+    out = []
+    for i, (p, sp) in enumerate(zip(items, params)):
+        text, ids = _tokens(i, p, tokenizer)
+        if not ids:
+            raise ValueError(f"prompt {i} is empty (0 tokens): give at least one token")
+        bad = [t for t in ids if not 0 <= t < vocab_size]
+        if bad:
+            raise ValueError(f"prompt {i}: token id {bad[0]} is outside the vocabulary [0, {vocab_size})")
+        if len(ids) >= max_model_len:
+            raise ValueError(f"prompt {i} has {len(ids)} tokens, but max_model_len={max_model_len} leaves "
+                             f"no room to generate: prompts must be shorter than {max_model_len} tokens")
+        if len(ids) + 1 > max_tokens_in_pool:
+            raise ValueError(f"prompt {i} has {len(ids)} tokens, but the KV pool holds only "
+                             f"{max_tokens_in_pool} tokens in all: it could never run; raise "
+                             f"num_kv_blocks or kv_cache_memory_gib")
+        out.append(PreparedPrompt(text, ids, sp))
+    return out

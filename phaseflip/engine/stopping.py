@@ -1,0 +1,53 @@
+"""When a sequence is done: EOS, stop token ids, stop strings, max_tokens and max_model_len.
+
+Owns: `check_stop`, applied after every sampled token, and the text bookkeeping stop strings need.
+vLLM semantics: EOS and stop tokens stay in token_ids (the text skips special tokens); a stop string
+is cut from the text (unless include_stop_str_in_output) while the tokens that made it are kept.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from phaseflip.engine.requests import Sequence
+
+
+@dataclass(frozen=True)
+class StopDecision:
+    finish_reason: str               # "stop" | "length"
+    stop_reason: int | str | None    # the stop token id or stop string; None for EOS and length
+
+
+def _stop_string(seq: Sequence, tokenizer) -> StopDecision | None:
+    p = seq.params
+    text = tokenizer.decode(seq.output_token_ids, skip_special_tokens=p.skip_special_tokens)
+    hits = [(text.find(s), s) for s in p.stop if s in text]
+    if not hits:
+        return None
+    at, s = min(hits)
+    seq.output_text = text[:at + len(s)] if p.include_stop_str_in_output else text[:at]
+    return StopDecision("stop", s)
+
+
+def check_stop(seq: Sequence, tokenizer, eos_token_ids: frozenset[int], max_model_len: int) -> StopDecision | None:
+    p = seq.params
+    last = seq.output_token_ids[-1]
+    if not p.ignore_eos and last in eos_token_ids:
+        return StopDecision("stop", None)
+    if last in p.stop_token_ids:
+        return StopDecision("stop", last)
+    if p.stop:
+        decision = _stop_string(seq, tokenizer)
+        if decision is not None:
+            return decision
+    if p.max_tokens is not None and seq.num_output_tokens >= p.max_tokens:
+        return StopDecision("length", None)
+    if seq.num_tokens >= max_model_len:
+        return StopDecision("length", None)
+    return None
+
+
+def final_text(seq: Sequence, tokenizer) -> str:
+    """The output text: already cut when a stop string ended the sequence, else decoded now."""
+    if seq.stop_reason is not None and isinstance(seq.stop_reason, str):
+        return seq.output_text
+    return tokenizer.decode(seq.output_token_ids, skip_special_tokens=seq.params.skip_special_tokens)

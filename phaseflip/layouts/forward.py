@@ -1,0 +1,85 @@
+"""The transformer maths for one rank's shard, over paged KV, for a batch mixing prefill and decode.
+
+Owns: the forward pass of a Llama/Mistral/Qwen2/Qwen3 decoder written once. What the rank holds comes
+from RankShard (layer range, heads, MLP share, vocab share); partial sums are reduced with explicit
+`comm.all_reduce` calls at their call sites. Never asks a process group how it is split.
+
+Shapes: T tokens in the flattened batch, H hidden, D head_dim, hq / hkv this rank's query / KV heads.
+"""
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+
+from phaseflip.kernels import attention as _attention  # noqa: F401  (registers phaseflip::paged_attention)
+from phaseflip.kernels.activation import silu_and_mul
+from phaseflip.kernels.norm import rms_norm
+from phaseflip.kernels.rotary import apply_rotary
+from phaseflip.layouts.kvcache import KVCache
+from phaseflip.layouts.model_config import ModelConfig
+from phaseflip.layouts.shard import LayerWeights, RankWeights
+from phaseflip.layouts.spec import RankShard
+
+
+class Comm(Protocol):
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor: ...
+
+
+class NoComm:
+    """A group of one rank: reductions are the identity."""
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+
+def embed(w: RankWeights, shard: RankShard, input_ids: torch.Tensor, comm: Comm) -> torch.Tensor:
+    # input_ids: [T] -> [T, H]
+    v = shard.vocab
+    if shard.tp_size == 1:
+        return F.embedding(input_ids, w.embed_tokens)
+    local = input_ids - v.start
+    outside = (local < 0) | (local >= v.count)
+    x = F.embedding(local.clamp(0, v.count - 1), w.embed_tokens) * ~outside[:, None]
+    return comm.all_reduce(x)
+
+
+def attention_block(lw: LayerWeights, cfg: ModelConfig, shard: RankShard, h: torch.Tensor,
+                    meta: dict[str, torch.Tensor], kv: tuple[torch.Tensor, torch.Tensor],
+                    cos_sin: torch.Tensor, comm: Comm) -> torch.Tensor:
+    d, hq, hkv = cfg.head_dim, shard.q_heads(cfg).count, shard.kv_heads.count
+    qkv = F.linear(h, lw.qkv_proj, lw.qkv_bias)                   # [T, (hq + 2 hkv) * D]
+    q, k, v = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
+    q, k, v = q.view(-1, hq, d), k.view(-1, hkv, d), v.reshape(-1, hkv, d)
+    if cfg.qk_norm:
+        q, k = rms_norm(q, lw.q_norm, cfg.rms_norm_eps), rms_norm(k, lw.k_norm, cfg.rms_norm_eps)
+    q, k = apply_rotary(q, cos_sin), apply_rotary(k, cos_sin)
+    o = torch.ops.phaseflip.paged_attention(
+        q.contiguous(), k.contiguous(), v.contiguous(), kv[0], kv[1], meta["slot_mapping"],
+        meta["block_tables"], meta["seq_lens"], meta["query_start_loc"], d ** -0.5)  # [T, hq, D]
+    return comm.all_reduce(F.linear(o.view(-1, hq * d), lw.o_proj))  # [T, H]
+
+
+def mlp_block(lw: LayerWeights, h: torch.Tensor, comm: Comm) -> torch.Tensor:
+    return comm.all_reduce(F.linear(silu_and_mul(F.linear(h, lw.gate_up_proj)), lw.down_proj))
+
+
+def forward(w: RankWeights, cfg: ModelConfig, shard: RankShard, meta: dict[str, torch.Tensor],
+            kv: KVCache, rope_table: torch.Tensor, comm: Comm,
+            hidden_in: torch.Tensor | None = None) -> torch.Tensor:
+    """Run this rank's layers. meta: input_ids [T], positions [T] and the attention metadata of
+    kernels/attention.py. The first stage embeds input_ids; a later stage takes hidden_in [T, H].
+    Returns [T, H]: final-normed on the stage that holds the head, the raw residual stream otherwise."""
+    x = embed(w, shard, meta["input_ids"], comm) if shard.has_embed else hidden_in
+    cos_sin = rope_table[meta["positions"]]                          # [T, D]
+    eps = cfg.rms_norm_eps
+    for i, lw in enumerate(w.layers):
+        x = x + attention_block(lw, cfg, shard, rms_norm(x, lw.input_layernorm, eps), meta,
+                                kv.layer(i), cos_sin, comm)
+        x = x + mlp_block(lw, rms_norm(x, lw.post_attention_layernorm, eps), comm)
+    return rms_norm(x, w.norm, eps) if shard.has_head else x
+
+
+def compute_logits(w: RankWeights, hidden: torch.Tensor) -> torch.Tensor:
+    # hidden: [N, H] (final-normed rows to sample) -> [N, V_rank] in float32
+    return F.linear(hidden, w.lm_head).float()

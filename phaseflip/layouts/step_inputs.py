@@ -1,0 +1,60 @@
+"""Turn a StepPlan into the flat tensors one step reads (tokens, positions, slots, attention metadata).
+
+Owns: `prepare_inputs` and the static-buffer specs (with their padding sentinels) those tensors are
+copied into. Sentinels: token id 0 and position 0 for padding tokens (harmless reads), slot -1 (the KV
+store writes nowhere), seq_len 0 for padding sequences (attention skips them; their other metadata is
+never read).
+"""
+from __future__ import annotations
+
+import torch
+
+from phaseflip.graphs.buffers import BufferSpec
+from phaseflip.layouts.plan import StepPlan
+
+TOKEN_BUFFERS = ("input_ids", "positions", "slot_mapping")
+SEQ_BUFFERS = ("block_tables", "seq_lens", "query_start_loc")
+
+
+def buffer_specs(max_tokens: int, max_seqs: int, max_blocks_per_seq: int) -> dict[str, BufferSpec]:
+    i64 = torch.int64
+    return {
+        "input_ids": BufferSpec((max_tokens,), i64, 0),
+        "positions": BufferSpec((max_tokens,), i64, 0),
+        "slot_mapping": BufferSpec((max_tokens,), i64, -1),
+        "block_tables": BufferSpec((max_seqs, max_blocks_per_seq), i64, 0),
+        "seq_lens": BufferSpec((max_seqs,), i64, 0),
+        "query_start_loc": BufferSpec((max_seqs + 1,), i64, 0),
+    }
+
+
+def bucket_sizes(num_tokens: int, num_seqs: int) -> dict[str, int]:
+    """Rows of each buffer a step of `num_tokens` tokens over `num_seqs` sequences reads."""
+    sizes = {name: num_tokens for name in TOKEN_BUFFERS}
+    sizes.update({"block_tables": num_seqs, "seq_lens": num_seqs, "query_start_loc": num_seqs + 1})
+    return sizes
+
+
+def prepare_inputs(plan: StepPlan, block_size: int) -> tuple[dict[str, torch.Tensor], list[int]]:
+    """Exact-size input tensors for `plan`, and the rows whose hidden state is sampled."""
+    ids, pos, slots, starts, sample_rows = [], [], [], [0], []
+    for c in plan.chunks:
+        bt = c.block_ids
+        p = range(c.start_pos, c.context_len)
+        ids.extend(c.token_ids)
+        pos.extend(p)
+        slots.extend(bt[i // block_size] * block_size + i % block_size for i in p)
+        starts.append(starts[-1] + c.num_tokens)
+        if c.sample:
+            sample_rows.append(starts[-1] - 1)
+    width = max(len(c.block_ids) for c in plan.chunks)
+    tables = [list(c.block_ids) + [0] * (width - len(c.block_ids)) for c in plan.chunks]
+    meta = {
+        "input_ids": torch.tensor(ids, dtype=torch.int64),
+        "positions": torch.tensor(pos, dtype=torch.int64),
+        "slot_mapping": torch.tensor(slots, dtype=torch.int64),
+        "block_tables": torch.tensor(tables, dtype=torch.int64),
+        "seq_lens": torch.tensor([c.context_len for c in plan.chunks], dtype=torch.int64),
+        "query_start_loc": torch.tensor(starts, dtype=torch.int64),
+    }
+    return meta, sample_rows

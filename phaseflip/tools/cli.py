@@ -1,0 +1,158 @@
+"""The `phaseflip` command line: boot, generate, convert.
+
+Owns: argument parsing and printing for people. Everything it runs goes through the offline API
+(engine/llm.py); nothing imports this module.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import sys
+import time
+
+import click
+
+DEMO_PROMPTS = (
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "Give me three tips for learning to program.",
+    "Explain in one sentence what a CPU does.",
+    "What is 12 times 7?",
+    "Name three primary colors.",
+    "Translate 'good morning' into Spanish.",
+    "What is photosynthesis? Answer briefly.",
+)
+
+
+def _engine_options(f):
+    for opt in reversed([
+        click.option("--model", default=None, help="HF-format model directory (default: the embedded SmolLM2-135M-Instruct)."),
+        click.option("--dtype", default="auto", show_default=True, help="float32 | bfloat16 | float16 | auto"),
+        click.option("--max-model-len", type=int, default=None, help="Longest sequence (default: the model's)."),
+        click.option("--max-num-seqs", type=int, default=64, show_default=True, help="Sequences running at once."),
+        click.option("--max-num-batched-tokens", type=int, default=512, show_default=True, help="Token budget per step."),
+        click.option("--seed", type=int, default=0, show_default=True, help="Base sampling seed."),
+    ]):
+        f = opt(f)
+    return f
+
+
+def _llm(model, dtype, max_model_len, max_num_seqs, max_num_batched_tokens, seed):
+    from phaseflip.engine.llm import LLM
+    return LLM(model=model, dtype=dtype, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
+               max_num_batched_tokens=max_num_batched_tokens, seed=seed)
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.option("-v", "--verbose", is_flag=True, help="Log INFO lines from the engine.")
+def main(verbose: bool) -> None:
+    """phaseflip: a graph-capture-first LLM inference engine."""
+    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING,
+                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+
+
+@main.command()
+@_engine_options
+@click.option("--prompt", required=True, help="The prompt text (sent as is, no chat template).")
+@click.option("--max-tokens", type=int, default=64, show_default=True)
+@click.option("--temperature", type=float, default=0.0, show_default=True)
+@click.option("--chat", is_flag=True, help="Wrap the prompt in the model's chat template.")
+def generate(model, dtype, max_model_len, max_num_seqs, max_num_batched_tokens, seed, prompt,
+             max_tokens, temperature, chat):
+    """Generate a completion for one prompt."""
+    from phaseflip.engine.sampling_params import SamplingParams
+    params = SamplingParams(temperature=temperature, max_tokens=max_tokens, seed=seed)
+    llm = _llm(model, dtype, max_model_len, max_num_seqs, max_num_batched_tokens, seed)
+    with llm:
+        out = (llm.chat([{"role": "user", "content": prompt}], params, use_tqdm=False) if chat
+               else llm.generate(prompt, params, use_tqdm=False))
+    click.echo(out[0].outputs[0].text)
+
+
+def _read_prompts(path: str | None) -> list:
+    """A .txt file is one chat message per line; a .jsonl file has {"prompt": ...} or {"messages": [...]}."""
+    if path is None:
+        return [[{"role": "user", "content": p}] for p in DEMO_PROMPTS]
+    with open(path, encoding="utf-8") as f:
+        lines = [ln.rstrip("\n") for ln in f if ln.strip()]
+    if not path.endswith(".jsonl"):
+        return [[{"role": "user", "content": ln}] for ln in lines]
+    items = []
+    for n, ln in enumerate(lines, 1):
+        obj = json.loads(ln)
+        if "messages" in obj:
+            items.append(obj["messages"])
+        elif "prompt" in obj:
+            items.append(obj["prompt"])
+        else:
+            raise click.BadParameter(f"{path} line {n}: needs a 'prompt' or 'messages' field")
+    return items
+
+
+@main.command()
+@_engine_options
+@click.option("--prompts", "prompts_file", default=None, type=click.Path(exists=True, dir_okay=False),
+              help=".txt (one chat message per line) or .jsonl ({'prompt'} or {'messages'}); default: a demo batch.")
+@click.option("--max-tokens", type=int, default=64, show_default=True)
+@click.option("--temperature", type=float, default=0.0, show_default=True)
+@click.option("--output", default=None, type=click.Path(dir_okay=False), help="Write answers as JSONL here.")
+def boot(model, dtype, max_model_len, max_num_seqs, max_num_batched_tokens, seed, prompts_file,
+         max_tokens, temperature, output):
+    """Load, plan, capture, run an offline batch and print the answers with a summary."""
+    from phaseflip.engine.sampling_params import SamplingParams
+    items = _read_prompts(prompts_file)
+    params = SamplingParams(temperature=temperature, max_tokens=max_tokens, seed=seed)
+    t0 = time.perf_counter()
+    llm = _llm(model, dtype, max_model_len, max_num_seqs, max_num_batched_tokens, seed)
+    boot_s = time.perf_counter() - t0
+    with llm:
+        chats = [i for i, it in enumerate(items) if isinstance(it, list)]
+        raws = [i for i, it in enumerate(items) if not isinstance(it, list)]
+        t1 = time.perf_counter()
+        outs = dict(zip(chats, llm.chat([items[i] for i in chats], params, use_tqdm=sys.stderr.isatty())
+                        if chats else []))
+        outs.update(zip(raws, llm.generate([items[i] for i in raws], params, use_tqdm=False) if raws else []))
+        gen_s = time.perf_counter() - t1
+        results = [outs[i] for i in range(len(items))]
+        _print_answers(items, results)
+        _print_summary(llm, results, boot_s, gen_s)
+    if output:
+        with open(output, "w", encoding="utf-8") as f:
+            for it, r in zip(items, results):
+                f.write(json.dumps({"prompt": it, "text": r.outputs[0].text,
+                                    "token_ids": r.outputs[0].token_ids,
+                                    "finish_reason": r.outputs[0].finish_reason}) + "\n")
+        click.echo(f"wrote {len(results)} answers to {output}")
+
+
+def _print_answers(items, results) -> None:
+    for it, r in zip(items, results):
+        question = it[-1]["content"] if isinstance(it, list) else it
+        click.echo(f"\n>>> {question}\n{r.outputs[0].text.strip()}")
+
+
+def _print_summary(llm, results, boot_s: float, gen_s: float) -> None:
+    stats = llm.stats()
+    n_out = sum(len(r.outputs[0].token_ids) for r in results)
+    n_in = sum(len(r.prompt_token_ids) for r in results)
+    ttfts = sorted(r.metrics.time_to_first_token for r in results if r.metrics.time_to_first_token is not None)
+    click.echo("\n== summary ==")
+    click.echo("boot: " + ", ".join(f"{k} {v:.0f} ms" for k, v in stats["boot_ms"].items())
+               + f" (total {boot_s * 1e3:.0f} ms)")
+    click.echo(f"captured steps: {stats['captures_at_boot']} at boot, {stats['captures_after_boot']} after")
+    click.echo(f"requests: {len(results)}; prompt tokens {n_in}; output tokens {n_out}; "
+               f"steps {stats['steps']}; preemptions {stats['num_preemptions']}")
+    click.echo(f"generate: {gen_s:.2f} s, {n_out / gen_s:.1f} output tok/s, "
+               f"{(n_in + n_out) / gen_s:.1f} total tok/s"
+               + (f"; median TTFT {ttfts[len(ttfts) // 2] * 1e3:.0f} ms" if ttfts else ""))
+
+
+def _add_convert() -> None:
+    from phaseflip.tools.convert import convert
+    main.add_command(convert)
+
+
+_add_convert()
+
+if __name__ == "__main__":
+    main()
