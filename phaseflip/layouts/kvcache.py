@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 
@@ -31,11 +32,21 @@ class KVShape:
         return self.numel // self.num_blocks * torch.empty((), dtype=dtype).element_size()
 
 
+def zeros(numel: int, dtype: torch.dtype, device) -> torch.Tensor:
+    """A zeroed buffer. On the CPU it comes from calloc (numpy), so untouched pages cost nothing until
+    a block is first written: a large pool boots in milliseconds instead of a multi-GB memset."""
+    if torch.device(device).type != "cpu":
+        return torch.zeros(numel, dtype=dtype, device=device)
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    raw = np.zeros(numel * itemsize, dtype=np.uint8)
+    return torch.from_numpy(raw).view(dtype)
+
+
 class KVCache:
     def __init__(self, shape: KVShape, dtype: torch.dtype, device: torch.device | str = "cpu"):
         self.shape = shape
         self.dtype = dtype
-        self.buffer = torch.zeros(shape.numel, dtype=dtype, device=device)
+        self.buffer = zeros(shape.numel, dtype, device)
         s = shape
         # [2 (k, v), layers, blocks, block_size, kv heads, head_dim]
         self._view = self.buffer.view(2, s.num_layers, s.num_blocks, s.block_size, s.num_kv_heads, s.head_dim)

@@ -12,6 +12,8 @@ import time
 
 import click
 
+from phaseflip.tools.convert import convert
+
 DEMO_PROMPTS = (
     "What is the capital of France?",
     "Write a haiku about the sea.",
@@ -147,12 +149,7 @@ def _print_summary(llm, results, boot_s: float, gen_s: float) -> None:
                + (f"; median TTFT {ttfts[len(ttfts) // 2] * 1e3:.0f} ms" if ttfts else ""))
 
 
-def _add_convert() -> None:
-    from phaseflip.tools.convert import convert
-    main.add_command(convert)
-
-
-_add_convert()
+main.add_command(convert)
 
 if __name__ == "__main__":
     main()
