@@ -1,29 +1,23 @@
-"""Boot: load, plan, shard, allocate, capture — once — and report how long each phase took.
+"""Boot planning: every value derived from the config, the model and the machine, computed once.
 
-Owns: BootPlan (every value derived from the config, the model and the machine) and `boot`, which
-returns a ready single-rank Engine runtime. Checkpoint problems are raised by the loader before the KV
-cache is allocated.
+Owns: BootPlan (device, dtype, max_model_len, KV block count, bucket sets, the two layouts) and the
+RankBoot message each rank boots from. Checkpoint problems are raised by the loader before any rank
+allocates its KV region.
 """
 from __future__ import annotations
 
-import logging
 import time
 from dataclasses import dataclass, field
 
 import torch
 
 from phaseflip.engine.config import EngineConfig
-from phaseflip.engine.loader import load_model_config, load_tokenizer, load_weights, resolve_dtype
-from phaseflip.kernels.rotary import cos_sin_table
-from phaseflip.layouts.executor import ModelExecutor, StepShapes
-from phaseflip.layouts.forward import NoComm
-from phaseflip.layouts.kvcache import KVCache, KVShape
+from phaseflip.engine.loader import resolve_dtype
+from phaseflip.layouts.kvcache import KVShape
+from phaseflip.layouts.messages import RankBoot
 from phaseflip.layouts.model_config import ModelConfig
-from phaseflip.layouts.sampler import Sampler
-from phaseflip.layouts.shard import shard_weights
-from phaseflip.layouts.spec import RankShard
-
-log = logging.getLogger("phaseflip")
+from phaseflip.layouts.planner import LayoutPlan, plan_layouts
+from phaseflip.layouts.runner import StepShapes
 
 
 @dataclass(frozen=True)
@@ -34,6 +28,7 @@ class BootPlan:
     max_model_len: int
     num_kv_blocks: int
     shapes: StepShapes
+    layout_plan: LayoutPlan
 
 
 @dataclass
@@ -70,10 +65,13 @@ def default_prefill_buckets(budget: int) -> tuple[int, ...]:
     return tuple(sorted(set(list(range(32, budget, 32)) + [budget])))
 
 
-def _kv_blocks(cfg: EngineConfig, mc: ModelConfig, dtype: torch.dtype, max_model_len: int) -> int:
+def _kv_blocks(cfg: EngineConfig, mc: ModelConfig, plan: LayoutPlan, dtype: torch.dtype,
+               max_model_len: int) -> int:
+    """Blocks every rank can hold in every captured view (the minimum: block ids are shared)."""
     if cfg.num_kv_blocks is not None:
         return cfg.num_kv_blocks
-    per_block = KVShape(mc.num_layers, 1, cfg.block_size, mc.num_kv_heads, mc.head_dim).bytes_per_block(dtype)
+    per_block = max(KVShape(s.layers.count, 1, cfg.block_size, s.kv_heads.count, mc.head_dim).bytes_per_block(dtype)
+                    for name in cfg.layouts for s in getattr(plan, name).shards)
     budget_blocks = int(cfg.kv_cache_memory_gib * 2**30) // per_block
     enough = cfg.max_num_seqs * -(-max_model_len // cfg.block_size)  # more could never be used
     return max(1, min(budget_blocks, enough))
@@ -81,33 +79,26 @@ def _kv_blocks(cfg: EngineConfig, mc: ModelConfig, dtype: torch.dtype, max_model
 
 def make_plan(cfg: EngineConfig, mc: ModelConfig, model_dir: str) -> BootPlan:
     device = resolve_device(cfg.device)
-    dtype = resolve_dtype(cfg.dtype, device)
+    dtype = resolve_dtype(cfg.dtype, device, mc.torch_dtype)
     if cfg.max_model_len is not None and cfg.max_model_len > mc.max_position_embeddings:
         raise ValueError(f"max_model_len={cfg.max_model_len} is larger than the model's maximum "
                          f"{mc.max_position_embeddings} (max_position_embeddings in config.json)")
     max_model_len = cfg.max_model_len or mc.max_position_embeddings
-    num_blocks = _kv_blocks(cfg, mc, dtype, max_model_len)
+    budgets = cfg.rank_budgets or (1.0,) * cfg.world_size
+    layout_plan = plan_layouts(mc, budgets, pp_split=cfg.pp_split, tp_kv_split=cfg.tp_kv_split)
     budget = cfg.max_num_batched_tokens
     shapes = StepShapes(
         max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=budget,
         max_blocks_per_seq=-(-max_model_len // cfg.block_size), block_size=cfg.block_size,
         decode_buckets=cfg.decode_buckets or default_decode_buckets(cfg.max_num_seqs),
         prefill_buckets=cfg.prefill_buckets or default_prefill_buckets(budget))
-    return BootPlan(model_dir, device, dtype, max_model_len, num_blocks, shapes)
+    num_blocks = _kv_blocks(cfg, mc, layout_plan, dtype, max_model_len)
+    return BootPlan(model_dir, device, dtype, max_model_len, num_blocks, shapes, layout_plan)
 
 
-def build_executor(plan: BootPlan, mc: ModelConfig, hf: dict, report: BootReport,
-                   seed: int, capture: bool) -> ModelExecutor:
-    shard = RankShard.full(mc)
-    with report.timed("pack"):
-        weights = shard_weights({k: t.to(plan.device) for k, t in hf.items()}, mc, shard)
-    with report.timed("kv_alloc"):
-        kv = KVCache(KVShape(mc.num_layers, plan.num_kv_blocks, plan.shapes.block_size,
-                             mc.num_kv_heads, mc.head_dim), plan.dtype, plan.device)
-    rope = cos_sin_table(mc.head_dim, plan.max_model_len, mc.rope_theta, mc.rope_scaling).to(plan.device)
-    executor = ModelExecutor(mc, shard, weights, kv, rope, plan.shapes, Sampler(seed), NoComm())
-    if capture:
-        with report.timed("capture"):
-            executor.capture_all()
-    executor.registry.seal()
-    return executor
+def rank_boot(cfg: EngineConfig, plan: BootPlan) -> RankBoot:
+    return RankBoot(model_dir=plan.model_dir, dtype=str(plan.dtype).removeprefix("torch."),
+                    device=plan.device, layout_plan=plan.layout_plan, layouts=cfg.layouts,
+                    shapes=plan.shapes, num_kv_blocks=plan.num_kv_blocks,
+                    max_model_len=plan.max_model_len, park=cfg.park, seed=cfg.seed,
+                    capture=not cfg.enforce_eager, num_threads=cfg.num_threads)

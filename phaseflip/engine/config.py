@@ -39,6 +39,13 @@ class EngineConfig:
     decode_buckets: tuple[int, ...] | None = None   # batch sizes captured; None = 1,2,4,8,16,24,32,...
     prefill_buckets: tuple[int, ...] | None = None  # token counts captured; None = 32,64,...,budget
     num_threads: int | None = None      # torch intra-op threads on CPU; None = torch's default
+    world_size: int = 1                 # ranks (processes, one device each); 1 stays in-process
+    layouts: tuple[str, ...] | None = None  # captured layouts; None = ("pp", "tp") if world_size > 1
+    flip_every_steps: int | None = None     # force a flip every K steps (tests); None = the drain rule
+    park: str = "auto"                  # auto | always | never: where the inactive weight image waits
+    pp_split: tuple[int, ...] | None = None     # explicit PP layers per rank
+    tp_kv_split: tuple[int, ...] | None = None  # explicit TP KV heads per rank
+    rank_budgets: tuple[float, ...] | None = None  # relative capacity per rank (CPU simulation)
 
     def __post_init__(self):
         _check(self.dtype in ("auto", "float32", "fp32", "bfloat16", "bf16", "float16", "fp16", "half"),
@@ -56,8 +63,30 @@ class EngineConfig:
                f"kv_cache_memory_gib={self.kv_cache_memory_gib} is invalid: must be > 0")
         _check(self.num_threads is None or self.num_threads >= 1,
                f"num_threads={self.num_threads} is invalid: must be >= 1 (or None)")
+        _check(isinstance(self.world_size, int) and self.world_size >= 1,
+               f"world_size={self.world_size!r} is invalid: must be an integer >= 1")
+        _check(self.park in ("auto", "always", "never"),
+               f"park={self.park!r} is invalid: allowed are auto, always, never")
+        _check(self.flip_every_steps is None or self.flip_every_steps >= 1,
+               f"flip_every_steps={self.flip_every_steps} is invalid: must be >= 1 (or None)")
+        self._check_layouts()
+        for name in ("pp_split", "tp_kv_split", "rank_budgets"):
+            value = getattr(self, name)
+            if value is not None:
+                object.__setattr__(self, name, tuple(value))
+                _check(len(value) == self.world_size,
+                       f"{name}={list(value)} has {len(value)} entries for world_size={self.world_size}")
         object.__setattr__(self, "decode_buckets", _int_tuple("decode_buckets", self.decode_buckets))
         object.__setattr__(self, "prefill_buckets", _int_tuple("prefill_buckets", self.prefill_buckets))
+
+    def _check_layouts(self) -> None:
+        layouts = self.layouts
+        if layouts is None:
+            layouts = ("pp", "tp") if self.world_size > 1 else ("pp",)
+        layouts = (layouts,) if isinstance(layouts, str) else tuple(layouts)
+        _check(len(layouts) > 0 and set(layouts) <= {"pp", "tp"} and len(set(layouts)) == len(layouts),
+               f"layouts={self.layouts!r} is invalid: give ('pp', 'tp'), ('pp',) or ('tp',)")
+        object.__setattr__(self, "layouts", layouts)
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> "EngineConfig":

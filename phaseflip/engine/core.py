@@ -15,10 +15,11 @@ from phaseflip.layouts.plan import StepPlan, StepResult
 
 
 class EngineCore:
-    def __init__(self, scheduler: Scheduler, execute: Callable[[StepPlan], StepResult], tokenizer,
-                 eos_token_ids: frozenset[int], max_model_len: int):
+    def __init__(self, scheduler: Scheduler, execute: Callable[[StepPlan], StepResult], control,
+                 tokenizer, eos_token_ids: frozenset[int], max_model_len: int):
         self.scheduler = scheduler
         self.execute = execute
+        self.control = control
         self.tokenizer = tokenizer
         self.eos_token_ids = eos_token_ids
         self.max_model_len = max_model_len
@@ -34,10 +35,11 @@ class EngineCore:
 
     def step(self) -> list[Sequence]:
         """Run one step; return the sequences that finished in it."""
-        plan = self.scheduler.schedule()
+        prefill, decode = self.control.allowed()
+        plan = self.scheduler.schedule(prefill=prefill, decode=decode)
         if plan is None:
             if self.scheduler.has_unfinished():
-                raise RuntimeError("scheduler produced no step while requests are unfinished (engine bug)")
+                self.control.on_idle(self.live_blocks)  # the work is for the other layout
             return []
         # The scheduler itself finishes a sequence that outgrew the whole KV pool ("length").
         finished = [self.seqs.pop(i) for i in plan.finished_seq_ids
@@ -55,7 +57,12 @@ class EngineCore:
                 seq.stop_reason = decision.stop_reason
                 self.scheduler.finish(seq, decision.finish_reason)
                 finished.append(self.seqs.pop(seq.seq_id))
+        self.control.after_step(self.live_blocks)
         return finished
+
+    def live_blocks(self) -> list[int]:
+        """Every KV block holding a live sequence's tokens (what a flip must carry over)."""
+        return [b for seq in self.scheduler.running for b in seq.block_ids]
 
     @staticmethod
     def _record(seq: Sequence, s, now: float) -> None:

@@ -13,15 +13,19 @@ import torch
 from tqdm.auto import tqdm
 
 from phaseflip.engine.blocks import BlockAllocator
-from phaseflip.engine.boot import BootReport, build_executor, make_plan
+from phaseflip.engine.boot import BootReport, make_plan, rank_boot
 from phaseflip.engine.config import EngineConfig
 from phaseflip.engine.core import EngineCore
-from phaseflip.engine.loader import load_model_config, load_tokenizer, load_weights
+from phaseflip.engine.layout_control import LayoutControl
+from phaseflip.engine.loader import load_model_config, load_tokenizer
+from phaseflip.engine.ranks import LocalRanks, ProcessRanks
 from phaseflip.engine.prompts import prepare_prompts
 from phaseflip.engine.requests import CompletionOutput, RequestMetrics, RequestOutput, Sequence
 from phaseflip.engine.sampling_params import SamplingParams
 from phaseflip.engine.scheduler import Scheduler, SchedulerConfig
 from phaseflip.engine.stopping import final_text
+from phaseflip.layouts.messages import RunStep, StatsQuery
+from phaseflip.layouts.plan import StepPlan, StepResult
 
 log = logging.getLogger("phaseflip")
 
@@ -42,11 +46,13 @@ class LLM:
             model_dir = cfg.model or _default_model_dir()
             mc = load_model_config(model_dir)
             self.tokenizer = load_tokenizer(model_dir)
+        with report.timed("plan"):
             self.plan = make_plan(cfg, mc, str(model_dir))
-            hf = load_weights(model_dir, mc, self.plan.dtype)
         self.model_config = mc
-        self.executor = build_executor(self.plan, mc, hf, report, cfg.seed, capture=not cfg.enforce_eager)
-        del hf
+        with report.timed("ranks"):
+            boot = rank_boot(cfg, self.plan)
+            self.ranks = LocalRanks(boot) if cfg.world_size == 1 else ProcessRanks(boot, cfg.world_size)
+        self.control = LayoutControl(self.ranks, cfg.layouts, cfg.flip_every_steps)
         shapes = self.plan.shapes
         self.allocator = BlockAllocator(self.plan.num_kv_blocks, shapes.block_size)
         scheduler = Scheduler(SchedulerConfig(max_num_seqs=shapes.max_num_seqs,
@@ -56,10 +62,20 @@ class LLM:
         eos = set(mc.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
-        self.core = EngineCore(scheduler, self.executor.execute, self.tokenizer, frozenset(eos),
+        self.core = EngineCore(scheduler, self._run_step, self.control, self.tokenizer, frozenset(eos),
                                self.plan.max_model_len)
-        log.info("phaseflip booted %s (%s, %s): %s", model_dir, self.plan.device, self.plan.dtype,
+        log.info("phaseflip booted %s (%s, %s, world size %d, layouts %s): %s", model_dir, self.plan.device,
+                 self.plan.dtype, cfg.world_size, ",".join(cfg.layouts),
                  ", ".join(f"{k} {v:.0f} ms" for k, v in report.phases_ms.items()))
+
+    def _run_step(self, plan: StepPlan) -> StepResult:
+        replies = self.ranks.call(RunStep(self.control.active, plan))
+        return StepResult(plan.step_id, replies[-1].sampled or ())
+
+    def flip(self, target: str) -> dict:
+        """Flip to `target` ("pp" | "tp") now; returns the flip's log entry (components in ms, bytes)."""
+        self._check_open()
+        return self.control.flip(target, self.core.live_blocks())
 
     # -- the offline API ---------------------------------------------------------------------------
     def get_tokenizer(self):
@@ -117,19 +133,31 @@ class LLM:
 
     # -- introspection and lifetime ----------------------------------------------------------------
     def stats(self) -> dict:
-        registry = self.executor.registry
+        ranks = self.ranks.call(StatsQuery())
+        fallbacks: dict[str, int] = {}
+        for r in ranks:
+            for k, v in r.eager_fallbacks.items():
+                fallbacks[k] = fallbacks.get(k, 0) + v
         return {
-            "active_layout": self.executor.layout,
+            "active_layout": self.control.active,
+            "world_size": self.config.world_size,
+            "layouts": list(self.config.layouts),
             "steps": self.core.num_steps,
-            "captures_at_boot": registry.captures_at_boot,
-            "captures_after_boot": registry.captures_after_boot,
-            "eager_fallbacks": {f"{k[0]}:{k[1]}": v for k, v in registry.eager_fallbacks.items()},
+            "captures_at_boot": sum(r.captures_at_boot for r in ranks),
+            "captures_after_boot": sum(r.captures_after_boot for r in ranks),
+            "eager_fallbacks": fallbacks,
             "boot_ms": dict(self.boot_report.phases_ms),
+            "rank_boot_ms": [dict(r.boot_ms) for r in self.ranks.ready],
+            "arena_bytes": [r.arena_bytes for r in ranks],
+            "arena_ptrs": [r.arena_ptr for r in ranks],
+            "shard_bytes": [dict(r.shard_bytes) for r in self.ranks.ready],
             "num_kv_blocks": self.plan.num_kv_blocks,
             "free_kv_blocks": self.allocator.num_free_blocks,
             "num_preemptions": self.core.scheduler.num_preemptions,
-            "flips": 0,
-            "flip_log": [],
+            "flips": self.control.num_flips,
+            "failed_flips": self.control.num_failed_flips,
+            "flip_log": list(self.control.flip_log),
+            "rank_pids": list(self.ranks.pids),
         }
 
     def _check_open(self) -> None:
@@ -137,7 +165,14 @@ class LLM:
             raise RuntimeError("this LLM was shut down; create a new one")
 
     def shutdown(self) -> None:
-        self._closed = True
+        if not self._closed:
+            self._closed = True
+            self.ranks.shutdown()
+
+    def __del__(self):
+        ranks = getattr(self, "ranks", None)
+        if ranks is not None and not getattr(self, "_closed", True):
+            ranks.shutdown()
 
     def __enter__(self):
         return self

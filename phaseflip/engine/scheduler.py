@@ -89,13 +89,16 @@ class Scheduler:
         self._live[seq.seq_id] = seq
 
     # -- one step ------------------------------------------------------------------------------
-    def schedule(self) -> StepPlan | None:
-        """The next step's plan, or None when there is nothing to run. One plan in flight at a time."""
+    def schedule(self, prefill: bool = True, decode: bool = True) -> StepPlan | None:
+        """The next step's plan, or None when there is nothing to run. One plan in flight at a time.
+
+        prefill=False leaves prompt chunks (and admission) out; decode=False leaves decodes out: the
+        layout rule uses them to run prefill in one layout and decode in the other."""
         if self._in_flight is not None:
             raise RuntimeError(f"step {self._in_flight} is still in flight: call on_step_done first")
         budget = self.config.max_num_batched_tokens
-        scheduled, budget, preempted = self._schedule_running(budget)
-        if not preempted:
+        scheduled, budget, preempted = self._schedule_running(budget, prefill, decode)
+        if not preempted and prefill:
             scheduled += self._admit_waiting(budget)
         if not scheduled:
             return None
@@ -113,7 +116,8 @@ class Scheduler:
         self._in_flight = plan.step_id
         return plan
 
-    def _schedule_running(self, budget: int) -> tuple[list[tuple[Sequence, int]], int, bool]:
+    def _schedule_running(self, budget: int, prefill: bool = True,
+                          decode: bool = True) -> tuple[list[tuple[Sequence, int]], int, bool]:
         scheduled: list[tuple[Sequence, int]] = []
         preempted = False
         i = 0
@@ -121,6 +125,9 @@ class Scheduler:
             seq = self.running[i]
             if self._exceeds_pool(seq):
                 self.finish(seq, "length")
+                continue
+            if not (decode if self.wants_decode(seq) else prefill):
+                i += 1
                 continue
             n = self._num_next_tokens(seq, budget)
             while not self.allocator.ensure_capacity(seq, seq.num_computed_tokens + n):
@@ -175,6 +182,11 @@ class Scheduler:
         return SeqChunk(seq_id=seq.seq_id, token_ids=tuple(seq.tokens_slice(start, start + n)),
                         start_pos=start, block_ids=tuple(seq.block_ids),
                         sample=start + n == seq.num_tokens)
+
+    @staticmethod
+    def wants_decode(seq: Sequence) -> bool:
+        """seq's next step is a decode: everything but its last (generated) token is in the cache."""
+        return seq.num_computed_tokens == seq.num_tokens - 1 and seq.num_output_tokens > 0
 
     @staticmethod
     def _is_decode(seq: Sequence, chunk: SeqChunk) -> bool:

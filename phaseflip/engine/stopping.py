@@ -1,8 +1,9 @@
 """When a sequence is done: EOS, stop token ids, stop strings, max_tokens and max_model_len.
 
 Owns: `check_stop`, applied after every sampled token, and the text bookkeeping stop strings need.
-vLLM semantics: EOS and stop tokens stay in token_ids (the text skips special tokens); a stop string
-is cut from the text (unless include_stop_str_in_output) while the tokens that made it are kept.
+vLLM semantics: EOS and stop tokens stay in token_ids but not in the text (unless
+include_stop_str_in_output), as vLLM's detokenizer skips the token that stop-terminated a request; a stop
+string is cut from the text (unless include_stop_str_in_output) while the tokens that made it are kept.
 """
 from __future__ import annotations
 
@@ -47,7 +48,12 @@ def check_stop(seq: Sequence, tokenizer, eos_token_ids: frozenset[int], max_mode
 
 
 def final_text(seq: Sequence, tokenizer) -> str:
-    """The output text: already cut when a stop string ended the sequence, else decoded now."""
-    if seq.stop_reason is not None and isinstance(seq.stop_reason, str):
+    """The output text: already cut when a stop string ended the sequence, else decoded now, without
+    the EOS / stop token that ended it (a non-special stop token would otherwise show in the text)."""
+    p = seq.params
+    if isinstance(seq.stop_reason, str):
         return seq.output_text
-    return tokenizer.decode(seq.output_token_ids, skip_special_tokens=seq.params.skip_special_tokens)
+    token_ids = seq.output_token_ids
+    if seq.finish_reason == "stop" and not p.include_stop_str_in_output:
+        token_ids = token_ids[:-1]
+    return tokenizer.decode(token_ids, skip_special_tokens=p.skip_special_tokens)

@@ -17,7 +17,7 @@ from phaseflip.kernels import attention as _attention  # noqa: F401  (registers 
 from phaseflip.kernels.activation import silu_and_mul
 from phaseflip.kernels.norm import rms_norm
 from phaseflip.kernels.rotary import apply_rotary
-from phaseflip.layouts.kvcache import KVCache
+from phaseflip.layouts.kvcache import KVView
 from phaseflip.layouts.model_config import ModelConfig
 from phaseflip.layouts.shard import LayerWeights, RankWeights
 from phaseflip.layouts.spec import RankShard
@@ -25,12 +25,6 @@ from phaseflip.layouts.spec import RankShard
 
 class Comm(Protocol):
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor: ...
-
-
-class NoComm:
-    """A group of one rank: reductions are the identity."""
-    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        return x
 
 
 def embed(w: RankWeights, shard: RankShard, input_ids: torch.Tensor, comm: Comm) -> torch.Tensor:
@@ -65,7 +59,7 @@ def mlp_block(lw: LayerWeights, h: torch.Tensor, comm: Comm) -> torch.Tensor:
 
 
 def forward(w: RankWeights, cfg: ModelConfig, shard: RankShard, meta: dict[str, torch.Tensor],
-            kv: KVCache, rope_table: torch.Tensor, comm: Comm,
+            kv: KVView, rope_table: torch.Tensor, comm: Comm,
             hidden_in: torch.Tensor | None = None) -> torch.Tensor:
     """Run this rank's layers. meta: input_ids [T], positions [T] and the attention metadata of
     kernels/attention.py. The first stage embeds input_ids; a later stage takes hidden_in [T, H].

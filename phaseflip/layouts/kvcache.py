@@ -1,7 +1,10 @@
-"""The paged KV region of one rank: one flat buffer, viewed as per-layer K and V caches.
+"""The paged KV region of one rank: ONE buffer, with one view per layout over the same bytes.
 
-Owns: the allocation of the region and its layer views. The block allocator (engine/blocks.py) hands
-out block ids; this module only maps (layer, block, slot) to bytes. Never reallocated after boot.
+Owns: the allocation of the region (once, at boot) and its views:
+  PP view: [2 (k, v), layers of this stage, num_blocks, block_size, all kv heads,   head_dim]
+  TP view: [2 (k, v), all layers,           num_blocks, block_size, this rank's kv heads, head_dim]
+The planner makes both views hold the same number of blocks, so block ids (kept by the controller)
+mean the same thing in both. The block allocator hands out ids; this module maps ids to bytes.
 """
 from __future__ import annotations
 
@@ -25,8 +28,15 @@ class KVShape:
                 raise ValueError(f"KV cache {name}={getattr(self, name)} must be >= 1")
 
     @property
+    def dims(self) -> tuple[int, ...]:
+        return (2, self.num_layers, self.num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
+
+    @property
     def numel(self) -> int:
-        return 2 * self.num_layers * self.num_blocks * self.block_size * self.num_kv_heads * self.head_dim
+        n = 1
+        for d in self.dims:
+            n *= d
+        return n
 
     def bytes_per_block(self, dtype: torch.dtype) -> int:
         return self.numel // self.num_blocks * torch.empty((), dtype=dtype).element_size()
@@ -38,23 +48,32 @@ def zeros(numel: int, dtype: torch.dtype, device) -> torch.Tensor:
     if torch.device(device).type != "cpu":
         return torch.zeros(numel, dtype=dtype, device=device)
     itemsize = torch.empty((), dtype=dtype).element_size()
-    raw = np.zeros(numel * itemsize, dtype=np.uint8)
-    return torch.from_numpy(raw).view(dtype)
+    return torch.from_numpy(np.zeros(numel * itemsize, dtype=np.uint8)).view(dtype)
 
 
-class KVCache:
-    def __init__(self, shape: KVShape, dtype: torch.dtype, device: torch.device | str = "cpu"):
+class KVView:
+    """One layout's view of the region."""
+    def __init__(self, buffer: torch.Tensor, shape: KVShape):
         self.shape = shape
+        self.tensor = buffer[:shape.numel].view(shape.dims)
+
+    def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(k_cache, v_cache) of local layer i, each [num_blocks, block_size, kv heads, head_dim]."""
+        return self.tensor[0, i], self.tensor[1, i]
+
+
+class KVRegion:
+    def __init__(self, shapes: dict[str, KVShape], dtype: torch.dtype, device: torch.device | str = "cpu"):
+        blocks = {s.num_blocks for s in shapes.values()}
+        if len(blocks) != 1:
+            raise ValueError(f"every layout's KV view must hold the same number of blocks, got {blocks}")
         self.dtype = dtype
-        self.buffer = zeros(shape.numel, dtype, device)
-        s = shape
-        # [2 (k, v), layers, blocks, block_size, kv heads, head_dim]
-        self._view = self.buffer.view(2, s.num_layers, s.num_blocks, s.block_size, s.num_kv_heads, s.head_dim)
+        self.buffer = zeros(max(s.numel for s in shapes.values()), dtype, device)
+        self.views = {name: KVView(self.buffer, s) for name, s in shapes.items()}
 
     @property
     def num_bytes(self) -> int:
         return self.buffer.numel() * self.buffer.element_size()
 
-    def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(k_cache, v_cache) of local layer i, each [num_blocks, block_size, kv heads, head_dim]."""
-        return self._view[0, i], self._view[1, i]
+    def view(self, layout: str) -> KVView:
+        return self.views[layout]

@@ -53,6 +53,14 @@ class RankWeights:
         return total
 
 
+def replace_tensors(w: RankWeights, new: dict[str, torch.Tensor]) -> RankWeights:
+    """The same structure with every tensor replaced by new[name] (names as in RankWeights.tensors())."""
+    def layer(i: int, lw: LayerWeights) -> LayerWeights:
+        return LayerWeights(**{f.name: new.get(f"layers.{i}.{f.name}") for f in fields(LayerWeights)})
+    return RankWeights(embed_tokens=new.get("embed_tokens"), norm=new.get("norm"), lm_head=new.get("lm_head"),
+                       layers=[layer(i, lw) for i, lw in enumerate(w.layers)])
+
+
 def _rows(t: torch.Tensor, start: int, count: int) -> torch.Tensor:
     return t[start:start + count]
 

@@ -1,0 +1,93 @@
+"""Which captured layout runs next, and the flips that switch it (the drain rule, until the policy).
+
+Owns: the active layout as the controller sees it, the phases each layout may run under the drain
+rule (prefill in PP until no admissible prompt waits, flip, decode in TP until the running batch is
+empty, flip back — never a flip per arriving request), forced flips (flip_every_steps, llm.flip) and
+the flip log. A failed flip leaves the engine in the old layout and opens both phases there, so work
+never waits on a flip that cannot happen (LESSONS 10).
+"""
+from __future__ import annotations
+
+import logging
+import time
+
+from phaseflip.layouts.messages import FlipCommand
+
+log = logging.getLogger("phaseflip")
+
+COMPONENTS = ("read", "exchange", "refill", "write", "cutover")
+
+
+class LayoutControl:
+    def __init__(self, ranks, layouts: tuple[str, ...], flip_every_steps: int | None):
+        self.ranks = ranks
+        self.layouts = layouts
+        self.flip_every_steps = flip_every_steps
+        self.active = layouts[0]
+        self.flip_log: list[dict] = []
+        self.num_flips = 0
+        self.num_failed_flips = 0
+        self.fallback = False   # the last flip failed: both phases run in the current layout
+        self._steps = 0
+
+    def allowed(self) -> tuple[bool, bool]:
+        """(prefill, decode) the active layout may run now."""
+        if len(self.layouts) == 1 or self.flip_every_steps or self.fallback:
+            return True, True
+        return (True, False) if self.active == "pp" else (False, True)
+
+    def other(self) -> str:
+        return next(name for name in self.layouts if name != self.active)
+
+    def after_step(self, live_blocks) -> None:
+        """live_blocks: a callable giving the KV blocks of live sequences (computed only to flip)."""
+        self._steps += 1
+        if self.flip_every_steps and len(self.layouts) > 1 and self._steps % self.flip_every_steps == 0:
+            self.flip(self.other(), live_blocks())
+
+    def on_idle(self, live_blocks) -> None:
+        """Nothing could run in the active layout under the rule: switch to where the work is."""
+        if self.allowed() == (True, True):
+            raise RuntimeError("no step could be scheduled with both phases open (engine bug)")
+        self.flip(self.other(), live_blocks())
+
+    def flip(self, target: str, live_blocks) -> dict:
+        if target not in self.layouts:
+            raise ValueError(f"cannot flip to {target!r}: captured layouts are {', '.join(self.layouts)}")
+        if target == self.active:
+            return {}
+        t0 = time.perf_counter()
+        reports = self.ranks.call(FlipCommand(target, tuple(sorted(live_blocks))))
+        entry = _log_entry(self.active, target, reports, (time.perf_counter() - t0) * 1e3)
+        self.flip_log.append(entry)
+        if entry["ok"]:
+            self.active, self.fallback = target, False
+            self.num_flips += 1
+            log.info("flip %s: total %.1f ms (%s); kv %d B, weights %d B", entry["direction"],
+                     entry["total_ms"], ", ".join(f"{c} {entry[c + '_ms']:.1f}" for c in COMPONENTS),
+                     entry["kv_bytes"], entry["weight_bytes"])
+        else:
+            self.fallback = True
+            self.num_failed_flips += 1
+            log.warning("flip %s failed at %s (%s); rolled back, staying in %s", entry["direction"],
+                        entry["failed_stage"], entry["error"], self.active)
+        return entry
+
+
+def _log_entry(source: str, target: str, reports, total_ms: float) -> dict:
+    """One flip: the slowest rank per component (the flip waits for it), bytes summed over ranks."""
+    def worst(c):
+        values = [r.ms.get(c) for r in reports if r.ms.get(c) is not None]
+        return max(values) if values else None
+    failed = [r for r in reports if not r.ok]
+    first = next((r for r in failed if r.error and "another rank" not in r.error), failed[0] if failed else None)
+    return {
+        "direction": f"{source}->{target}", "ok": not failed, "total_ms": total_ms,
+        **{f"{c}_ms": worst(c) for c in COMPONENTS},
+        "ranks_total_ms": worst("total"),
+        "kv_bytes": sum(r.kv_bytes for r in reports), "weight_bytes": sum(r.weight_bytes for r in reports),
+        "failed_stage": first.failed_stage if first else None,
+        "error": f"rank {first.rank}: {first.error}" if first else None,
+        "per_rank": [dict(rank=r.rank, ok=r.ok, **r.ms, kv_bytes=r.kv_bytes, weight_bytes=r.weight_bytes)
+                     for r in reports],
+    }

@@ -1,0 +1,198 @@
+"""Rank processes: spawning them, sending commands, collecting replies, propagating failures.
+
+Owns: the controller's side of the rank group. `LocalRanks` runs the single rank in-process (world
+size 1); `ProcessRanks` spawns world_size processes that form a torch.distributed group (gloo on CPU,
+NCCL on CUDA). A rank's exception reaches the caller as RankError naming the rank with its traceback;
+a dead rank raises EngineDeadError naming it (polled every 0.1 s: never a hang); ranks exit when the
+controller dies (PR_SET_PDEATHSIG plus a parent watchdog); shutdown() leaves no process behind.
+"""
+from __future__ import annotations
+
+import ctypes
+import faulthandler
+import multiprocessing as mp
+import multiprocessing.connection
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import torch
+
+from phaseflip.engine.loader import load_model_config, load_weights
+from phaseflip.layouts.comm import NoComm, RankComm, init_group
+from phaseflip.layouts.messages import RankBoot, RankFailure, Shutdown
+from phaseflip.layouts.runtime import RankRuntime
+from phaseflip.layouts.worker import failure, handle, serve
+
+
+class RankError(RuntimeError):
+    def __init__(self, rank: int, error: str, tb: str):
+        super().__init__(f"rank {rank} failed: {error}\n--- rank {rank} traceback ---\n{tb}")
+        self.rank, self.error, self.rank_traceback = rank, error, tb
+
+
+class EngineDeadError(RuntimeError):
+    """The engine cannot serve any more (a rank died or failed mid-step); create a new LLM."""
+
+
+def load_checkpoint(model_dir: str, dtype: torch.dtype):
+    cfg = load_model_config(model_dir)
+    return cfg, load_weights(model_dir, cfg, dtype)
+
+
+class LocalRanks:
+    """World size 1: the rank runtime lives in the controller's process."""
+    world_size = 1
+
+    def __init__(self, boot: RankBoot):
+        self.runtime = RankRuntime(boot, 0, NoComm(), load_checkpoint)
+        self.ready = [self.runtime.ready()]
+        self.pids = [os.getpid()]
+        self.dead = None
+
+    def call(self, msg) -> list:
+        try:
+            return [handle(self.runtime, msg)]
+        except Exception as e:  # noqa: BLE001 — same shape as a remote rank's failure
+            raise RankError(0, f"{type(e).__name__}: {e}", failure(0, e).traceback) from e
+
+    def shutdown(self) -> None:
+        pass
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _die_with_parent(parent_pid: int) -> None:
+    try:  # Linux: the kernel kills this process when the controller dies
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+    def watch():
+        while os.getppid() == parent_pid:
+            time.sleep(0.5)
+        os._exit(1)
+    threading.Thread(target=watch, daemon=True).start()
+
+
+def _rank_main(rank: int, world_size: int, init_method: str, control: str, authkey: str,
+               parent_pid: int) -> None:
+    """Entry point of a rank process (`python -m phaseflip.engine.ranks ...`)."""
+    _die_with_parent(parent_pid)
+    faulthandler.register(signal.SIGUSR1)  # `kill -USR1 <pid>` prints every thread's stack
+    host, port = control.rsplit(":", 1)
+    conn = mp.connection.Client((host, int(port)), authkey=bytes.fromhex(authkey))
+    conn.send(rank)
+    boot: RankBoot = conn.recv()
+    # Ranks share the machine's cores: oversubscribed OpenMP threads spin against each other.
+    torch.set_num_threads(boot.num_threads or max(1, (os.cpu_count() or 1) // world_size))
+    try:
+        init_group(rank, world_size, boot.device, init_method)
+    except Exception as e:  # noqa: BLE001
+        conn.send(failure(rank, e))
+        return
+    serve(rank, lambda: RankRuntime(boot, rank, RankComm(rank, world_size), load_checkpoint), conn)
+    os._exit(0)  # skip interpreter teardown: no hang in a half-closed process group
+
+
+class ProcessRanks:
+    """Rank processes started as fresh interpreters (not multiprocessing's spawn, which re-imports
+    the user's __main__ module): each connects back to a local listener with an auth key."""
+
+    def __init__(self, boot: RankBoot, world_size: int, poll_s: float = 0.1):
+        self.world_size, self.poll_s = world_size, poll_s
+        self.dead: str | None = None
+        authkey = os.urandom(16)
+        init_method = f"tcp://127.0.0.1:{_free_port()}"
+        with mp.connection.Listener(("127.0.0.1", 0), authkey=authkey) as listener:
+            host, port = listener.address
+            self.procs = [subprocess.Popen(
+                [sys.executable, "-m", "phaseflip.engine.ranks", str(rank), str(world_size), init_method,
+                 f"{host}:{port}", authkey.hex(), str(os.getpid())]) for rank in range(world_size)]
+            self.pids = [p.pid for p in self.procs]
+            self.conns = self._accept(listener)
+        for conn in self.conns:
+            conn.send(boot)
+        try:
+            self.ready = self._collect()
+        except BaseException:
+            self.shutdown()
+            raise
+
+    def _accept(self, listener) -> list:
+        conns: dict[int, object] = {}
+        listener._listener._socket.settimeout(60.0)
+        while len(conns) < self.world_size:
+            try:
+                conn = listener.accept()
+            except OSError as e:
+                self.shutdown_procs()
+                raise EngineDeadError(f"engine is dead: rank processes did not connect ({e})") from e
+            conns[conn.recv()] = conn
+        return [conns[r] for r in range(self.world_size)]
+
+    def _collect(self) -> list:
+        """One reply per rank. The first RankFailure wins at once (its peers may be stuck in a
+        collective with it); a dead process is noticed within poll_s."""
+        replies: dict[int, object] = {}
+        while len(replies) < self.world_size:
+            pending = {self.conns[r]: r for r in range(self.world_size) if r not in replies}
+            for conn in mp.connection.wait(list(pending), timeout=self.poll_s):
+                rank = pending[conn]
+                try:
+                    replies[rank] = conn.recv()
+                except (EOFError, OSError):
+                    self._die(f"rank {rank} closed its channel (exit code {self.procs[rank].poll()})")
+                reply = replies[rank]
+                if isinstance(reply, RankFailure):
+                    self.dead = f"rank {rank} failed: {reply.error}"
+                    self.shutdown()
+                    raise RankError(reply.rank, reply.error, reply.traceback)
+            for r, p in enumerate(self.procs):
+                if r not in replies and p.poll() is not None:
+                    self._die(f"rank {r} (pid {p.pid}) died with exit code {p.returncode}")
+        return [replies[r] for r in range(self.world_size)]
+
+    def _die(self, reason: str):
+        self.dead = reason
+        self.shutdown()
+        raise EngineDeadError(f"engine is dead: {reason}")
+
+    def call(self, msg) -> list:
+        if self.dead:
+            raise EngineDeadError(f"engine is dead: {self.dead}")
+        for conn in self.conns:
+            conn.send(msg)
+        return self._collect()
+
+    def shutdown(self, timeout_s: float = 5.0) -> None:
+        for conn, p in zip(self.conns, self.procs):
+            if p.poll() is None:
+                try:
+                    conn.send(Shutdown())
+                except (OSError, BrokenPipeError):
+                    pass
+        self.shutdown_procs(timeout_s)
+        for conn in self.conns:
+            conn.close()
+
+    def shutdown_procs(self, timeout_s: float = 5.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        for p in self.procs:
+            try:
+                p.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait(1.0)
+
+
+if __name__ == "__main__":
+    _rank_main(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4], sys.argv[5], int(sys.argv[6]))

@@ -1,0 +1,87 @@
+"""torch.distributed wrappers: the collectives the layouts call explicitly at their call sites.
+
+Owns: RankComm (all_reduce for TP partial sums, send/recv of hidden states between PP stages, gather
+of vocab-parallel logits, all_to_all for the KV reshard, a flag agreement for the flip) and the
+process-group set-up (gloo on CPU, NCCL on CUDA). `NoComm` is the group of one rank.
+"""
+from __future__ import annotations
+
+import datetime
+import os
+
+import torch
+import torch.distributed as dist
+
+
+def init_group(rank: int, world_size: int, device: str, init_method: str | None,
+               timeout_s: float = 30.0) -> None:
+    """Join the rank group. init_method None = env:// (torchrun sets MASTER_ADDR/PORT, RANK ...)."""
+    backend = "nccl" if device.startswith("cuda") else "gloo"
+    dist.init_process_group(backend, init_method=init_method or "env://", rank=rank,
+                            world_size=world_size, timeout=datetime.timedelta(seconds=timeout_s))
+
+
+class RankComm:
+    def __init__(self, rank: int, world_size: int):
+        self.rank = rank
+        self.world_size = world_size
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        dist.all_reduce(x)
+        return x
+
+    def send(self, x: torch.Tensor, dst: int) -> None:
+        dist.send(x.contiguous(), dst)
+
+    def recv(self, out: torch.Tensor, src: int) -> torch.Tensor:
+        dist.recv(out, src)
+        return out
+
+    def gather_rows(self, x: torch.Tensor, dst: int, width: int) -> list[torch.Tensor] | None:
+        """Gather [N, w_r] pieces (w_r <= width, padded to width on the wire) to dst."""
+        padded = torch.zeros(x.shape[0], width, dtype=x.dtype, device=x.device)
+        padded[:, :x.shape[1]] = x
+        out = [torch.empty_like(padded) for _ in range(self.world_size)] if self.rank == dst else None
+        dist.gather(padded, out, dst=dst)
+        return out
+
+    def all_to_all(self, out: torch.Tensor, inp: torch.Tensor, out_splits: list[int],
+                   in_splits: list[int]) -> None:
+        dist.all_to_all_single(out, inp, out_splits, in_splits)
+
+    def any(self, flag: bool) -> bool:
+        """True on every rank when flag is True on any rank (a flip's agreement after each stage)."""
+        t = torch.tensor([1 if flag else 0], dtype=torch.int32)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return bool(t.item())
+
+    def barrier(self) -> None:
+        dist.barrier()
+
+
+class NoComm:
+    """A group of one rank: reductions are the identity, there is nobody to send to."""
+    rank = 0
+    world_size = 1
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+    def gather_rows(self, x, dst, width):
+        return [x]
+
+    def all_to_all(self, out, inp, out_splits, in_splits) -> None:
+        out.copy_(inp)
+
+    def any(self, flag: bool) -> bool:
+        return flag
+
+    def barrier(self) -> None:
+        pass
+
+
+def env_rank() -> tuple[int, int] | None:
+    """(rank, world_size) when launched by torchrun, else None."""
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    return None

@@ -1,0 +1,126 @@
+"""The flip on one rank: quiesce is the caller's; read -> exchange (+ refill overlapped) -> write ->
+cutover, every component timed, every stage agreed by all ranks, rollback before cutover.
+
+Owns: `run_flip`. It copies and only copies: no arena allocation, no weight packing, no capture
+(restore, never rebuild). A stage that fails on any rank makes every rank roll back from what is
+still on the host side: the staged KV (restored into the source view) and the source layout's host
+image (refilled when the target's was already copied in). The engine stays in the source layout.
+"""
+from __future__ import annotations
+
+import threading
+import time
+import traceback
+
+import torch
+
+from phaseflip.layouts import reshard
+from phaseflip.layouts.messages import FlipCommand, FlipReport
+
+
+class InjectedFault(RuntimeError):
+    """A failure armed by a test (ArmFault)."""
+
+
+class _Refill(threading.Thread):
+    """The weight refill, run beside the KV exchange (LESSONS 3: overlap is the cheapest saving)."""
+    def __init__(self, arena, layout: str):
+        super().__init__(daemon=True)
+        self.arena, self.layout = arena, layout
+        self.bytes, self.ms, self.error = 0, None, None
+
+    def run(self):
+        t0 = time.perf_counter()
+        try:
+            self.bytes = self.arena.refill(self.layout)
+        except BaseException as e:  # reported to the flip, which rolls back
+            self.error = e
+        self.ms = (time.perf_counter() - t0) * 1e3
+
+
+class _Flip:
+    def __init__(self, rt, cmd: FlipCommand):
+        self.rt, self.cmd = rt, cmd
+        self.src, self.dst = rt.active, cmd.target
+        self.blocks = torch.tensor(cmd.live_blocks, dtype=torch.int64, device=rt.kv.buffer.device)
+        self.ms: dict[str, float] = {}
+        self.staged = None
+        self.received = None
+        self.splits: list[int] = []
+        self.kv_bytes = self.weight_bytes = 0
+        self.refilled = self.wrote = False
+
+    def _timed(self, name, fn):
+        t0 = time.perf_counter()
+        try:
+            fn()
+        finally:
+            self.ms[name] = (time.perf_counter() - t0) * 1e3
+        self.rt.faults.check(name)
+
+    def read(self):
+        self.staged = reshard.read(self.rt.kv.view(self.src), self.blocks)
+
+    def exchange_and_refill(self):
+        refill = _Refill(self.rt.arena, self.dst)
+        refill.start()
+        self.refilled = True
+        try:
+            self._timed("exchange", self._exchange)
+        finally:
+            refill.join()
+            self.ms["refill"] = refill.ms
+            self.weight_bytes = refill.bytes
+        if refill.error is not None:
+            raise refill.error
+        self.rt.faults.check("refill")
+
+    def _exchange(self):
+        rt, plan = self.rt, self.rt.layout_plan
+        src_shards, dst_shards = plan.spec(self.src).shards, plan.spec(self.dst).shards
+        flat, in_splits = reshard.send_buffer(self.staged, src_shards[rt.rank], dst_shards)
+        d = rt.cfg.head_dim
+        self.splits = reshard.recv_splits(src_shards, dst_shards[rt.rank], self.blocks.numel(),
+                                          rt.kv_block_size, d)
+        self.received = flat.new_empty(sum(self.splits))
+        rt.comm.all_to_all(self.received, flat, self.splits, in_splits)
+        self.kv_bytes = (sum(in_splits) - in_splits[rt.rank]) * flat.element_size()
+
+    def write(self):
+        self.wrote = True
+        plan = self.rt.layout_plan
+        reshard.write(self.rt.kv.view(self.dst), self.received, self.splits, plan.spec(self.src).shards,
+                      plan.spec(self.dst).shards[self.rt.rank], self.blocks)
+
+    def cutover(self):
+        self.rt.active = self.dst
+
+    def rollback(self):
+        if self.wrote and self.staged is not None:
+            reshard.restore(self.rt.kv.view(self.src), self.staged, self.blocks)
+        if self.refilled:
+            self.rt.arena.refill(self.src)
+        self.rt.active = self.src
+
+
+def run_flip(rt, cmd: FlipCommand) -> FlipReport:
+    """Flip this rank from rt.active to cmd.target. Every rank runs it together (collectives)."""
+    f = _Flip(rt, cmd)
+    t0 = time.perf_counter()
+    stages = (("read", lambda: f._timed("read", f.read)), ("exchange", f.exchange_and_refill),
+              ("write", lambda: f._timed("write", f.write)), ("cutover", lambda: f._timed("cutover", f.cutover)))
+    for name, run in stages:
+        error = None
+        try:
+            run()
+        except Exception as e:  # noqa: BLE001 — any failure rolls back; it is reported, not swallowed
+            error = (name, f"{type(e).__name__}: {e}", traceback.format_exc())
+        if rt.comm.any(error is not None):
+            f.rollback()
+            f.ms["total"] = (time.perf_counter() - t0) * 1e3
+            stage, msg = (error[0], error[1]) if error else (name, "another rank failed this stage")
+            return FlipReport(rt.rank, f.src, f.dst, ok=False, failed_stage=stage, error=msg, ms=f.ms,
+                              kv_bytes=f.kv_bytes, weight_bytes=f.weight_bytes)
+    f.ms["total"] = (time.perf_counter() - t0) * 1e3
+    return FlipReport(rt.rank, f.src, f.dst, ok=True, ms=f.ms, kv_bytes=f.kv_bytes,
+                      weight_bytes=f.weight_bytes)

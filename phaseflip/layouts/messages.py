@@ -1,0 +1,110 @@
+"""Typed messages between the controller and the rank processes (besides StepPlan in plan.py).
+
+Owns: the commands a rank executes (boot, run a step in a layout, flip, arm a fault, stats, shutdown)
+and its replies. Plain picklable dataclasses: a command is a type, never a method name in a string.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from phaseflip.layouts.plan import SampledToken, StepPlan
+
+FLIP_STAGES = ("read", "exchange", "refill", "write", "cutover")
+
+
+@dataclass(frozen=True)
+class RankBoot:
+    model_dir: str
+    dtype: str                 # torch dtype name, e.g. "float32"
+    device: str                # "cpu" | "cuda" (a rank uses cuda:<rank>)
+    layout_plan: Any           # planner.LayoutPlan
+    layouts: tuple[str, ...]   # captured layouts, the first is active after boot
+    shapes: Any                # runner.StepShapes
+    num_kv_blocks: int
+    max_model_len: int
+    park: str                  # "auto" | "always" | "never"
+    seed: int
+    capture: bool
+    num_threads: int | None = None
+
+
+@dataclass(frozen=True)
+class RunStep:
+    layout: str                # the layout the controller believes is active: checked by the rank
+    plan: StepPlan
+
+
+@dataclass(frozen=True)
+class FlipCommand:
+    target: str
+    live_blocks: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class ArmFault:
+    """Test hook: make the next flip fail at `stage` on `rank` (None: every rank)."""
+    stage: str
+    rank: int | None = None
+
+    def __post_init__(self):
+        if self.stage not in FLIP_STAGES:
+            raise ValueError(f"fault stage {self.stage!r} is unknown; stages: {', '.join(FLIP_STAGES)}")
+
+
+@dataclass(frozen=True)
+class StatsQuery:
+    pass
+
+
+@dataclass(frozen=True)
+class Shutdown:
+    pass
+
+
+@dataclass(frozen=True)
+class RankReady:
+    rank: int
+    boot_ms: dict[str, float]
+    captures_at_boot: int
+    arena_bytes: int
+    shard_bytes: dict[str, int]       # layout -> bytes of this rank's weights in that layout
+    kv_bytes: int
+    pid: int
+
+
+@dataclass(frozen=True)
+class StepReply:
+    rank: int
+    sampled: tuple[SampledToken, ...] | None   # the output rank's tokens; None elsewhere
+
+
+@dataclass(frozen=True)
+class FlipReport:
+    rank: int
+    source: str
+    target: str
+    ok: bool
+    failed_stage: str | None = None
+    error: str | None = None
+    ms: dict[str, float] = field(default_factory=dict)   # read, exchange, refill, write, cutover, total
+    kv_bytes: int = 0        # KV bytes this rank sent to other ranks
+    weight_bytes: int = 0    # bytes this rank copied into its arena
+
+
+@dataclass(frozen=True)
+class RankStats:
+    rank: int
+    active_layout: str
+    captures_at_boot: int
+    captures_after_boot: int
+    eager_fallbacks: dict[str, int]
+    arena_ptr: int
+    arena_bytes: int
+
+
+@dataclass(frozen=True)
+class RankFailure:
+    rank: int
+    error: str
+    traceback: str

@@ -1,0 +1,112 @@
+"""One layout's step on one rank: fill the static buffers, replay the captured step, pass it on.
+
+Owns: executing a StepPlan in one layout — PP: receive the hidden states from the previous stage, run
+this stage's layers, send them to the next (explicit send/recv); TP: run every layer on this rank's
+head/MLP share (all-reduces inside the maths), gather the vocab-parallel logits to the output rank.
+The output rank (the last one in both layouts) samples. Replays the smallest captured bucket that
+fits; an uncaptured size runs eagerly and is counted.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from phaseflip.graphs.buffers import StaticBuffers
+from phaseflip.graphs.capture import StepKey, capture_eager
+from phaseflip.graphs.registry import GraphRegistry
+from phaseflip.layouts.comm import NoComm
+from phaseflip.layouts.forward import compute_logits, forward
+from phaseflip.layouts.kvcache import KVView
+from phaseflip.layouts.model_config import ModelConfig
+from phaseflip.layouts.plan import Phase, SampledToken, StepPlan
+from phaseflip.layouts.sampler import Sampler
+from phaseflip.layouts.shard import RankWeights
+from phaseflip.layouts.spec import RankShard
+from phaseflip.layouts.step_inputs import bucket_sizes, prepare_inputs
+
+
+@dataclass(frozen=True)
+class StepShapes:
+    """The sizes the static buffers and the captured buckets are built for."""
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_blocks_per_seq: int
+    block_size: int
+    decode_buckets: tuple[int, ...]    # batch sizes (sequences)
+    prefill_buckets: tuple[int, ...]   # tokens
+
+    @property
+    def max_tokens(self) -> int:
+        return max(self.max_num_batched_tokens, *self.decode_buckets, *self.prefill_buckets)
+
+
+class LayoutRunner:
+    def __init__(self, layout: str, cfg: ModelConfig, shards: tuple[RankShard, ...], rank: int,
+                 weights: RankWeights, kv: KVView, rope_table: torch.Tensor, shapes: StepShapes,
+                 buffers: StaticBuffers, registry: GraphRegistry, sampler: Sampler, comm):
+        self.layout, self.cfg, self.rank = layout, cfg, rank
+        self.shards, self.shard = shards, shards[rank]
+        self.weights, self.kv, self.rope_table = weights, kv, rope_table
+        self.shapes, self.buffers, self.registry = shapes, buffers, registry
+        self.sampler, self.comm = sampler, comm
+        self.is_pp = self.shard.tp_size == 1 and len(shards) > 1
+        self.output_rank = len(shards) - 1
+        # The maths reduces partial sums over the ranks sharing a layer: nobody in PP.
+        self.tp_comm = comm if self.shard.tp_size > 1 else NoComm()
+
+    def step_fn(self, meta: dict[str, torch.Tensor]) -> torch.Tensor:
+        return forward(self.weights, self.cfg, self.shard, meta, self.kv, self.rope_table, self.tp_comm,
+                       hidden_in=meta.get("hidden_in"))
+
+    def capture_all(self) -> None:
+        """Record one step per bucket of both phases (boot only)."""
+        s = self.shapes
+        for b in s.decode_buckets:
+            self._capture(StepKey(self.layout, Phase.DECODE.value, b), bucket_sizes(b, b))
+        for t in s.prefill_buckets:
+            self._capture(StepKey(self.layout, Phase.PREFILL.value, t), bucket_sizes(t, s.max_num_seqs))
+
+    def _capture(self, key: StepKey, sizes: dict[str, int]) -> None:
+        sizes = {**sizes, "hidden_in": sizes["input_ids"]}
+        self.registry.add(capture_eager(key, self.step_fn, self.buffers, sizes))
+
+    def _run(self, plan: StepPlan, meta: dict[str, torch.Tensor]) -> torch.Tensor:
+        """This stage's hidden states: a replay when a bucket fits, else an eager run."""
+        size = plan.num_seqs if plan.phase is Phase.DECODE else plan.num_tokens
+        step = self.registry.lookup(self.layout, plan.phase.value, size)
+        rows = plan.num_tokens if step is None else step.views["input_ids"].shape[0]
+        if self.is_pp and not self.shard.has_embed:
+            hidden_in = self.buffers.tensors["hidden_in"][:rows]
+            self.comm.recv(hidden_in, self.rank - 1)
+            meta["hidden_in"] = hidden_in
+        if step is None:
+            hidden = self.step_fn(meta)
+        else:
+            for name, view in step.views.items():
+                if name != "hidden_in":
+                    self.buffers.fill(name, meta[name], view.shape[0])
+            hidden = step.replay()
+        if self.is_pp and not self.shard.has_head:
+            self.comm.send(hidden[:rows], self.rank + 1)
+        return hidden
+
+    def execute(self, plan: StepPlan) -> list[SampledToken] | None:
+        """Run the step; the output rank returns the sampled tokens, the others None."""
+        meta, sample_rows = prepare_inputs(plan, self.shapes.block_size)
+        hidden = self._run(plan, meta)
+        if not self.shard.has_head or not sample_rows:
+            return [] if self.rank == self.output_rank else None
+        logits = compute_logits(self.weights, hidden[torch.tensor(sample_rows)])   # [N, V_rank]
+        if self.shard.tp_size > 1:
+            logits = self._gather_logits(logits)
+        if self.rank != self.output_rank:
+            return None
+        return self.sampler.sample(logits, [c.seq_id for c in plan.chunks if c.sample])
+
+    def _gather_logits(self, logits: torch.Tensor) -> torch.Tensor | None:
+        widths = [s.vocab.count for s in self.shards]
+        pieces = self.comm.gather_rows(logits, self.output_rank, max(widths))
+        if pieces is None:
+            return None
+        return torch.cat([p[:, :w] for p, w in zip(pieces, widths)], dim=1)   # [N, V]

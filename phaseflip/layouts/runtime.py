@@ -1,0 +1,153 @@
+"""RankRuntime: everything one rank owns after boot, and the commands it executes.
+
+Owns: boot of one rank (its shards of every layout packed into host images, the weight arena and the
+KV region allocated ONCE, every step of every layout captured), then StepPlan execution in the active
+layout, flips and stats. The same code runs in-process at world size 1 and inside each rank process
+(layouts/worker.py). Checkpoint reading is passed in (`load`), so layouts/ never imports engine/.
+"""
+from __future__ import annotations
+
+import os
+import time
+from typing import Callable
+
+import torch
+
+from phaseflip.graphs.buffers import BufferSpec, StaticBuffers
+from phaseflip.graphs.registry import GraphRegistry
+from phaseflip.kernels.rotary import cos_sin_table
+from phaseflip.layouts.arena import WeightArena, pack_image
+from phaseflip.layouts.flip import InjectedFault, run_flip
+from phaseflip.layouts.kvcache import KVRegion, KVShape
+from phaseflip.layouts.messages import (ArmFault, FlipCommand, FlipReport, RankBoot, RankReady,
+                                        RankStats, RunStep, StepReply)
+from phaseflip.layouts.model_config import ModelConfig
+from phaseflip.layouts.runner import LayoutRunner
+from phaseflip.layouts.sampler import Sampler
+from phaseflip.layouts.shard import shard_weights
+from phaseflip.layouts.step_inputs import buffer_specs
+
+Loader = Callable[[str, torch.dtype], tuple[ModelConfig, dict[str, torch.Tensor]]]
+
+
+class Faults:
+    """Armed test faults of this rank: stage -> pending. check() raises once per arming."""
+    def __init__(self, rank: int):
+        self.rank = rank
+        self.armed: set[str] = set()
+
+    def arm(self, cmd: ArmFault) -> None:
+        if cmd.rank is None or cmd.rank == self.rank:
+            self.armed.add(cmd.stage)
+
+    def check(self, stage: str) -> None:
+        if stage in self.armed:
+            self.armed.discard(stage)
+            raise InjectedFault(f"injected fault at flip stage {stage!r} on rank {self.rank}")
+
+
+class _Timer:
+    def __init__(self, into: dict, name: str):
+        self.into, self.name = into, name
+
+    def __enter__(self):
+        self.t0 = time.perf_counter()
+
+    def __exit__(self, *exc):
+        self.into[self.name] = (time.perf_counter() - self.t0) * 1e3
+
+
+class RankRuntime:
+    def __init__(self, boot: RankBoot, rank: int, comm, load: Loader):
+        self.boot_ms: dict[str, float] = {}
+        self.rank, self.comm, self.layouts = rank, comm, boot.layouts
+        self.layout_plan = boot.layout_plan
+        self.device = boot.device if boot.device == "cpu" else f"cuda:{rank}"
+        dtype = getattr(torch, boot.dtype)
+        with _Timer(self.boot_ms, "load"):
+            self.cfg, hf = load(boot.model_dir, dtype)
+        with _Timer(self.boot_ms, "pack"):
+            templates = {name: shard_weights(hf, self.cfg, self.layout_plan.spec(name).shards[rank])
+                         for name in boot.layouts}
+            images = {name: pack_image(w, pin=self.device != "cpu") for name, w in templates.items()}
+            del hf
+        self.shard_bytes = {name: img.num_bytes for name, img in images.items()}
+        with _Timer(self.boot_ms, "arena"):
+            self.arena = WeightArena(images, templates, self.device, resident=_resident(boot, images))
+        self.kv_block_size = boot.shapes.block_size
+        with _Timer(self.boot_ms, "kv_alloc"):
+            self.kv = KVRegion({name: self._kv_shape(name, boot) for name in boot.layouts}, dtype, self.device)
+        self.faults = Faults(rank)
+        self.sampler = Sampler(boot.seed)
+        self.registry = GraphRegistry()
+        self.runners = self._make_runners(boot, dtype)
+        self._capture(boot)
+        self.active = boot.layouts[0]
+        self.arena.refill(self.active)
+        self.registry.seal()
+
+    def _kv_shape(self, layout: str, boot: RankBoot) -> KVShape:
+        shard = self.layout_plan.spec(layout).shards[self.rank]
+        return KVShape(shard.layers.count, boot.num_kv_blocks, boot.shapes.block_size,
+                       shard.kv_heads.count, self.cfg.head_dim)
+
+    def _make_runners(self, boot: RankBoot, dtype: torch.dtype) -> dict[str, LayoutRunner]:
+        s = boot.shapes
+        specs = buffer_specs(s.max_tokens, s.max_num_seqs, s.max_blocks_per_seq)
+        specs["hidden_in"] = BufferSpec((s.max_tokens, self.cfg.hidden_size), dtype, 0)
+        self.buffers = StaticBuffers(specs, self.device)  # one set per rank, shared by both layouts
+        rope = cos_sin_table(self.cfg.head_dim, boot.max_model_len, self.cfg.rope_theta,
+                             self.cfg.rope_scaling).to(self.device)
+        return {name: LayoutRunner(name, self.cfg, self.layout_plan.spec(name).shards, self.rank,
+                                   self.arena.weights[name], self.kv.view(name), rope, s, self.buffers,
+                                   self.registry, self.sampler, self.comm)
+                for name in boot.layouts}
+
+    def _capture(self, boot: RankBoot) -> None:
+        """Capture each layout with its own image in the arena (its graphs read arena addresses)."""
+        for name in boot.layouts:
+            self.arena.refill(name)
+            with _Timer(self.boot_ms, f"capture:{name}"):
+                if boot.capture:
+                    self.runners[name].capture_all()
+
+    # -- commands ------------------------------------------------------------------------------
+    def run_step(self, cmd: RunStep) -> StepReply:
+        if cmd.layout != self.active or self.arena.active != self.active:
+            raise RuntimeError(f"rank {self.rank}: step for layout {cmd.layout!r} but the arena holds "
+                               f"{self.arena.active!r} (active {self.active!r})")
+        plan = cmd.plan
+        for req in plan.new_requests:
+            self.sampler.add(req.seq_id, req.params)
+        for seq_id in plan.finished_seq_ids:
+            self.sampler.remove(seq_id)
+        sampled = self.runners[self.active].execute(plan) if plan.chunks else []
+        return StepReply(self.rank, None if sampled is None else tuple(sampled))
+
+    def flip(self, cmd: FlipCommand) -> FlipReport:
+        if cmd.target not in self.runners:
+            raise ValueError(f"cannot flip to {cmd.target!r}: captured layouts are {', '.join(self.runners)}")
+        return run_flip(self, cmd)
+
+    def ready(self) -> RankReady:
+        return RankReady(self.rank, dict(self.boot_ms), self.registry.captures_at_boot, self.arena.num_bytes,
+                         dict(self.shard_bytes), self.kv.num_bytes, os.getpid())
+
+    def stats(self) -> RankStats:
+        return RankStats(self.rank, self.active, self.registry.captures_at_boot,
+                         self.registry.captures_after_boot,
+                         {f"{k[0]}:{k[1]}": v for k, v in self.registry.eager_fallbacks.items()},
+                         self.arena.buffer.data_ptr(), self.arena.num_bytes)
+
+
+def _resident(boot: RankBoot, images) -> bool:
+    if boot.park == "never" or len(images) == 1:
+        return True
+    if boot.park == "always":
+        return False
+    return boot.device == "cpu" or _fits_side_by_side(images)
+
+
+def _fits_side_by_side(images) -> bool:
+    free, _ = torch.cuda.mem_get_info()
+    return sum(img.num_bytes for img in images.values()) < 0.5 * free
