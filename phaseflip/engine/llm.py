@@ -18,7 +18,8 @@ from phaseflip.engine.config import EngineConfig
 from phaseflip.engine.core import EngineCore
 from phaseflip.engine.layout_control import LayoutControl
 from phaseflip.engine.loader import load_model_config, load_tokenizer
-from phaseflip.engine.ranks import LocalRanks, ProcessRanks
+from phaseflip.engine.ranks import LocalRanks, ProcessRanks, TorchrunRanks
+from phaseflip.layouts.comm import env_rank
 from phaseflip.engine.prompts import prepare_prompts
 from phaseflip.engine.requests import CompletionOutput, RequestMetrics, RequestOutput, Sequence
 from phaseflip.engine.sampling_params import SamplingParams
@@ -51,7 +52,7 @@ class LLM:
         self.model_config = mc
         with report.timed("ranks"):
             boot = rank_boot(cfg, self.plan)
-            self.ranks = LocalRanks(boot) if cfg.world_size == 1 else ProcessRanks(boot, cfg.world_size)
+            self.ranks = _start_ranks(boot, cfg.world_size)
         self.control = LayoutControl(self.ranks, cfg.layouts, cfg.flip_every_steps)
         shapes = self.plan.shapes
         self.allocator = BlockAllocator(self.plan.num_kv_blocks, shapes.block_size)
@@ -179,6 +180,14 @@ class LLM:
 
     def __exit__(self, *exc):
         self.shutdown()
+
+
+def _start_ranks(boot, world_size: int):
+    if env_rank() is not None:  # launched by torchrun: this process is rank 0 and the controller
+        if env_rank()[1] != world_size:
+            raise ValueError(f"world_size={world_size} but torchrun started {env_rank()[1]} processes")
+        return TorchrunRanks(boot, world_size)
+    return LocalRanks(boot) if world_size == 1 else ProcessRanks(boot, world_size)
 
 
 def _default_model_dir():

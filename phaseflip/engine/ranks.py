@@ -21,6 +21,7 @@ import threading
 import time
 
 import torch
+import torch.distributed as dist
 
 from phaseflip.engine.loader import load_model_config, load_weights
 from phaseflip.layouts.comm import NoComm, RankComm, init_group
@@ -139,10 +140,10 @@ class ProcessRanks:
             conns[conn.recv()] = conn
         return [conns[r] for r in range(self.world_size)]
 
-    def _collect(self) -> list:
+    def _collect(self, replies: dict | None = None) -> list:
         """One reply per rank. The first RankFailure wins at once (its peers may be stuck in a
         collective with it); a dead process is noticed within poll_s."""
-        replies: dict[int, object] = {}
+        replies = {} if replies is None else replies
         while len(replies) < self.world_size:
             pending = {self.conns[r]: r for r in range(self.world_size) if r not in replies}
             for conn in mp.connection.wait(list(pending), timeout=self.poll_s):
@@ -171,7 +172,12 @@ class ProcessRanks:
             raise EngineDeadError(f"engine is dead: {self.dead}")
         for conn in self.conns:
             conn.send(msg)
-        return self._collect()
+        replies: dict[int, object] = {}
+        try:
+            return self._collect(replies)
+        except KeyboardInterrupt:
+            self._collect(replies)  # keep lockstep: the next call must not read this call's replies
+            raise
 
     def shutdown(self, timeout_s: float = 5.0) -> None:
         for conn, p in zip(self.conns, self.procs):
@@ -192,6 +198,88 @@ class ProcessRanks:
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait(1.0)
+
+
+class _DistChannel:
+    """A rank's channel under torchrun: commands broadcast from rank 0, replies gathered to it."""
+    def __init__(self, group):
+        self.group = group
+
+    def recv(self):
+        box = [None]
+        dist.broadcast_object_list(box, src=0, group=self.group)
+        return box[0]
+
+    def send(self, reply) -> None:
+        dist.gather_object(reply, None, dst=0, group=self.group)
+
+
+def _torchrun_group(world_size: int, device: str):
+    rank = int(os.environ["RANK"])
+    init_group(rank, world_size, device, None)
+    return rank, dist.new_group(backend="gloo")  # control messages always travel over gloo
+
+
+def serve_torchrun_rank(device: str = "cpu") -> None:
+    """Ranks > 0 under torchrun: receive the boot and the commands from rank 0 (the controller)."""
+    world_size = int(os.environ["WORLD_SIZE"])
+    rank, group = _torchrun_group(world_size, device)
+    channel = _DistChannel(group)
+    boot: RankBoot = channel.recv()
+    torch.set_num_threads(boot.num_threads or max(1, (os.cpu_count() or 1) // world_size))
+    serve(rank, lambda: RankRuntime(boot, rank, RankComm(rank, world_size), load_checkpoint), channel)
+    dist.destroy_process_group()
+
+
+class TorchrunRanks:
+    """Rank 0 under torchrun: the controller and rank 0's runtime share this process; the other
+    ranks were started by torchrun (env:// rendezvous, possibly on other nodes)."""
+
+    def __init__(self, boot: RankBoot, world_size: int):
+        self.world_size = world_size
+        self.dead: str | None = None
+        rank, self.group = _torchrun_group(world_size, boot.device)
+        if rank != 0:
+            raise RuntimeError(f"LLM() runs on torchrun rank 0 only; rank {rank} serves (serve_torchrun_rank)")
+        torch.set_num_threads(boot.num_threads or max(1, (os.cpu_count() or 1) // world_size))
+        self._broadcast(boot)
+        try:
+            runtime = RankRuntime(boot, 0, RankComm(0, world_size), load_checkpoint)
+            mine = runtime.ready()
+        except Exception as e:  # noqa: BLE001
+            runtime, mine = None, failure(0, e)
+        self.runtime = runtime
+        self.ready = self._gather(mine)
+        self.pids = [None] * world_size  # other nodes' processes are torchrun's to manage
+
+    def _broadcast(self, msg) -> None:
+        dist.broadcast_object_list([msg], src=0, group=self.group)
+
+    def _gather(self, mine) -> list:
+        replies = [None] * self.world_size
+        dist.gather_object(mine, replies, dst=0, group=self.group)
+        for reply in replies:
+            if isinstance(reply, RankFailure):
+                self.dead = f"rank {reply.rank} failed: {reply.error}"
+                raise RankError(reply.rank, reply.error, reply.traceback)
+        return replies
+
+    def call(self, msg) -> list:
+        if self.dead:
+            raise EngineDeadError(f"engine is dead: {self.dead}")
+        self._broadcast(msg)
+        try:
+            mine = handle(self.runtime, msg)
+        except Exception as e:  # noqa: BLE001
+            mine = failure(0, e)
+        return self._gather(mine)
+
+    def shutdown(self) -> None:
+        if self.dead is None:
+            self.dead = "shut down"
+            self._broadcast(Shutdown())
+            self._gather(Shutdown())
+            dist.destroy_process_group()
 
 
 if __name__ == "__main__":

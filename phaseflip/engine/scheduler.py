@@ -112,7 +112,6 @@ class Scheduler:
         plan = StepPlan(step_id=self._step_id, phase=Phase.DECODE if all(is_decode) else Phase.PREFILL,
                         chunks=tuple(ordered), new_requests=new_requests,
                         finished_seq_ids=tuple(self._finished_ids))
-        self._finished_ids = []
         self._in_flight = plan.step_id
         return plan
 
@@ -215,6 +214,9 @@ class Scheduler:
             if chunk.sample and chunk.seq_id not in sampled_token_ids:
                 raise KeyError(f"step {plan.step_id}: no sampled token for seq {seq.seq_id}")
         self._in_flight = None
+        # Forget finished ids only once a plan carrying them ran: an interrupted plan's ids go again.
+        reported = set(plan.finished_seq_ids)
+        self._finished_ids = [i for i in self._finished_ids if i not in reported]
         for chunk, seq in live:
             seq.num_computed_tokens += chunk.num_tokens
             if chunk.sample:

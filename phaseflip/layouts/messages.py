@@ -11,6 +11,7 @@ from typing import Any
 from phaseflip.layouts.plan import SampledToken, StepPlan
 
 FLIP_STAGES = ("read", "exchange", "refill", "write", "cutover")
+FAULT_STAGES = FLIP_STAGES + ("step",)  # "step": the next RunStep raises on that rank
 
 
 @dataclass(frozen=True)
@@ -43,13 +44,23 @@ class FlipCommand:
 
 @dataclass(frozen=True)
 class ArmFault:
-    """Test hook: make the next flip fail at `stage` on `rank` (None: every rank)."""
+    """Test hook: make the next flip fail at `stage` (or the next step raise) on `rank` (None: all)."""
     stage: str
     rank: int | None = None
 
     def __post_init__(self):
-        if self.stage not in FLIP_STAGES:
-            raise ValueError(f"fault stage {self.stage!r} is unknown; stages: {', '.join(FLIP_STAGES)}")
+        if self.stage not in FAULT_STAGES:
+            raise ValueError(f"fault stage {self.stage!r} is unknown; stages: {', '.join(FAULT_STAGES)}")
+
+
+@dataclass(frozen=True)
+class FenceRebuild:
+    """Test hook: make every build entry point raise from now on (layouts/fence.py)."""
+
+
+@dataclass(frozen=True)
+class PoisonArena:
+    """Test hook: overwrite the whole weight arena with garbage (a refill must restore it)."""
 
 
 @dataclass(frozen=True)

@@ -43,7 +43,7 @@ class Faults:
     def check(self, stage: str) -> None:
         if stage in self.armed:
             self.armed.discard(stage)
-            raise InjectedFault(f"injected fault at flip stage {stage!r} on rank {self.rank}")
+            raise InjectedFault(f"injected fault at {stage!r} on rank {self.rank}")
 
 
 class _Timer:
@@ -116,6 +116,7 @@ class RankRuntime:
         if cmd.layout != self.active or self.arena.active != self.active:
             raise RuntimeError(f"rank {self.rank}: step for layout {cmd.layout!r} but the arena holds "
                                f"{self.arena.active!r} (active {self.active!r})")
+        self.faults.check("step")
         plan = cmd.plan
         for req in plan.new_requests:
             self.sampler.add(req.seq_id, req.params)

@@ -9,8 +9,9 @@ from __future__ import annotations
 import traceback
 from typing import Callable, Protocol
 
-from phaseflip.layouts.messages import (ArmFault, FlipCommand, RankFailure, RunStep, Shutdown,
-                                        StatsQuery)
+from phaseflip.layouts.fence import install_rebuild_fence
+from phaseflip.layouts.messages import (ArmFault, FenceRebuild, FlipCommand, PoisonArena, RankFailure,
+                                        RunStep, Shutdown, StatsQuery)
 from phaseflip.layouts.runtime import RankRuntime
 
 
@@ -29,6 +30,12 @@ def handle(rt: RankRuntime, msg):
         rt.faults.arm(msg)
         return rt.stats()
     if isinstance(msg, StatsQuery):
+        return rt.stats()
+    if isinstance(msg, FenceRebuild):
+        install_rebuild_fence()
+        return rt.stats()
+    if isinstance(msg, PoisonArena):
+        rt.arena.buffer.fill_(0xFF)  # all-ones bytes: NaN in every float dtype
         return rt.stats()
     raise TypeError(f"rank {rt.rank}: unknown command {type(msg).__name__}")
 

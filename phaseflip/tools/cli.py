@@ -34,15 +34,36 @@ def _engine_options(f):
         click.option("--max-num-seqs", type=int, default=64, show_default=True, help="Sequences running at once."),
         click.option("--max-num-batched-tokens", type=int, default=512, show_default=True, help="Token budget per step."),
         click.option("--seed", type=int, default=0, show_default=True, help="Base sampling seed."),
+        click.option("--world-size", type=int, default=None,
+                     help="Ranks (processes). Default: 1, or WORLD_SIZE under torchrun."),
+        click.option("--layouts", default=None, help="Captured layouts: pp,tp | pp | tp (default: pp,tp when world size > 1)."),
+        click.option("--park", default="auto", show_default=True, help="auto | always | never: where the inactive weight image waits."),
+        click.option("--flip-every-steps", type=int, default=None, help="Force a flip every K steps (testing)."),
     ]):
         f = opt(f)
     return f
 
 
-def _llm(model, dtype, max_model_len, max_num_seqs, max_num_batched_tokens, seed):
+def _llm(model, dtype, max_model_len, max_num_seqs, max_num_batched_tokens, seed, world_size, layouts,
+         park, flip_every_steps):
     from phaseflip.engine.llm import LLM
+    from phaseflip.layouts.comm import env_rank
+    if world_size is None:
+        world_size = env_rank()[1] if env_rank() else 1
     return LLM(model=model, dtype=dtype, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
-               max_num_batched_tokens=max_num_batched_tokens, seed=seed)
+               max_num_batched_tokens=max_num_batched_tokens, seed=seed, world_size=world_size,
+               layouts=tuple(layouts.split(",")) if layouts else None, park=park,
+               flip_every_steps=flip_every_steps)
+
+
+def _serve_if_worker() -> bool:
+    """Under torchrun, ranks > 0 serve rank 0 (the controller) and print nothing."""
+    from phaseflip.layouts.comm import env_rank
+    if env_rank() is None or env_rank()[0] == 0:
+        return False
+    from phaseflip.engine.ranks import serve_torchrun_rank
+    serve_torchrun_rank()
+    return True
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -59,12 +80,13 @@ def main(verbose: bool) -> None:
 @click.option("--max-tokens", type=int, default=64, show_default=True)
 @click.option("--temperature", type=float, default=0.0, show_default=True)
 @click.option("--chat", is_flag=True, help="Wrap the prompt in the model's chat template.")
-def generate(model, dtype, max_model_len, max_num_seqs, max_num_batched_tokens, seed, prompt,
-             max_tokens, temperature, chat):
+def generate(prompt, max_tokens, temperature, chat, **engine):
     """Generate a completion for one prompt."""
+    if _serve_if_worker():
+        return
     from phaseflip.engine.sampling_params import SamplingParams
-    params = SamplingParams(temperature=temperature, max_tokens=max_tokens, seed=seed)
-    llm = _llm(model, dtype, max_model_len, max_num_seqs, max_num_batched_tokens, seed)
+    params = SamplingParams(temperature=temperature, max_tokens=max_tokens, seed=engine["seed"])
+    llm = _llm(**engine)
     with llm:
         out = (llm.chat([{"role": "user", "content": prompt}], params, use_tqdm=False) if chat
                else llm.generate(prompt, params, use_tqdm=False))
@@ -98,14 +120,18 @@ def _read_prompts(path: str | None) -> list:
 @click.option("--max-tokens", type=int, default=64, show_default=True)
 @click.option("--temperature", type=float, default=0.0, show_default=True)
 @click.option("--output", default=None, type=click.Path(dir_okay=False), help="Write answers as JSONL here.")
-def boot(model, dtype, max_model_len, max_num_seqs, max_num_batched_tokens, seed, prompts_file,
-         max_tokens, temperature, output):
-    """Load, plan, capture, run an offline batch and print the answers with a summary."""
+def boot(prompts_file, max_tokens, temperature, output, **engine):
+    """Load, plan, capture, run an offline batch and print the answers with a summary.
+
+    Runs the same way under `torchrun --nproc-per-node N -m phaseflip.tools.cli boot` (rank 0 is the
+    controller; the other ranks serve it)."""
+    if _serve_if_worker():
+        return
     from phaseflip.engine.sampling_params import SamplingParams
     items = _read_prompts(prompts_file)
-    params = SamplingParams(temperature=temperature, max_tokens=max_tokens, seed=seed)
+    params = SamplingParams(temperature=temperature, max_tokens=max_tokens, seed=engine["seed"])
     t0 = time.perf_counter()
-    llm = _llm(model, dtype, max_model_len, max_num_seqs, max_num_batched_tokens, seed)
+    llm = _llm(**engine)
     boot_s = time.perf_counter() - t0
     with llm:
         chats = [i for i, it in enumerate(items) if isinstance(it, list)]
@@ -141,7 +167,14 @@ def _print_summary(llm, results, boot_s: float, gen_s: float) -> None:
     click.echo("\n== summary ==")
     click.echo("boot: " + ", ".join(f"{k} {v:.0f} ms" for k, v in stats["boot_ms"].items())
                + f" (total {boot_s * 1e3:.0f} ms)")
-    click.echo(f"captured steps: {stats['captures_at_boot']} at boot, {stats['captures_after_boot']} after")
+    click.echo(f"ranks: {stats['world_size']}, layouts {','.join(stats['layouts'])}; captured steps: "
+               f"{stats['captures_at_boot']} at boot, {stats['captures_after_boot']} after")
+    for e in stats["flip_log"]:
+        parts = ", ".join(f"{c} {e[c + '_ms']:.1f}" for c in ("read", "exchange", "refill", "write", "cutover")
+                          if e.get(c + "_ms") is not None)
+        state = "ok" if e["ok"] else f"FAILED at {e['failed_stage']}: {e['error']}"
+        click.echo(f"flip {e['direction']}: {e['total_ms']:.1f} ms ({parts}); kv {e['kv_bytes']} B, "
+                   f"weights {e['weight_bytes']} B; {state}")
     click.echo(f"requests: {len(results)}; prompt tokens {n_in}; output tokens {n_out}; "
                f"steps {stats['steps']}; preemptions {stats['num_preemptions']}")
     click.echo(f"generate: {gen_s:.2f} s, {n_out / gen_s:.1f} output tok/s, "
