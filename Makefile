@@ -11,7 +11,7 @@ HAS_GPU := $(shell nvidia-smi -L >/dev/null 2>&1 && echo yes)
 TORCH := $(if $(HAS_GPU),torch>=2.6,torch==2.13.0)
 PYTEST_ARGS ?=
 
-.PHONY: setup model demo test bench clean
+.PHONY: setup model demo test test-slow bench clean
 setup: $(VENV)/.installed model
 
 $(VENV)/.installed: setup.cfg pyproject.toml
@@ -25,11 +25,19 @@ $(VENV)/.installed: setup.cfg pyproject.toml
 model: $(VENV)/.installed
 	$(PY) -c "from phaseflip.engine.default_model import ensure_default_model as e; print('default model:', e())"
 
+# The main job: two CPU ranks, both layouts captured at boot, the drain rule flipping between them.
 demo: setup
-	$(VENV)/bin/phaseflip boot
+	$(VENV)/bin/phaseflip boot --world-size 2 --layouts pp,tp --park always
 
 test: setup
 	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+test-slow: setup
+	$(PY) -m pytest -q --runslow $(PYTEST_ARGS)
+
+# Flip components against their copy floor (a benchmark, not a test).
+bench: setup
+	$(PY) benchmarks/flips.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info

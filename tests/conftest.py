@@ -1,6 +1,7 @@
 """Session-wide fixtures: tiny random checkpoints built once per test session (see tests/models.py)."""
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -38,3 +39,17 @@ def default_model_dir() -> Path:
     """The embedded default model (SmolLM2-135M-Instruct), converted once into the cache by `make`."""
     from phaseflip.engine.default_model import ensure_default_model
     return ensure_default_model()
+
+
+def pytest_addoption(parser):
+    parser.addoption("--runslow", action="store_true", default=False,
+                     help="also run tests marked slow (the full matrix; `make test-slow`)")
+
+
+def pytest_collection_modifyitems(config, items):
+    if config.getoption("--runslow") or os.environ.get("PHASEFLIP_SLOW") == "1":
+        return
+    skip = pytest.mark.skip(reason="marked slow (minutes on 2 cores): run with --runslow or `make test-slow`")
+    for item in items:
+        if "slow" in item.keywords:
+            item.add_marker(skip)

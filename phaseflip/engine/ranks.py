@@ -151,7 +151,7 @@ class ProcessRanks:
                 try:
                     replies[rank] = conn.recv()
                 except (EOFError, OSError):
-                    self._die(f"rank {rank} closed its channel (exit code {self.procs[rank].poll()})")
+                    self._die(self._death(rank))
                 reply = replies[rank]
                 if isinstance(reply, RankFailure):
                     self.dead = f"rank {rank} failed: {reply.error}"
@@ -159,8 +159,17 @@ class ProcessRanks:
                     raise RankError(reply.rank, reply.error, reply.traceback)
             for r, p in enumerate(self.procs):
                 if r not in replies and p.poll() is not None:
-                    self._die(f"rank {r} (pid {p.pid}) died with exit code {p.returncode}")
+                    self._die(self._death(r))
         return [replies[r] for r in range(self.world_size)]
+
+    def _death(self, rank: int) -> str:
+        p = self.procs[rank]
+        try:
+            code = p.wait(1.0)
+        except subprocess.TimeoutExpired:
+            return f"rank {rank} (pid {p.pid}) closed its channel and is still running"
+        how = f"signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
+        return f"rank {rank} (pid {p.pid}) died ({how})"
 
     def _die(self, reason: str):
         self.dead = reason

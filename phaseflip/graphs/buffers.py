@@ -15,6 +15,7 @@ class BufferSpec:
     shape: tuple[int, ...]   # full (largest) shape; dim 0 is the one a bucket slices
     dtype: torch.dtype
     pad_value: int | float   # written into the unused tail on every fill (documented sentinel)
+    pad_with_last: bool = False  # instead, repeat the last real row (keeps offsets non-decreasing)
 
 
 class StaticBuffers:
@@ -31,13 +32,19 @@ class StaticBuffers:
         """Copy src into the first len(src) rows and pad rows [len(src), rows) with the sentinel."""
         dst = self.tensors[name]
         n = src.shape[0]
+        if src.dim() > 1 and src.shape[-1] > dst.shape[-1]:
+            raise ValueError(f"buffer {name!r}: {src.shape[-1]} columns do not fit its {dst.shape[-1]}")
         if n > rows or rows > dst.shape[0]:
             raise ValueError(f"buffer {name!r}: {n} rows do not fit a bucket of {rows} "
                              f"(buffer holds {dst.shape[0]})")
         # 2-D buffers (block tables) copy into their leading columns; columns past a sequence's
         # length are never read, so they are left as they are.
         dst[:n].narrow(-1, 0, src.shape[-1]).copy_(src) if src.dim() > 1 else dst[:n].copy_(src)
-        dst[n:rows].fill_(self.specs[name].pad_value)
+        spec = self.specs[name]
+        if spec.pad_with_last and n > 0:
+            dst[n:rows].copy_(src[-1].expand_as(dst[n:rows]))
+        else:
+            dst[n:rows].fill_(spec.pad_value)
 
     @property
     def num_bytes(self) -> int:

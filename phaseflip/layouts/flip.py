@@ -49,8 +49,10 @@ class _Flip:
         self.splits: list[int] = []
         self.kv_bytes = self.weight_bytes = 0
         self.refilled = self.wrote = False
+        self.stage = "read"   # the component running now: what a failure is reported against
 
     def _timed(self, name, fn):
+        self.stage = name
         t0 = time.perf_counter()
         try:
             fn()
@@ -71,6 +73,7 @@ class _Flip:
             refill.join()
             self.ms["refill"] = refill.ms
             self.weight_bytes = refill.bytes
+        self.stage = "refill"
         if refill.error is not None:
             raise refill.error
         self.rt.faults.check("refill")
@@ -114,7 +117,7 @@ def run_flip(rt, cmd: FlipCommand) -> FlipReport:
         try:
             run()
         except Exception as e:  # noqa: BLE001 — any failure rolls back; it is reported, not swallowed
-            error = (name, f"{type(e).__name__}: {e}", traceback.format_exc())
+            error = (f.stage, f"{type(e).__name__}: {e}", traceback.format_exc())
         if rt.comm.any(error is not None):
             f.rollback()
             f.ms["total"] = (time.perf_counter() - t0) * 1e3

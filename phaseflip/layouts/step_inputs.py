@@ -3,7 +3,7 @@
 Owns: `prepare_inputs` and the static-buffer specs (with their padding sentinels) those tensors are
 copied into. Sentinels: token id 0 and position 0 for padding tokens (harmless reads), slot -1 (the KV
 store writes nowhere), seq_len 0 for padding sequences (attention skips them; their other metadata is
-never read).
+never read; their query_start_loc entries repeat the last real offset, so offsets never decrease).
 """
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ def buffer_specs(max_tokens: int, max_seqs: int, max_blocks_per_seq: int) -> dic
         "slot_mapping": BufferSpec((max_tokens,), i64, -1),
         "block_tables": BufferSpec((max_seqs, max_blocks_per_seq), i64, 0),
         "seq_lens": BufferSpec((max_seqs,), i64, 0),
-        "query_start_loc": BufferSpec((max_seqs + 1,), i64, 0),
+        "query_start_loc": BufferSpec((max_seqs + 1,), i64, 0, pad_with_last=True),
     }
 
 

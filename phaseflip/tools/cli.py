@@ -103,7 +103,12 @@ def _read_prompts(path: str | None) -> list:
         return [[{"role": "user", "content": ln}] for ln in lines]
     items = []
     for n, ln in enumerate(lines, 1):
-        obj = json.loads(ln)
+        try:
+            obj = json.loads(ln)
+        except json.JSONDecodeError as e:
+            raise click.BadParameter(f"{path} line {n} is not JSON: {e}") from e
+        if not isinstance(obj, dict):
+            raise click.BadParameter(f"{path} line {n}: expected a JSON object, got {type(obj).__name__}")
         if "messages" in obj:
             items.append(obj["messages"])
         elif "prompt" in obj:

@@ -1,0 +1,114 @@
+"""Rank processes: failures reach the caller with the rank, a dead rank never hangs generate, no
+process outlives the engine or its controller, and torchrun runs the same boot."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import pytest
+
+from phaseflip import LLM, SamplingParams
+from phaseflip.engine.ranks import EngineDeadError, RankError
+from phaseflip.layouts.messages import ArmFault
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # a zombie has exited; it only waits to be reaped
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split()[2] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def wait_gone(pids, timeout_s=10.0) -> list[int]:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and any(alive(p) for p in pids):
+        time.sleep(0.1)
+    return [p for p in pids if alive(p)]
+
+
+@pytest.fixture(scope="module")
+def model(tiny_model_dir):
+    return str(tiny_model_dir("llama"))
+
+
+def test_rank_exception_names_the_rank_then_engine_is_dead(model):
+    llm = LLM(model=model, dtype="float32", world_size=2)
+    pids = llm.stats()["rank_pids"]
+    llm.ranks.call(ArmFault("step", rank=1))
+    with pytest.raises(RankError, match=r"rank 1 failed: InjectedFault") as info:
+        llm.generate(["hello world"], GREEDY, use_tqdm=False)
+    assert "Traceback" in info.value.rank_traceback and "run_step" in info.value.rank_traceback
+    with pytest.raises(EngineDeadError, match="engine is dead: rank 1 failed"):
+        llm.generate(["hello again"], GREEDY, use_tqdm=False)
+    llm.shutdown()
+    assert wait_gone(pids) == []
+
+
+def test_killed_rank_raises_engine_dead_within_30s_and_leaves_no_process(model):
+    llm = LLM(model=model, dtype="float32", world_size=2, max_model_len=256)
+    pids = llm.stats()["rank_pids"]
+    long = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
+    threading.Timer(1.5, os.kill, (pids[1], signal.SIGKILL)).start()
+    t0 = time.monotonic()
+    with pytest.raises(EngineDeadError, match=r"rank 1 .*died"):
+        for _ in range(20):  # long enough that the kill lands mid-generate
+            llm.generate(["the quick brown fox"] * 4, long, use_tqdm=False)
+    assert time.monotonic() - t0 < 1.5 + 30
+    assert wait_gone(pids) == []
+    llm.shutdown()
+
+
+def test_shutdown_leaves_no_process(model):
+    with LLM(model=model, dtype="float32", world_size=2, layouts=("tp",)) as llm:
+        pids = llm.stats()["rank_pids"]
+        llm.generate(["a b c"], GREEDY, use_tqdm=False)
+    assert wait_gone(pids, 10.0) == []
+
+
+def test_ranks_exit_when_the_controller_is_killed(model, tmp_path):
+    script = tmp_path / "controller.py"
+    script.write_text(textwrap.dedent(f"""
+        import json, sys, time
+        from phaseflip import LLM
+        llm = LLM(model={model!r}, dtype="float32", world_size=2)
+        print(json.dumps(llm.stats()["rank_pids"]), flush=True)
+        time.sleep(600)
+    """))
+    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True,
+                            cwd=os.getcwd())
+    pids = json.loads(proc.stdout.readline())
+    assert all(alive(p) for p in pids)
+    proc.kill()
+    proc.wait()
+    assert wait_gone(pids, 10.0) == [], "rank processes outlived their controller"
+
+
+def test_torchrun_runs_the_same_boot(model, tmp_path):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "the quick brown fox"}\n{"prompt": "hello world, this is"}\n')
+    outs = {}
+    for mode in ("torchrun", "spawn"):
+        out = tmp_path / f"{mode}.jsonl"
+        args = ["boot", "--model", model, "--prompts", str(prompts), "--max-tokens", "8",
+                "--output", str(out), "--layouts", "pp,tp", "--flip-every-steps", "2"]
+        if mode == "torchrun":
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                   "-m", "phaseflip.tools.cli", *args]
+        else:
+            cmd = [sys.executable, "-m", "phaseflip.tools.cli", *args, "--world-size", "2"]
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
+        assert r.returncode == 0, r.stderr[-3000:]
+        assert "flip pp->tp" in r.stdout and "== summary ==" in r.stdout
+        outs[mode] = [json.loads(line)["token_ids"] for line in out.read_text().splitlines()]
+    assert outs["torchrun"] == outs["spawn"]

@@ -1,0 +1,93 @@
+"""fp32 greedy parity with HF transformers over N ranks: PP and TP over 2 and 3 ranks, both layouts with
+real flips (the drain rule), and forced flips every 1, 3 and 7 steps with a batch of mixed lengths.
+
+The tiny models here have 3 KV heads (6 query heads) so that TP over 3 ranks is possible.
+"""
+import pytest
+
+from phaseflip import LLM, SamplingParams
+from tests.engine.test_parity import _prompts
+from tests.models import compare_greedy, hf_greedy
+
+NEW = 24
+GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True)
+THREE_KV = dict(hidden_size=96, num_attention_heads=6, num_key_value_heads=3)
+
+LAYOUTS = {
+    "pp2": dict(world_size=2, layouts=("pp",)),
+    "pp3": dict(world_size=3, layouts=("pp",)),
+    "tp2": dict(world_size=2, layouts=("tp",)),
+    "tp3": dict(world_size=3, layouts=("tp",)),
+    "drain2": dict(world_size=2, park="always"),
+    "drain3": dict(world_size=3),
+    "every1": dict(world_size=2, flip_every_steps=1, park="always"),
+    "every3": dict(world_size=2, flip_every_steps=3),
+    "every7": dict(world_size=3, flip_every_steps=7, park="always"),
+}
+
+
+@pytest.fixture(scope="module")
+def ref(tiny_model_dir):
+    cache = {}
+
+    def get(kind):
+        if kind not in cache:
+            d = tiny_model_dir(kind, **THREE_KV)
+            prompts = _prompts(384)[:6]  # 1 to 100 tokens
+            cache[kind] = d, prompts, hf_greedy(d, prompts, NEW)
+        return cache[kind]
+    return get
+
+
+def run(model_dir, prompts, **kw):
+    with LLM(model=str(model_dir), dtype="float32", max_num_seqs=8, **kw) as llm:
+        outs = llm.generate(prompts, GREEDY, use_tqdm=False)
+        stats = llm.stats()
+    assert stats["captures_after_boot"] == 0
+    assert stats["free_kv_blocks"] == stats["num_kv_blocks"]
+    return [o.outputs[0].token_ids for o in outs], stats
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_llama_every_layout_matches_hf(ref, name):
+    d, prompts, expected = ref("llama")
+    ours, stats = run(d, prompts, **LAYOUTS[name])
+    ok, ties, msg = compare_greedy(ours, expected)
+    print(f"\n[parity] llama/{name}: {msg}; flips {stats['flips']}")
+    assert ok, msg
+    if "flip_every_steps" in LAYOUTS[name] or name.startswith("drain"):
+        assert stats["flips"] >= 1 and stats["failed_flips"] == 0
+        assert {e["direction"] for e in stats["flip_log"]} >= {"pp->tp"}
+
+
+@pytest.mark.parametrize("name", ["tp3", "pp3", "every3"])
+@pytest.mark.parametrize("kind", ["qwen2", "qwen3"])
+def test_qwen_layouts_match_hf(ref, kind, name):
+    d, prompts, expected = ref(kind)
+    ours, _ = run(d, prompts, **LAYOUTS[name])
+    ok, ties, msg = compare_greedy(ours, expected)
+    print(f"\n[parity] {kind}/{name}: {msg}")
+    assert ok, msg
+
+
+def test_smollm2_two_ranks_uneven_tp_with_real_flips(default_model_dir):
+    """SmolLM2: 3 KV heads over 2 ranks is the uneven [2, 1] TP split with PP layers [20, 10]."""
+    from tests.engine.test_parity import _smollm_reference
+    from phaseflip.engine.loader import load_tokenizer
+    tok = load_tokenizer(default_model_dir)
+    texts = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,",
+             "1, 2, 3, 4,", "The quick brown fox", "Water boils at",
+             "A short poem about the moon:\n", "Photosynthesis is the process " * 12]
+    prompts = [tok.encode(t) for t in texts]
+    expected = _smollm_reference(default_model_dir, prompts)
+    with LLM(model=str(default_model_dir), dtype="float32", max_num_seqs=8, max_model_len=512,
+             world_size=2, park="always", flip_every_steps=5) as llm:
+        plan = llm.plan.layout_plan
+        assert plan.kv_heads == (2, 1) and plan.layers == (20, 10)
+        outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=32, ignore_eos=True),
+                            use_tqdm=False)
+        stats = llm.stats()
+    ok, ties, msg = compare_greedy([o.outputs[0].token_ids for o in outs], expected)
+    print(f"\n[parity] smollm2/world2 flips every 5: {msg}; flips {stats['flips']}")
+    assert ok, msg
+    assert stats["flips"] >= 4 and stats["captures_after_boot"] == 0

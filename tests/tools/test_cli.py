@@ -1,0 +1,163 @@
+"""The `phaseflip` command line, in-process through click's CliRunner: help, generate, boot.
+
+Every test runs on a tiny random model except the one acceptance test of `phaseflip boot` with no
+arguments, which runs the demo batch on the embedded default SmolLM2-135M-Instruct.
+"""
+import json
+
+import pytest
+from click.testing import CliRunner
+
+from phaseflip import LLM, SamplingParams
+from phaseflip.tools.cli import DEMO_PROMPTS, main
+
+SUMMARY_LINES = ("== summary ==", "boot: load", "capture", "captured steps:", "requests:",
+                 "output tok/s", "total tok/s")
+
+
+def _invoke(*args):
+    return CliRunner().invoke(main, [str(a) for a in args], catch_exceptions=True)
+
+
+def _ok(result):
+    assert result.exit_code == 0, f"exit {result.exit_code}\n{result.output}\n{result.exception!r}"
+    return result.output
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_model_dir):
+    return str(tiny_model_dir("llama"))
+
+
+# -- help ----------------------------------------------------------------------------------------
+def test_main_help_lists_every_subcommand():
+    out = _ok(_invoke("--help"))
+    assert "Usage:" in out
+    for name in ("boot", "generate", "convert"):
+        assert name in out
+
+
+@pytest.mark.parametrize("name", sorted(main.commands))
+def test_every_subcommand_has_help(name):
+    out = _ok(_invoke(name, "--help"))
+    assert f"Usage: main {name}" in out or f"{name} [OPTIONS]" in out
+    if name in ("boot", "generate"):
+        for opt in ("--model", "--dtype", "--max-model-len", "--max-num-seqs",
+                    "--max-num-batched-tokens", "--seed", "--max-tokens", "--temperature"):
+            assert opt in out, f"{name} --help does not document {opt}"
+
+
+def test_the_three_subcommands_exist():
+    assert {"boot", "generate", "convert"} <= set(main.commands)
+
+
+# -- generate ------------------------------------------------------------------------------------
+@pytest.mark.parametrize("chat", [False, True])
+def test_generate_prints_the_completion(tiny, chat):
+    prompt = "The quick brown fox"
+    out = _ok(_invoke("generate", "--model", tiny, "--prompt", prompt, "--max-tokens", 5,
+                      *(["--chat"] if chat else [])))
+    # the same request through the offline API, with the CLI's defaults
+    params = SamplingParams(temperature=0.0, max_tokens=5, seed=0)
+    with LLM(model=tiny, max_num_seqs=64, max_num_batched_tokens=512, seed=0) as llm:
+        ref = (llm.chat([{"role": "user", "content": prompt}], params, use_tqdm=False) if chat
+               else llm.generate(prompt, params, use_tqdm=False))[0].outputs[0]
+    assert 1 <= len(ref.token_ids) <= 5
+    assert out == ref.text + "\n"
+
+
+def test_generate_needs_a_prompt(tiny):
+    result = _invoke("generate", "--model", tiny)
+    assert result.exit_code == 2 and "--prompt" in result.output
+
+
+# -- boot on the tiny model ----------------------------------------------------------------------
+def _check_summary(out: str, num_requests: int) -> None:
+    for line in SUMMARY_LINES:
+        assert line in out, f"summary line {line!r} missing:\n{out}"
+    assert f"requests: {num_requests};" in out
+    assert "captured steps:" in out and "0 after" in out
+
+
+def _read_jsonl(path) -> list[dict]:
+    with open(path, encoding="utf-8") as f:
+        return [json.loads(ln) for ln in f]
+
+
+def test_boot_txt_prompts_to_jsonl(tiny, tmp_path):
+    questions = ["Hello there", "What is 2 + 2?", "Pack my box with five dozen liquor jugs"]
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("\n".join(questions[:2]) + "\n\n" + questions[2] + "\n")  # blank line skipped
+    out_path = tmp_path / "out.jsonl"
+    out = _ok(_invoke("boot", "--model", tiny, "--prompts", prompts, "--max-tokens", 8,
+                      "--output", out_path))
+    for q in questions:
+        assert f">>> {q}\n" in out
+    _check_summary(out, len(questions))
+    assert f"wrote 3 answers to {out_path}" in out
+    rows = _read_jsonl(out_path)
+    assert len(rows) == len(questions)
+    for q, row in zip(questions, rows):
+        assert row["prompt"] == [{"role": "user", "content": q}]
+        assert 1 <= len(row["token_ids"]) <= 8
+        assert row["finish_reason"] in ("length", "stop")
+        assert f">>> {q}\n{row['text'].strip()}" in out
+
+
+def test_boot_jsonl_prompts_and_messages(tiny, tmp_path):
+    items = [
+        {"prompt": "The quick brown fox"},
+        {"messages": [{"role": "user", "content": "What is 2 + 2?"}]},
+        {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"},
+                      {"role": "user", "content": "Numbers please"}]},
+        {"prompt": "Hello, world!"},
+    ]
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps(it) + "\n" for it in items))
+    out_path = tmp_path / "out.jsonl"
+    out = _ok(_invoke("boot", "--model", tiny, "--prompts", prompts, "--max-tokens", 8,
+                      "--output", out_path))
+    for q in ("The quick brown fox", "What is 2 + 2?", "Numbers please", "Hello, world!"):
+        assert f">>> {q}\n" in out
+    _check_summary(out, len(items))
+    rows = _read_jsonl(out_path)
+    assert len(rows) == len(items)
+    for it, row in zip(items, rows):   # answers come back in the file's order
+        assert row["prompt"] == it.get("prompt", it.get("messages"))
+        assert 1 <= len(row["token_ids"]) <= 8
+
+
+def test_boot_jsonl_line_without_a_prompt_is_a_clear_error(tiny, tmp_path):
+    prompts = tmp_path / "bad.jsonl"
+    prompts.write_text('{"prompt": "fine"}\n{"text": "no prompt field"}\n')
+    result = _invoke("boot", "--model", tiny, "--prompts", prompts)
+    assert result.exit_code == 2, result.output
+    assert "line 2" in result.output and "needs a 'prompt' or 'messages' field" in result.output
+    assert "== summary ==" not in result.output
+
+
+def test_boot_jsonl_line_that_is_not_json_is_a_clear_error(tiny, tmp_path):
+    prompts = tmp_path / "bad.jsonl"
+    prompts.write_text('{"prompt": "fine"}\nnot json at all\n')
+    result = _invoke("boot", "--model", tiny, "--prompts", prompts)
+    assert result.exit_code == 2, f"{result.exit_code}: {result.exception!r}"
+    assert "line 2" in result.output
+
+
+def test_boot_jsonl_line_that_is_not_an_object_is_a_clear_error(tiny, tmp_path):
+    prompts = tmp_path / "bad.jsonl"
+    prompts.write_text('{"prompt": "fine"}\n"a prompt without its object"\n')
+    result = _invoke("boot", "--model", tiny, "--prompts", prompts)
+    assert result.exit_code == 2, f"{result.exit_code}: {result.exception!r}"
+    assert "line 2" in result.output
+
+
+# -- the acceptance: `phaseflip boot` with no arguments -----------------------------------------
+
+def test_boot_without_arguments_runs_the_demo_on_smollm2(default_model_dir):
+    """The embedded default SmolLM2-135M-Instruct, the demo batch, 64 tokens each (~30-60 s on 2 cores)."""
+    out = _ok(_invoke("boot"))
+    assert "Paris" in out, out
+    for q in DEMO_PROMPTS:
+        assert f">>> {q}\n" in out
+    _check_summary(out, len(DEMO_PROMPTS))
