@@ -65,6 +65,23 @@ def default_prefill_buckets(budget: int) -> tuple[int, ...]:
     return tuple(sorted(set(list(range(32, budget, 32)) + [budget])))
 
 
+def device_budgets(device: str, world_size: int) -> tuple[float, ...]:
+    """Free bytes per rank's device: NVML (nvidia-ml-py) on CUDA, torch as the fallback; on the CPU
+    every rank is equal unless rank_budgets says otherwise."""
+    if device != "cuda":
+        return (1.0,) * world_size
+    try:
+        import pynvml
+        pynvml.nvmlInit()
+        try:
+            return tuple(float(pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(i)).free)
+                         for i in range(world_size))
+        finally:
+            pynvml.nvmlShutdown()
+    except Exception:  # noqa: BLE001 — no NVML: ask torch (this creates a context per device)
+        return tuple(float(torch.cuda.mem_get_info(i)[0]) for i in range(world_size))
+
+
 def _kv_blocks(cfg: EngineConfig, mc: ModelConfig, plan: LayoutPlan, dtype: torch.dtype,
                max_model_len: int) -> int:
     """Blocks every rank can hold in every captured view (the minimum: block ids are shared)."""
@@ -84,7 +101,7 @@ def make_plan(cfg: EngineConfig, mc: ModelConfig, model_dir: str) -> BootPlan:
         raise ValueError(f"max_model_len={cfg.max_model_len} is larger than the model's maximum "
                          f"{mc.max_position_embeddings} (max_position_embeddings in config.json)")
     max_model_len = cfg.max_model_len or mc.max_position_embeddings
-    budgets = cfg.rank_budgets or (1.0,) * cfg.world_size
+    budgets = cfg.rank_budgets or device_budgets(device, cfg.world_size)
     layout_plan = plan_layouts(mc, budgets, pp_split=cfg.pp_split, tp_kv_split=cfg.tp_kv_split)
     budget = cfg.max_num_batched_tokens
     shapes = StepShapes(

@@ -17,7 +17,8 @@ from phaseflip.engine.boot import BootReport, make_plan, rank_boot
 from phaseflip.engine.config import EngineConfig
 from phaseflip.engine.core import EngineCore
 from phaseflip.engine.layout_control import LayoutControl
-from phaseflip.engine.loader import load_model_config, load_tokenizer
+from phaseflip.engine.loader import load_model_config
+from phaseflip.engine.tokenizer import load_tokenizer
 from phaseflip.engine.ranks import LocalRanks, ProcessRanks, TorchrunRanks
 from phaseflip.layouts.comm import env_rank
 from phaseflip.engine.prompts import prepare_prompts

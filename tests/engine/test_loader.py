@@ -9,8 +9,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from phaseflip.engine.loader import (CheckpointError, expected_tensor_shapes, load_model_config, load_tokenizer,
-                                     load_weights, resolve_dtype)
+from phaseflip.engine.loader import (CheckpointError, expected_tensor_shapes, load_model_config, load_weights,
+                                     resolve_dtype)
+from phaseflip.engine.tokenizer import load_tokenizer
 from phaseflip.layouts.model_config import RopeScaling
 from tests.models import KINDS, TOKENIZER_VOCAB_SIZE, compare_greedy, hf_greedy, make_tokenizer
 

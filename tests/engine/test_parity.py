@@ -88,7 +88,7 @@ def _smollm_reference(model_dir, prompts):
 
 @pytest.fixture(scope="module")
 def smollm(default_model_dir):
-    from phaseflip.engine.loader import load_tokenizer
+    from phaseflip.engine.tokenizer import load_tokenizer
     tok = load_tokenizer(default_model_dir)
     texts = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,",
              "1, 2, 3, 4,", "The quick brown fox", "Water boils at",

@@ -73,7 +73,7 @@ def test_qwen_layouts_match_hf(ref, kind, name):
 def test_smollm2_two_ranks_uneven_tp_with_real_flips(default_model_dir):
     """SmolLM2: 3 KV heads over 2 ranks is the uneven [2, 1] TP split with PP layers [20, 10]."""
     from tests.engine.test_parity import _smollm_reference
-    from phaseflip.engine.loader import load_tokenizer
+    from phaseflip.engine.tokenizer import load_tokenizer
     tok = load_tokenizer(default_model_dir)
     texts = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,",
              "1, 2, 3, 4,", "The quick brown fox", "Water boils at",

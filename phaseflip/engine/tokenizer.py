@@ -1,0 +1,115 @@
+"""The tokenizer of an HF-format model directory: tokenizer.json + tokenizer_config.json + chat template.
+
+Owns: encode/decode with the `tokenizers` library (special tokens added exactly as HF does from
+tokenizer.json's post-processor) and chat-template rendering with a sandboxed jinja2 environment, as
+transformers does. It never imports transformers.
+"""
+from __future__ import annotations
+
+import json
+from datetime import datetime
+from pathlib import Path
+
+from phaseflip.engine.loader import CheckpointError, _read_json
+
+class Tokenizer:
+    """tokenizer.json through the `tokenizers` library, with HF's special-token and chat-template rules."""
+
+    def __init__(self, model_dir: str | Path):
+        from tokenizers import Tokenizer as _Backend  # deferred: keeps `import loader` cheap
+        model_dir = Path(model_dir)
+        path = model_dir / "tokenizer.json"
+        if not path.is_file():
+            raise CheckpointError(f"{path}: file not found")
+        try:
+            self._backend = _Backend.from_file(str(path))
+        except Exception as e:  # the tokenizers library raises plain Exception on bad JSON
+            raise CheckpointError(f"{path}: unreadable tokenizer ({e})") from e
+        cfg_path = model_dir / "tokenizer_config.json"
+        cfg = _read_json(cfg_path) if cfg_path.is_file() else {}
+        smap_path = model_dir / "special_tokens_map.json"
+        smap = _read_json(smap_path) if smap_path.is_file() else {}
+        self.special_tokens = {key: tok for key in ("bos_token", "eos_token", "unk_token", "pad_token")
+                               if (tok := _token_text(cfg.get(key, smap.get(key)))) is not None}
+        self.bos_token_id = self._id_of("bos_token")
+        self.eos_token_id = self._id_of("eos_token")
+        self._clean_up_spaces = bool(cfg.get("clean_up_tokenization_spaces", False)) and \
+            type(self._backend.model).__name__ != "BPE"  # HF skips the clean-up for BPE models
+        # tokenizer.json's post-processor alone decides which special tokens encode() adds: transformers 5
+        # ignores tokenizer_config.json's add_bos_token/add_eos_token whenever tokenizer.json exists.
+        self._chat_template = _chat_template(model_dir, cfg)
+
+    @property
+    def vocab_size(self) -> int:
+        """Ids the tokenizer can produce, added tokens included (HF's len(tokenizer))."""
+        return self._backend.get_vocab_size(with_added_tokens=True)
+
+    @property
+    def all_special_ids(self) -> list[int]:
+        ids = {i for i, tok in self._backend.get_added_tokens_decoder().items() if tok.special}
+        ids.update(i for i in (self._id_of(k) for k in self.special_tokens) if i is not None)
+        return sorted(ids)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        text = self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+        return _clean_up_tokenization(text) if self._clean_up_spaces else text
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        if self._chat_template is None:
+            raise ValueError("this tokenizer has no chat template (neither chat_template.jinja nor "
+                             "tokenizer_config.json 'chat_template'); pass a plain prompt instead")
+        messages = [{k: v for k, v in m.items() if v is not None} for m in messages]
+        return _compile_template(self._chat_template).render(
+            messages=messages, tools=None, documents=None, add_generation_prompt=add_generation_prompt,
+            **self.special_tokens)
+
+    def _id_of(self, key: str) -> int | None:
+        tok = self.special_tokens.get(key)
+        return None if tok is None else self._backend.token_to_id(tok)
+
+
+def load_tokenizer(model_dir: str | Path) -> Tokenizer:
+    return Tokenizer(model_dir)
+
+
+def _token_text(tok) -> str | None:
+    return tok.get("content") if isinstance(tok, dict) else tok
+
+
+def _chat_template(model_dir: Path, cfg: dict) -> str | None:
+    """chat_template.jinja wins over tokenizer_config.json's "chat_template" (as in transformers 5)."""
+    jinja_file = model_dir / "chat_template.jinja"
+    if jinja_file.is_file():
+        return jinja_file.read_text(encoding="utf-8")
+    template = cfg.get("chat_template")
+    if isinstance(template, list):  # [{"name": ..., "template": ...}]: the "default" one
+        template = {t.get("name"): t.get("template") for t in template}.get("default")
+    return template
+
+
+def _compile_template(source: str):
+    from jinja2.exceptions import TemplateError
+    from jinja2.ext import loopcontrols
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message):
+        raise TemplateError(message)
+
+    def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    return env.from_string(source)
+
+
+def _clean_up_tokenization(text: str) -> str:
+    for before, after in ((" .", "."), (" ?", "?"), (" !", "!"), (" ,", ","), (" ' ", "'"), (" n't", "n't"),
+                          (" 'm", "'m"), (" 's", "'s"), (" 've", "'ve"), (" 're", "'re")):
+        text = text.replace(before, after)
+    return text
