@@ -41,6 +41,16 @@ def default_model_dir() -> Path:
     return ensure_default_model()
 
 
+@pytest.fixture(scope="session")
+def smollm_reference(default_model_dir):
+    """(model_dir, 8 prompts' token ids, HF greedy reference of 32 tokens each), computed once."""
+    from phaseflip.engine.tokenizer import load_tokenizer
+    from tests.models import SMOLLM_TEXTS, hf_generate_greedy
+    tok = load_tokenizer(default_model_dir)
+    prompts = [tok.encode(t) for t in SMOLLM_TEXTS]
+    return default_model_dir, prompts, hf_generate_greedy(default_model_dir, prompts, 32)
+
+
 def pytest_addoption(parser):
     parser.addoption("--runslow", action="store_true", default=False,
                      help="also run tests marked slow (the full matrix; `make test-slow`)")

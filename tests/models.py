@@ -159,3 +159,28 @@ def compare_greedy(ours: list[list[int]], ref: list[tuple[list[int], list[float]
     if problems:
         return False, num_ties, "; ".join(problems)
     return True, num_ties, f"match ({num_ties} tie divergences)"
+
+
+SMOLLM_TEXTS = ("The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,",
+                "1, 2, 3, 4,", "The quick brown fox", "Water boils at",
+                "A short poem about the moon:\n", "Photosynthesis is the process " * 12)
+
+
+def hf_generate_greedy(model_dir, prompts_token_ids, max_new_tokens: int):
+    """HF generate with its KV cache, fp32 greedy, no EOS stop: [(ids, top2_gaps)] per prompt. For real
+    models, where hf_greedy's full recompute per token would take minutes on 2 cores."""
+    import torch
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    out = []
+    with torch.no_grad():
+        for p in prompts_token_ids:
+            g = model.generate(torch.tensor([p]), do_sample=False, max_new_tokens=max_new_tokens,
+                               min_new_tokens=max_new_tokens, output_logits=True, return_dict_in_generate=True,
+                               eos_token_id=None, pad_token_id=0)
+            gaps = []
+            for logits in g.logits:
+                top2 = torch.log_softmax(logits[0].float(), -1).topk(2).values
+                gaps.append(float(top2[0] - top2[1]))
+            out.append((g.sequences[0, len(p):].tolist(), gaps))
+    return out

@@ -67,39 +67,9 @@ def test_tiny_models_match_hf(references, kind, variant):
     assert ok, msg
 
 
-def _smollm_reference(model_dir, prompts):
-    """HF generate with its KV cache (a full recompute per token would take minutes on 2 cores)."""
-    import torch
-    from transformers import AutoModelForCausalLM
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    out = []
-    with torch.no_grad():
-        for p in prompts:
-            g = model.generate(torch.tensor([p]), do_sample=False, max_new_tokens=NEW_TOKENS,
-                               min_new_tokens=NEW_TOKENS, output_logits=True, return_dict_in_generate=True,
-                               eos_token_id=None, pad_token_id=0)
-            gaps = []
-            for logits in g.logits:
-                top2 = torch.log_softmax(logits[0].float(), -1).topk(2).values
-                gaps.append(float(top2[0] - top2[1]))
-            out.append((g.sequences[0, len(p):].tolist(), gaps))
-    return out
-
-
-@pytest.fixture(scope="module")
-def smollm(default_model_dir):
-    from phaseflip.engine.tokenizer import load_tokenizer
-    tok = load_tokenizer(default_model_dir)
-    texts = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,",
-             "1, 2, 3, 4,", "The quick brown fox", "Water boils at",
-             "A short poem about the moon:\n", "Photosynthesis is the process " * 12]
-    prompts = [tok.encode(t) for t in texts]
-    return default_model_dir, prompts, _smollm_reference(default_model_dir, prompts)
-
-
 @pytest.mark.parametrize("variant", list(VARIANTS))
-def test_smollm2_matches_hf(smollm, variant):
-    model_dir, prompts, ref = smollm
+def test_smollm2_matches_hf(smollm_reference, variant):
+    model_dir, prompts, ref = smollm_reference
     extra = dict(num_kv_blocks=12) if variant == "preempt" else {}
     ours = run_engine(model_dir, prompts, variant, max_model_len=512, **extra)
     ok, ties, msg = compare_greedy(ours, ref)

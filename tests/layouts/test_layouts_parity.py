@@ -70,16 +70,9 @@ def test_qwen_layouts_match_hf(ref, kind, name):
     assert ok, msg
 
 
-def test_smollm2_two_ranks_uneven_tp_with_real_flips(default_model_dir):
+def test_smollm2_two_ranks_uneven_tp_with_real_flips(smollm_reference):
     """SmolLM2: 3 KV heads over 2 ranks is the uneven [2, 1] TP split with PP layers [20, 10]."""
-    from tests.engine.test_parity import _smollm_reference
-    from phaseflip.engine.tokenizer import load_tokenizer
-    tok = load_tokenizer(default_model_dir)
-    texts = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,",
-             "1, 2, 3, 4,", "The quick brown fox", "Water boils at",
-             "A short poem about the moon:\n", "Photosynthesis is the process " * 12]
-    prompts = [tok.encode(t) for t in texts]
-    expected = _smollm_reference(default_model_dir, prompts)
+    default_model_dir, prompts, expected = smollm_reference
     with LLM(model=str(default_model_dir), dtype="float32", max_num_seqs=8, max_model_len=512,
              world_size=2, park="always", flip_every_steps=5) as llm:
         plan = llm.plan.layout_plan
