@@ -6,8 +6,7 @@ allocates its KV region.
 """
 from __future__ import annotations
 
-import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -29,22 +28,6 @@ class BootPlan:
     num_kv_blocks: int
     shapes: StepShapes
     layout_plan: LayoutPlan
-
-
-@dataclass
-class BootReport:
-    phases_ms: dict[str, float] = field(default_factory=dict)
-
-    def timed(self, name: str):
-        report = self
-
-        class _Timer:
-            def __enter__(self):
-                self.t0 = time.perf_counter()
-
-            def __exit__(self, *exc):
-                report.phases_ms[name] = (time.perf_counter() - self.t0) * 1e3
-        return _Timer()
 
 
 def resolve_device(device: str) -> str:

@@ -13,7 +13,7 @@ import torch
 from tqdm.auto import tqdm
 
 from phaseflip.engine.blocks import BlockAllocator
-from phaseflip.engine.boot import BootReport, make_plan, rank_boot
+from phaseflip.engine.boot import make_plan, rank_boot
 from phaseflip.engine.config import EngineConfig
 from phaseflip.engine.core import EngineCore
 from phaseflip.engine.layout_control import LayoutControl
@@ -27,6 +27,7 @@ from phaseflip.engine.sampling_params import SamplingParams
 from phaseflip.engine.scheduler import Scheduler, SchedulerConfig
 from phaseflip.engine.stopping import final_text
 from phaseflip.layouts.messages import RunStep, StatsQuery
+from phaseflip.layouts.timing import timed
 from phaseflip.layouts.plan import StepPlan, StepResult
 
 log = logging.getLogger("phaseflip")
@@ -37,21 +38,21 @@ class LLM:
         self.config = EngineConfig.from_kwargs(model=model, **kwargs)
         if self.config.num_threads is not None:
             torch.set_num_threads(self.config.num_threads)
-        self.boot_report = BootReport()
+        self.boot_ms: dict[str, float] = {}
         self._boot()
         self._ids = itertools.count()
         self._closed = False
 
     def _boot(self) -> None:
-        cfg, report = self.config, self.boot_report
-        with report.timed("load"):
+        cfg = self.config
+        with timed(self.boot_ms, "load"):
             model_dir = cfg.model or _default_model_dir()
             mc = load_model_config(model_dir)
             self.tokenizer = load_tokenizer(model_dir)
-        with report.timed("plan"):
+        with timed(self.boot_ms, "plan"):
             self.plan = make_plan(cfg, mc, str(model_dir))
         self.model_config = mc
-        with report.timed("ranks"):
+        with timed(self.boot_ms, "ranks"):
             boot = rank_boot(cfg, self.plan)
             self.ranks = _start_ranks(boot, cfg.world_size)
         self.control = LayoutControl(self.ranks, cfg.layouts, cfg.flip_every_steps)
@@ -68,7 +69,7 @@ class LLM:
                                self.plan.max_model_len)
         log.info("phaseflip booted %s (%s, %s, world size %d, layouts %s): %s", model_dir, self.plan.device,
                  self.plan.dtype, cfg.world_size, ",".join(cfg.layouts),
-                 ", ".join(f"{k} {v:.0f} ms" for k, v in report.phases_ms.items()))
+                 ", ".join(f"{k} {v:.0f} ms" for k, v in self.boot_ms.items()))
 
     def _run_step(self, plan: StepPlan) -> StepResult:
         replies = self.ranks.call(RunStep(self.control.active, plan))
@@ -148,7 +149,7 @@ class LLM:
             "captures_at_boot": sum(r.captures_at_boot for r in ranks),
             "captures_after_boot": sum(r.captures_after_boot for r in ranks),
             "eager_fallbacks": fallbacks,
-            "boot_ms": dict(self.boot_report.phases_ms),
+            "boot_ms": dict(self.boot_ms),
             "rank_boot_ms": [dict(r.boot_ms) for r in self.ranks.ready],
             "arena_bytes": [r.arena_bytes for r in ranks],
             "arena_ptrs": [r.arena_ptr for r in ranks],

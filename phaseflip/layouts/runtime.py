@@ -8,7 +8,6 @@ layout, flips and stats. The same code runs in-process at world size 1 and insid
 from __future__ import annotations
 
 import os
-import time
 from typing import Callable
 
 import torch
@@ -26,6 +25,7 @@ from phaseflip.layouts.runner import LayoutRunner
 from phaseflip.layouts.sampler import Sampler
 from phaseflip.layouts.shard import shard_weights
 from phaseflip.layouts.step_inputs import buffer_specs
+from phaseflip.layouts.timing import timed
 
 Loader = Callable[[str, torch.dtype], tuple[ModelConfig, dict[str, torch.Tensor]]]
 
@@ -46,17 +46,6 @@ class Faults:
             raise InjectedFault(f"injected fault at {stage!r} on rank {self.rank}")
 
 
-class _Timer:
-    def __init__(self, into: dict, name: str):
-        self.into, self.name = into, name
-
-    def __enter__(self):
-        self.t0 = time.perf_counter()
-
-    def __exit__(self, *exc):
-        self.into[self.name] = (time.perf_counter() - self.t0) * 1e3
-
-
 class RankRuntime:
     def __init__(self, boot: RankBoot, rank: int, comm, load: Loader):
         self.boot_ms: dict[str, float] = {}
@@ -64,18 +53,18 @@ class RankRuntime:
         self.layout_plan = boot.layout_plan
         self.device = boot.device if boot.device == "cpu" else f"cuda:{rank}"
         dtype = getattr(torch, boot.dtype)
-        with _Timer(self.boot_ms, "load"):
+        with timed(self.boot_ms, "load"):
             self.cfg, hf = load(boot.model_dir, dtype)
-        with _Timer(self.boot_ms, "pack"):
+        with timed(self.boot_ms, "pack"):
             templates = {name: shard_weights(hf, self.cfg, self.layout_plan.spec(name).shards[rank])
                          for name in boot.layouts}
             images = {name: pack_image(w, pin=self.device != "cpu") for name, w in templates.items()}
             del hf
         self.shard_bytes = {name: img.num_bytes for name, img in images.items()}
-        with _Timer(self.boot_ms, "arena"):
+        with timed(self.boot_ms, "arena"):
             self.arena = WeightArena(images, templates, self.device, resident=_resident(boot, images))
         self.kv_block_size = boot.shapes.block_size
-        with _Timer(self.boot_ms, "kv_alloc"):
+        with timed(self.boot_ms, "kv_alloc"):
             self.kv = KVRegion({name: self._kv_shape(name, boot) for name in boot.layouts}, dtype, self.device)
         self.faults = Faults(rank)
         self.sampler = Sampler(boot.seed)
@@ -107,7 +96,7 @@ class RankRuntime:
         """Capture each layout with its own image in the arena (its graphs read arena addresses)."""
         for name in boot.layouts:
             self.arena.refill(name)
-            with _Timer(self.boot_ms, f"capture:{name}"):
+            with timed(self.boot_ms, f"capture:{name}"):
                 if boot.capture:
                     self.runners[name].capture_all()
 
