@@ -28,6 +28,7 @@ class BootPlan:
     num_kv_blocks: int
     shapes: StepShapes
     layout_plan: LayoutPlan
+    budgets_bytes: tuple[int, ...] | None   # memory budget per rank (the ledger sums to it)
 
 
 def resolve_device(device: str) -> str:
@@ -65,6 +66,24 @@ def device_budgets(device: str, world_size: int) -> tuple[float, ...]:
         return tuple(float(torch.cuda.mem_get_info(i)[0]) for i in range(world_size))
 
 
+def memory_budgets(cfg: EngineConfig, device: str) -> tuple[int, ...] | None:
+    """Bytes each rank may use: configured on the CPU (default: this machine's RAM shared equally),
+    the device's total memory on CUDA (NVML, torch as the fallback)."""
+    if cfg.rank_memory_gib is not None:
+        return tuple(int(g * 2**30) for g in cfg.rank_memory_gib)
+    if device == "cuda":
+        try:
+            return tuple(int(torch.cuda.get_device_properties(i).total_memory) for i in range(cfg.world_size))
+        except Exception:  # noqa: BLE001 — unmeasured: the ledger says so
+            return None
+    try:
+        with open("/proc/meminfo") as f:
+            total = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemTotal:"))
+    except (OSError, StopIteration):
+        return None
+    return (total // cfg.world_size,) * cfg.world_size
+
+
 def _kv_blocks(cfg: EngineConfig, mc: ModelConfig, plan: LayoutPlan, dtype: torch.dtype,
                max_model_len: int) -> int:
     """Blocks every rank can hold in every captured view (the minimum: block ids are shared)."""
@@ -93,7 +112,8 @@ def make_plan(cfg: EngineConfig, mc: ModelConfig, model_dir: str) -> BootPlan:
         decode_buckets=cfg.decode_buckets or default_decode_buckets(cfg.max_num_seqs),
         prefill_buckets=cfg.prefill_buckets or default_prefill_buckets(budget))
     num_blocks = _kv_blocks(cfg, mc, layout_plan, dtype, max_model_len)
-    return BootPlan(model_dir, device, dtype, max_model_len, num_blocks, shapes, layout_plan)
+    return BootPlan(model_dir, device, dtype, max_model_len, num_blocks, shapes, layout_plan,
+                    memory_budgets(cfg, device))
 
 
 def rank_boot(cfg: EngineConfig, plan: BootPlan) -> RankBoot:
@@ -101,4 +121,5 @@ def rank_boot(cfg: EngineConfig, plan: BootPlan) -> RankBoot:
                     device=plan.device, layout_plan=plan.layout_plan, layouts=cfg.layouts,
                     shapes=plan.shapes, num_kv_blocks=plan.num_kv_blocks,
                     max_model_len=plan.max_model_len, park=cfg.park, seed=cfg.seed,
-                    capture=not cfg.enforce_eager, num_threads=cfg.num_threads)
+                    capture=not cfg.enforce_eager, num_threads=cfg.num_threads, compile=cfg.compile,
+                    budgets_bytes=plan.budgets_bytes)

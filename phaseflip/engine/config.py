@@ -46,7 +46,9 @@ class EngineConfig:
     pp_split: tuple[int, ...] | None = None     # explicit PP layers per rank
     tp_kv_split: tuple[int, ...] | None = None  # explicit TP KV heads per rank
     rank_budgets: tuple[float, ...] | None = None  # relative capacity per rank (CPU simulation)
-
+    rank_memory_gib: tuple[float, ...] | None = None  # memory budget per rank for the ledger (CPU);
+                                                      # None = RAM / world_size (CPU), the device (CUDA)
+    compile: str = "auto"               # auto (CUDA: compile; CPU: eager) | on | off
     def __post_init__(self):
         _check(self.dtype in ("auto", "float32", "fp32", "bfloat16", "bf16", "float16", "fp16", "half"),
                f"dtype={self.dtype!r} is invalid: allowed are auto, float32, bfloat16, float16")
@@ -70,7 +72,9 @@ class EngineConfig:
         _check(self.flip_every_steps is None or self.flip_every_steps >= 1,
                f"flip_every_steps={self.flip_every_steps} is invalid: must be >= 1 (or None)")
         self._check_layouts()
-        for name in ("pp_split", "tp_kv_split", "rank_budgets"):
+        _check(self.compile in ("auto", "on", "off"),
+               f"compile={self.compile!r} is invalid: allowed are auto, on, off")
+        for name in ("pp_split", "tp_kv_split", "rank_budgets", "rank_memory_gib"):
             value = getattr(self, name)
             if value is not None:
                 object.__setattr__(self, name, tuple(value))
@@ -78,6 +82,12 @@ class EngineConfig:
                        f"{name}={list(value)} has {len(value)} entries for world_size={self.world_size}")
         object.__setattr__(self, "decode_buckets", _int_tuple("decode_buckets", self.decode_buckets))
         object.__setattr__(self, "prefill_buckets", _int_tuple("prefill_buckets", self.prefill_buckets))
+        _check(self.decode_buckets is None or max(self.decode_buckets) <= self.max_num_seqs,
+               f"decode_buckets={list(self.decode_buckets or ())} is invalid: a decode bucket is a batch "
+               f"of sequences and cannot exceed max_num_seqs={self.max_num_seqs}")
+        _check(self.prefill_buckets is None or max(self.prefill_buckets) <= self.max_num_batched_tokens,
+               f"prefill_buckets={list(self.prefill_buckets or ())} is invalid: a prefill bucket cannot "
+               f"exceed max_num_batched_tokens={self.max_num_batched_tokens}")
 
     def _check_layouts(self) -> None:
         layouts = self.layouts

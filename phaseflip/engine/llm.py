@@ -26,7 +26,8 @@ from phaseflip.engine.requests import CompletionOutput, RequestMetrics, RequestO
 from phaseflip.engine.sampling_params import SamplingParams
 from phaseflip.engine.scheduler import Scheduler, SchedulerConfig
 from phaseflip.engine.stopping import final_text
-from phaseflip.layouts.messages import RunStep, StatsQuery
+from phaseflip.engine.manifest import build_manifest
+from phaseflip.layouts.messages import ManifestQuery, RunStep, StatsQuery
 from phaseflip.layouts.timing import timed
 from phaseflip.layouts.plan import StepPlan, StepResult
 
@@ -162,6 +163,10 @@ class LLM:
             "flip_log": list(self.control.flip_log),
             "rank_pids": list(self.ranks.pids),
         }
+
+    def inspect(self) -> dict:
+        """The boot manifest, live: layouts, ledgers, captured steps, boot phases, flips so far."""
+        return build_manifest(self, self.ranks.call(ManifestQuery()))
 
     def _check_open(self) -> None:
         if self._closed:

@@ -1,9 +1,12 @@
 """Capture of a step callable over static buffers, keyed by a small descriptor; replay by key.
 
 Owns: StepKey and CapturedStep, and the backends that record a step:
-  - "eager" (CPU): the recorded step is the callable bound to the bucket's buffer views; replay calls it.
-  - "cuda": arrives with the CUDA path; same interface (capture once, replay = copy inputs + replay).
-Knows nothing of models or layouts beyond the opaque `layout` string in the key.
+  - "eager" / "compiled" (CPU): the recorded step is the (compiled) callable bound to the bucket's
+    buffer views; replay calls it.
+  - "cuda": a torch.cuda.CUDAGraph captured over the same views after a warm-up, on a side stream, in
+    the memory pool the caller passes (one per rank, shared by every layout's graphs).
+Replay = copy inputs into the views (the caller) + replay. Knows nothing of models or layouts beyond
+the opaque `layout` string in the key.
 """
 from __future__ import annotations
 
@@ -32,8 +35,9 @@ class CapturedStep:
     views: dict[str, torch.Tensor]
     run: Callable[[], torch.Tensor]
     capture_ms: float
-    pool_bytes: int | None = None          # graph pool bytes; None where not measured (CPU)
+    pool_bytes: int | None = None          # graph pool bytes this capture added; None where not measured
     replays: int = field(default=0)
+    graph: object | None = None            # the torch.cuda.CUDAGraph (cuda backend)
 
     def replay(self) -> torch.Tensor:
         self.replays += 1
@@ -44,7 +48,7 @@ class CapturedStep:
 
 
 def capture_eager(key: StepKey, fn: StepFn, buffers: StaticBuffers, sizes: dict[str, int],
-                  warmup: bool = False) -> CapturedStep:
+                  warmup: bool = False, backend: str = "eager") -> CapturedStep:
     """Record a step on the CPU: bind fn to the bucket's views. An eager step has nothing to record,
     so the warm-up run (which proves the step runs at this size) is optional: on the CPU it costs a
     full forward per bucket."""
@@ -52,5 +56,32 @@ def capture_eager(key: StepKey, fn: StepFn, buffers: StaticBuffers, sizes: dict[
     views = buffers.views(sizes)
     if warmup:
         fn(views)
-    return CapturedStep(key=key, backend="eager", views=views, run=lambda: fn(views),
+    return CapturedStep(key=key, backend=backend, views=views, run=lambda: fn(views),
                         capture_ms=(time.perf_counter() - t0) * 1e3)
+
+
+def capture_cuda(key: StepKey, fn: StepFn, buffers: StaticBuffers, sizes: dict[str, int], pool,
+                 stream, warmup_iters: int = 2) -> CapturedStep:
+    """Capture fn over the bucket's views as a CUDA graph (warm-up first: lazy init, autotuning and
+    compilation must not happen inside the capture)."""
+    t0 = time.perf_counter()
+    views = buffers.views(sizes)
+    device = next(iter(views.values())).device
+    torch.cuda.synchronize(device)
+    reserved = torch.cuda.memory_reserved(device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(stream):
+        for _ in range(warmup_iters):
+            fn(views)
+    stream.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool, stream=stream):
+        out = fn(views)
+    torch.cuda.synchronize(device)
+
+    def run() -> torch.Tensor:
+        graph.replay()
+        return out
+    return CapturedStep(key=key, backend="cuda", views=views, run=run,
+                        capture_ms=(time.perf_counter() - t0) * 1e3,
+                        pool_bytes=torch.cuda.memory_reserved(device) - reserved, graph=graph)

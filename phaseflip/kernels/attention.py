@@ -11,11 +11,16 @@ Batch metadata (all int64, static shapes so a captured step can be replayed):
   seq_lens        [S]      context length of each sequence after this step; 0 = padding sequence
   query_start_loc [S + 1]  token offsets of each sequence's queries in the flattened batch
 Tokens of padding sequences (and tokens past query_start_loc[-1]) produce zeros.
+
+On CUDA tensors the op runs the Triton kernels (kernels/triton_kv_store.py, kernels/triton_attention.py:
+no host sync, so it can be captured); elsewhere the torch reference below, which is also their oracle.
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from phaseflip.kernels.dispatch import triton_available
 
 
 def store_kv(k, v, k_cache, v_cache, slot_mapping):
@@ -97,6 +102,10 @@ def paged_attention_ref(q, k, v, k_cache, v_cache, slot_mapping, block_tables, s
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                     v_cache: torch.Tensor, slot_mapping: torch.Tensor, block_tables: torch.Tensor,
                     seq_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float) -> torch.Tensor:
+    if q.is_cuda and triton_available():
+        from phaseflip.kernels.triton_attention import store_and_attend
+        return store_and_attend(q, k, v, k_cache, v_cache, slot_mapping, block_tables, seq_lens,
+                                query_start_loc, scale)
     return paged_attention_ref(q, k, v, k_cache, v_cache, slot_mapping, block_tables, seq_lens,
                                query_start_loc, scale)
 

@@ -21,7 +21,10 @@ ENTRY_POINTS = (
     ("phaseflip.layouts.runtime", "pack_image"),
     ("phaseflip.layouts.kvcache", "zeros"),
     ("phaseflip.graphs.capture", "capture_eager"),
+    ("phaseflip.graphs.capture", "capture_cuda"),
     ("phaseflip.layouts.runner", "capture_eager"),
+    ("phaseflip.layouts.runner", "capture_cuda"),
+    ("phaseflip.layouts.runner", "compile_step"),
 )
 
 

@@ -28,6 +28,8 @@ class RankBoot:
     seed: int
     capture: bool
     num_threads: int | None = None
+    compile: str = "auto"                                # auto | on | off (engine/config.py)
+    budgets_bytes: tuple[int, ...] | None = None         # memory budget per rank, for the ledger
 
 
 @dataclass(frozen=True)
@@ -66,6 +68,11 @@ class PoisonArena:
 @dataclass(frozen=True)
 class StatsQuery:
     pass
+
+
+@dataclass(frozen=True)
+class ManifestQuery:
+    """What a rank captured and where its memory went (for the boot manifest and `inspect`)."""
 
 
 @dataclass(frozen=True)
@@ -112,6 +119,20 @@ class RankStats:
     eager_fallbacks: dict[str, int]
     arena_ptr: int
     arena_bytes: int
+
+
+@dataclass(frozen=True)
+class RankManifest:
+    rank: int
+    pid: int
+    device: str
+    active_layout: str
+    boot_ms: dict[str, float]
+    ledger: dict[str, dict]            # layout -> ledger terms (layouts/ledger.py)
+    steps: list[dict]                  # every captured step
+    compile: dict[str, dict]           # layout -> role -> choice and measurements
+    memory: dict                       # what was measured at the end of boot
+    eager_fallbacks: dict[str, int]
 
 
 @dataclass(frozen=True)

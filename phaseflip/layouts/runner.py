@@ -8,12 +8,14 @@ fits; an uncaptured size runs eagerly and is counted.
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
 
 from phaseflip.graphs.buffers import StaticBuffers
-from phaseflip.graphs.capture import StepKey, capture_eager
+from phaseflip.graphs.capture import StepKey, capture_cuda, capture_eager
+from phaseflip.graphs.compile import compile_step, time_step
 from phaseflip.graphs.registry import GraphRegistry
 from phaseflip.layouts.comm import NoComm
 from phaseflip.layouts.forward import compute_logits, forward
@@ -54,22 +56,56 @@ class LayoutRunner:
         self.output_rank = len(shards) - 1
         # The maths reduces partial sums over the ranks sharing a layer: nobody in PP.
         self.tp_comm = comm if self.shard.tp_size > 1 else NoComm()
+        self.fns = {phase.value: self.step_fn for phase in Phase}   # per role: eager or compiled
+        self.compile_report: dict[str, dict] = {}
 
     def step_fn(self, meta: dict[str, torch.Tensor]) -> torch.Tensor:
         return forward(self.weights, self.cfg, self.shard, meta, self.kv, self.rope_table, self.tp_comm,
                        hidden_in=meta.get("hidden_in"))
 
-    def capture_all(self) -> None:
-        """Record one step per bucket of both phases (boot only)."""
+    def _phase_sizes(self, phase: Phase) -> list[tuple[int, dict[str, int]]]:
         s = self.shapes
-        for b in s.decode_buckets:
-            self._capture(StepKey(self.layout, Phase.DECODE.value, b), bucket_sizes(b, b))
-        for t in s.prefill_buckets:
-            self._capture(StepKey(self.layout, Phase.PREFILL.value, t), bucket_sizes(t, s.max_num_seqs))
+        if phase is Phase.DECODE:
+            return [(b, bucket_sizes(b, min(b, s.max_num_seqs))) for b in s.decode_buckets]
+        return [(t, bucket_sizes(t, s.max_num_seqs)) for t in s.prefill_buckets]
 
-    def _capture(self, key: StepKey, sizes: dict[str, int]) -> None:
-        sizes = {**sizes, "hidden_in": sizes["input_ids"]}
-        self.registry.add(capture_eager(key, self.step_fn, self.buffers, sizes))
+    def prepare_compiled(self, mode: str, cuda: bool) -> None:
+        """Compile each role once (boot only). mode "on": compile; on the CPU keep the compiled step
+        only where it is measured faster than eager on the largest bucket. Every choice is reported."""
+        for phase in Phase:
+            if mode == "off" or (mode == "auto" and not cuda):
+                self.compile_report[phase.value] = {"choice": "eager", "reason": f"compile={mode!r} on "
+                                                    f"{'cuda' if cuda else 'cpu'}"}
+                continue
+            t0 = time.perf_counter()
+            compiled = compile_step(self.step_fn)
+            views = self.buffers.views(self._phase_sizes(phase)[-1][1])
+            if cuda:
+                compiled(views)
+                self.fns[phase.value] = compiled
+                self.compile_report[phase.value] = {"choice": "compiled", "compile_ms": (time.perf_counter() - t0) * 1e3}
+                continue
+            compiled_ms = time_step(compiled, views)
+            compile_ms = (time.perf_counter() - t0) * 1e3
+            eager_ms = time_step(self.step_fn, views)
+            choice = "compiled" if compiled_ms < eager_ms else "eager"
+            self.fns[phase.value] = compiled if choice == "compiled" else self.step_fn
+            self.compile_report[phase.value] = {"choice": choice, "compile_ms": compile_ms,
+                                                "compiled_ms": compiled_ms, "eager_ms": eager_ms}
+
+    def capture_all(self, pool=None, stream=None) -> None:
+        """Record one step per bucket of both phases (boot only): CUDA graphs when a pool is given."""
+        for phase in Phase:
+            for bucket, sizes in self._phase_sizes(phase):
+                key = StepKey(self.layout, phase.value, bucket)
+                sizes = {**sizes, "hidden_in": sizes["input_ids"]}
+                fn = self.fns[phase.value]
+                if pool is not None:
+                    step = capture_cuda(key, fn, self.buffers, sizes, pool, stream)
+                else:
+                    step = capture_eager(key, fn, self.buffers, sizes,
+                                         backend=self.compile_report.get(phase.value, {}).get("choice", "eager"))
+                self.registry.add(step)
 
     def _run(self, plan: StepPlan, meta: dict[str, torch.Tensor]) -> torch.Tensor:
         """This stage's hidden states: a replay when a bucket fits, else an eager run."""
@@ -81,7 +117,7 @@ class LayoutRunner:
             self.comm.recv(hidden_in, self.rank - 1)
             meta["hidden_in"] = hidden_in
         if step is None:
-            hidden = self.step_fn(meta)
+            hidden = self.step_fn({k: v.to(self.kv.tensor.device) for k, v in meta.items()})
         else:
             for name, view in step.views.items():
                 if name != "hidden_in":

@@ -7,6 +7,7 @@ layout, flips and stats. The same code runs in-process at world size 1 and insid
 """
 from __future__ import annotations
 
+import logging
 import os
 from typing import Callable
 
@@ -18,14 +19,17 @@ from phaseflip.kernels.rotary import cos_sin_table
 from phaseflip.layouts.arena import WeightArena, pack_image
 from phaseflip.layouts.flip import InjectedFault, run_flip
 from phaseflip.layouts.kvcache import KVRegion, KVShape
-from phaseflip.layouts.messages import (ArmFault, FlipCommand, FlipReport, RankBoot, RankReady,
-                                        RankStats, RunStep, StepReply)
+from phaseflip.layouts.messages import (ArmFault, FlipCommand, FlipReport, RankBoot, RankManifest,
+                                        RankReady, RankStats, RunStep, StepReply)
 from phaseflip.layouts.model_config import ModelConfig
 from phaseflip.layouts.runner import LayoutRunner
 from phaseflip.layouts.sampler import Sampler
 from phaseflip.layouts.shard import shard_weights
 from phaseflip.layouts.step_inputs import buffer_specs
+from phaseflip.layouts.ledger import measure_memory, rank_ledger
 from phaseflip.layouts.timing import timed
+
+log = logging.getLogger("phaseflip")
 
 Loader = Callable[[str, torch.dtype], tuple[ModelConfig, dict[str, torch.Tensor]]]
 
@@ -70,10 +74,14 @@ class RankRuntime:
         self.sampler = Sampler(boot.seed)
         self.registry = GraphRegistry()
         self.runners = self._make_runners(boot, dtype)
+        self.host_image_bytes = sum(img.num_bytes for img in images.values())
         self._capture(boot)
         self.active = boot.layouts[0]
         self.arena.refill(self.active)
         self.registry.seal()
+        self.budget_bytes = boot.budgets_bytes[rank] if boot.budgets_bytes else None
+        self.num_kv_blocks = boot.num_kv_blocks
+        self.memory = measure_memory(self)
 
     def _kv_shape(self, layout: str, boot: RankBoot) -> KVShape:
         shard = self.layout_plan.spec(layout).shards[self.rank]
@@ -93,12 +101,23 @@ class RankRuntime:
                 for name in boot.layouts}
 
     def _capture(self, boot: RankBoot) -> None:
-        """Capture each layout with its own image in the arena (its graphs read arena addresses)."""
+        """Compile each layout's roles, then capture every bucket with that layout's image in the
+        arena (its graphs read arena addresses). One graph pool per rank serves both layouts."""
+        cuda = self.device != "cpu"
+        self.pool = torch.cuda.graph_pool_handle() if cuda and boot.capture else None
+        stream = torch.cuda.Stream(self.device) if self.pool is not None else None
         for name in boot.layouts:
             self.arena.refill(name)
+            runner = self.runners[name]
+            with timed(self.boot_ms, f"compile:{name}"):
+                runner.prepare_compiled(boot.compile, cuda)
             with timed(self.boot_ms, f"capture:{name}"):
                 if boot.capture:
-                    self.runners[name].capture_all()
+                    runner.capture_all(self.pool, stream)
+            log.info("rank %d: layout %s compiled (%s) and captured %d steps in %.0f ms", self.rank, name,
+                     ", ".join(f"{k}: {v['choice']}" for k, v in runner.compile_report.items()),
+                     sum(1 for st in self.registry.steps() if st.key.layout == name),
+                     self.boot_ms[f"capture:{name}"])
 
     # -- commands ------------------------------------------------------------------------------
     def run_step(self, cmd: RunStep) -> StepReply:
@@ -122,6 +141,17 @@ class RankRuntime:
     def ready(self) -> RankReady:
         return RankReady(self.rank, dict(self.boot_ms), self.registry.captures_at_boot, self.arena.num_bytes,
                          dict(self.shard_bytes), self.kv.num_bytes, os.getpid())
+
+    def manifest(self) -> RankManifest:
+        num_blocks = self.num_kv_blocks
+        steps = [{"layout": st.key.layout, "phase": st.key.phase, "bucket": st.key.bucket,
+                  "backend": st.backend, "capture_ms": st.capture_ms, "pool_bytes": st.pool_bytes,
+                  "replays": st.replays, "buffers": st.buffer_shapes()} for st in self.registry.steps()]
+        return RankManifest(
+            rank=self.rank, pid=os.getpid(), device=self.device, active_layout=self.active,
+            boot_ms=dict(self.boot_ms), ledger={name: rank_ledger(self, name, num_blocks) for name in self.runners},
+            steps=steps, compile={name: dict(r.compile_report) for name, r in self.runners.items()},
+            memory=dict(self.memory), eager_fallbacks=self.stats().eager_fallbacks)
 
     def stats(self) -> RankStats:
         return RankStats(self.rank, self.active, self.registry.captures_at_boot,

@@ -10,8 +10,8 @@ import traceback
 from typing import Callable, Protocol
 
 from phaseflip.layouts.fence import install_rebuild_fence
-from phaseflip.layouts.messages import (ArmFault, FenceRebuild, FlipCommand, PoisonArena, RankFailure,
-                                        RunStep, Shutdown, StatsQuery)
+from phaseflip.layouts.messages import (ArmFault, FenceRebuild, FlipCommand, ManifestQuery, PoisonArena,
+                                        RankFailure, RunStep, Shutdown, StatsQuery)
 from phaseflip.layouts.runtime import RankRuntime
 
 
@@ -31,6 +31,8 @@ def handle(rt: RankRuntime, msg):
         return rt.stats()
     if isinstance(msg, StatsQuery):
         return rt.stats()
+    if isinstance(msg, ManifestQuery):
+        return rt.manifest()
     if isinstance(msg, FenceRebuild):
         install_rebuild_fence()
         return rt.stats()

@@ -13,6 +13,7 @@ import time
 import click
 
 from phaseflip.tools.convert import convert
+from phaseflip.tools.inspect_cmd import default_manifest_path, inspect
 
 DEMO_PROMPTS = (
     "What is the capital of France?",
@@ -125,7 +126,9 @@ def _read_prompts(path: str | None) -> list:
 @click.option("--max-tokens", type=int, default=64, show_default=True)
 @click.option("--temperature", type=float, default=0.0, show_default=True)
 @click.option("--output", default=None, type=click.Path(dir_okay=False), help="Write answers as JSONL here.")
-def boot(prompts_file, max_tokens, temperature, output, **engine):
+@click.option("--manifest", "manifest_path", default=None, type=click.Path(dir_okay=False),
+              help="Write the boot manifest here (default: the cache folder's last-manifest.json).")
+def boot(prompts_file, max_tokens, temperature, output, manifest_path, **engine):
     """Load, plan, capture, run an offline batch and print the answers with a summary.
 
     Runs the same way under `torchrun --nproc-per-node N -m phaseflip.tools.cli boot` (rank 0 is the
@@ -149,6 +152,7 @@ def boot(prompts_file, max_tokens, temperature, output, **engine):
         results = [outs[i] for i in range(len(items))]
         _print_answers(items, results)
         _print_summary(llm, results, boot_s, gen_s)
+        _write_manifest(llm, manifest_path)
     if output:
         with open(output, "w", encoding="utf-8") as f:
             for it, r in zip(items, results):
@@ -156,6 +160,14 @@ def boot(prompts_file, max_tokens, temperature, output, **engine):
                                     "token_ids": r.outputs[0].token_ids,
                                     "finish_reason": r.outputs[0].finish_reason}) + "\n")
         click.echo(f"wrote {len(results)} answers to {output}")
+
+
+def _write_manifest(llm, path) -> None:
+    from pathlib import Path
+    target = Path(path) if path else default_manifest_path()
+    target.parent.mkdir(parents=True, exist_ok=True)
+    target.write_text(json.dumps(llm.inspect(), indent=1))
+    click.echo(f"manifest: {target} (see `phaseflip inspect {target}`)")
 
 
 def _print_answers(items, results) -> None:
@@ -188,6 +200,7 @@ def _print_summary(llm, results, boot_s: float, gen_s: float) -> None:
 
 
 main.add_command(convert)
+main.add_command(inspect)
 
 if __name__ == "__main__":
     main()

@@ -1,0 +1,473 @@
+"""Which captured layout runs next: a pure decision over measured inputs, and the meters feeding it.
+
+Owns: the layout policy of DESIGN.md ("The scheduler and the policy", LESSONS 5-14) — drain semantics,
+break-even against a per-leg round trip, min dwell, a settle window after a cutover, the progress exit
+from a stalled prefill layout, starvation caps as outer backstops, the failed-flip fallback and the
+latency mode's cycle ceiling — plus the meters the caller feeds: FlipCostEstimator (one per direction),
+RateEstimator (one per layout) and ProgressTracker (the counters and stamps every hold is bounded by).
+
+decide(inputs, config) is a pure function: it reads no clock, keeps no state and never returns a stay
+that leaves runnable work with no phase open. Every Decision carries its reason and the numbers its rule
+compared; the bar a rule applied is the bar the log reports, one value (LESSONS 14).
+
+Must never: import torch, read a clock, price an unmeasured quantity as 0 (unmeasured is None).
+"""
+from __future__ import annotations
+
+import math
+import statistics
+from collections import deque
+from dataclasses import dataclass, field, replace
+from types import MappingProxyType
+from typing import Mapping
+
+MODES = ("throughput", "latency")
+SEED, HALF, MEASURED, UNPRICED = "seed", "half-measured", "measured", "unpriced"
+
+
+def _check(cond: bool, msg: str) -> None:
+    if not cond:
+        raise ValueError(msg)
+
+
+def _is_num(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def direction(source: str, target: str) -> str:
+    return f"{source}->{target}"
+
+
+# -- flip cost, per direction (LESSONS 5) ------------------------------------------------------------
+@dataclass(frozen=True)
+class LegCost:
+    """One direction's price: `seconds` (median of the recent totals, else the seed, else None),
+    `high_s` (the worst recent total: what a deadline must allow for) and where it came from."""
+    direction: str
+    seconds: float | None
+    high_s: float | None
+    provenance: str          # seed | measured | unpriced
+    num_measured: int
+
+
+@dataclass(frozen=True)
+class RoundTrip:
+    seconds: float | None    # the sum of the two legs; None when either leg is unpriced, never 0
+    provenance: str          # seed | half-measured | measured | unpriced
+
+
+class FlipCostEstimator:
+    """Measured flip totals of ONE direction: the median of the last `window` (a 24x cutover spread makes
+    a mean lie), seeded by a prior until the first measurement arrives."""
+
+    def __init__(self, direction: str, seed_s: float | None = None, window: int = 5):
+        _check(seed_s is None or (_is_num(seed_s) and seed_s > 0),
+               f"FlipCostEstimator({direction!r}): seed_s={seed_s!r} must be > 0 or None")
+        _check(isinstance(window, int) and window >= 1, f"window={window!r} must be an int >= 1")
+        self.direction = direction
+        self.seed_s = seed_s
+        self._totals: deque[float] = deque(maxlen=window)
+
+    def observe(self, total_s: float) -> None:
+        _check(_is_num(total_s) and total_s > 0, f"flip {self.direction}: total_s={total_s!r} must be > 0")
+        self._totals.append(float(total_s))
+
+    def reading(self) -> LegCost:
+        if self._totals:
+            return LegCost(self.direction, statistics.median(self._totals), max(self._totals), MEASURED,
+                           len(self._totals))
+        provenance = UNPRICED if self.seed_s is None else SEED
+        return LegCost(self.direction, self.seed_s, self.seed_s, provenance, 0)
+
+
+def round_trip(out: LegCost, back: LegCost) -> RoundTrip:
+    """Price a round trip as the sum of its two legs, never as a blend of them."""
+    if out.seconds is None or back.seconds is None:
+        return RoundTrip(None, UNPRICED)
+    measured = (out.provenance == MEASURED) + (back.provenance == MEASURED)
+    return RoundTrip(out.seconds + back.seconds, (SEED, HALF, MEASURED)[measured])
+
+
+# -- layout speed (calibrated at boot, updated online) -----------------------------------------------
+@dataclass(frozen=True)
+class LayoutRates:
+    """One layout's speed: prefill tokens/s and decode step seconds per batch size (None: unmeasured)."""
+    layout: str
+    prefill_tok_s: float | None
+    decode_step_s: tuple[tuple[int, float], ...] = ()   # (batch, seconds), batch ascending
+
+    def prefill_s(self, tokens: int) -> float | None:
+        return None if self.prefill_tok_s is None else tokens / self.prefill_tok_s
+
+    def step_s(self, batch: int) -> float | None:
+        """Decode step seconds at `batch`: linear between measured batches, flat below the smallest,
+        proportional above the largest (never cheaper than measured)."""
+        points = self.decode_step_s
+        if not points or batch < 1:
+            return None
+        if batch <= points[0][0]:
+            return points[0][1]
+        for (b0, s0), (b1, s1) in zip(points, points[1:]):
+            if batch <= b1:
+                return s0 + (s1 - s0) * (batch - b0) / (b1 - b0)
+        b_max, s_max = points[-1]
+        return s_max * batch / b_max
+
+    def decode_s(self, tokens: int, batch: int) -> float | None:
+        """Seconds to generate `tokens` tokens at a batch of `batch` sequences."""
+        step = self.step_s(batch)
+        return None if step is None else tokens / batch * step
+
+
+class RateEstimator:
+    """One layout's rates: an EMA of prefill tokens/s and of decode step seconds per batch size. Mixed
+    steps (prefill and decode together, the fallback) are not attributed: they teach neither rate."""
+
+    def __init__(self, layout: str, prefill_tok_s: float | None = None,
+                 decode_step_s: Mapping[int, float] | None = None, alpha: float = 0.25):
+        _check(0 < alpha <= 1, f"alpha={alpha!r} must be in (0, 1]")
+        _check(prefill_tok_s is None or (_is_num(prefill_tok_s) and prefill_tok_s > 0),
+               f"RateEstimator({layout!r}): prefill_tok_s={prefill_tok_s!r} must be > 0 or None")
+        self.layout, self.alpha = layout, alpha
+        self.prefill_tok_s = prefill_tok_s
+        self._step_s: dict[int, float] = {}
+        for batch, seconds in (decode_step_s or {}).items():
+            self._check_step(int(batch), seconds)
+            self._step_s[int(batch)] = float(seconds)
+
+    def _check_step(self, batch: int, seconds: float) -> None:
+        _check(batch >= 1 and _is_num(seconds) and seconds > 0,
+               f"RateEstimator({self.layout!r}): decode step {batch} -> {seconds!r} must be batch >= 1, s > 0")
+
+    def _ema(self, old: float | None, new: float) -> float:
+        return new if old is None else old + self.alpha * (new - old)
+
+    def observe_step(self, prefill_tokens: int, decode_batch: int, seconds: float) -> None:
+        if seconds <= 0 or (prefill_tokens > 0) == (decode_batch > 0):
+            return  # an empty or a mixed step
+        if prefill_tokens > 0:
+            self.prefill_tok_s = self._ema(self.prefill_tok_s, prefill_tokens / seconds)
+        else:
+            self._check_step(decode_batch, seconds)
+            self._step_s[decode_batch] = self._ema(self._step_s.get(decode_batch), seconds)
+
+    def reading(self) -> LayoutRates:
+        return LayoutRates(self.layout, self.prefill_tok_s, tuple(sorted(self._step_s.items())))
+
+
+# -- progress stamps and hold counters (LESSONS 9, 11, 12) -------------------------------------------
+@dataclass(frozen=True)
+class Progress:
+    """What the caller's ProgressTracker counted; every hold of decide() is bounded by one of these."""
+    layout_since_s: float              # stamp of the last cutover (or of boot)
+    polls_in_layout: int               # steps + idle polls since then (bounds the settle window)
+    polls_without_prefill: int         # consecutive polls that computed no prefill token (the stall exit)
+    decodes_waiting_since_s: float | None  # carried decodes have made no progress since (starvation cap)
+    failed_flips_in_row: int
+    polls_since_failed_flip: int       # bounds the failed-flip fallback
+
+
+class ProgressTracker:
+    """The caller's counters: call on_poll once per step or idle poll, on_cutover after a successful flip,
+    on_flip_failed after a failed one; pass snapshot() to decide(). It only counts what it is told."""
+
+    def __init__(self, now_s: float):
+        self._p = Progress(now_s, 0, 0, None, 0, 0)
+
+    def snapshot(self) -> Progress:
+        return self._p
+
+    def on_poll(self, now_s: float, prefill_tokens: int, decode_tokens: int, num_carried: int) -> None:
+        p = self._p
+        waiting = p.decodes_waiting_since_s
+        if num_carried == 0 or decode_tokens > 0:
+            waiting = None
+        elif waiting is None:
+            waiting = now_s
+        self._p = replace(p, polls_in_layout=p.polls_in_layout + 1,
+                          polls_without_prefill=0 if prefill_tokens > 0 else p.polls_without_prefill + 1,
+                          decodes_waiting_since_s=waiting,
+                          polls_since_failed_flip=p.polls_since_failed_flip + 1)
+
+    def on_cutover(self, now_s: float) -> None:
+        self._p = replace(self._p, layout_since_s=now_s, polls_in_layout=0, polls_without_prefill=0,
+                          failed_flips_in_row=0, polls_since_failed_flip=0)
+
+    def on_flip_failed(self) -> None:
+        self._p = replace(self._p, failed_flips_in_row=self._p.failed_flips_in_row + 1,
+                          polls_since_failed_flip=0)
+
+
+# -- configuration, inputs, decision -------------------------------------------------------------------
+@dataclass(frozen=True)
+class PolicyConfig:
+    mode: str = "throughput"            # throughput | latency
+    ttft_budget_s: float | None = None  # latency mode only: the time-to-first-token budget
+    prefill_layout: str = "pp"          # the layout whose home phase is prefill
+    decode_layout: str = "tp"           # the layout whose home phase is decode
+    settle_polls: int = 2               # polls after a cutover before the new layout may be judged
+    min_dwell_s: float = 0.5            # no economic exit before this long in a layout
+    stall_polls: int = 4                # k chunk cadences without prefill while decodes are carried
+    max_decode_wait_s: float = 60.0     # outer backstop: carried decodes never wait longer in prefill
+    max_prefill_wait_s: float = 120.0   # outer backstop: a prompt never waits longer in the decode layout
+    failed_flip_backoff_polls: int = 8  # polls in the fallback after a failed flip; doubles per failure
+    max_backoff_polls: int = 1024
+
+    def __post_init__(self) -> None:
+        _check(self.mode in MODES, f"policy mode={self.mode!r} is invalid: allowed are {', '.join(MODES)}")
+        if self.mode == "latency":
+            _check(_is_num(self.ttft_budget_s) and self.ttft_budget_s > 0,
+                   f"policy='latency' needs ttft_budget_s > 0, got {self.ttft_budget_s!r}")
+        else:
+            _check(self.ttft_budget_s is None, "ttft_budget_s applies to policy='latency' only")
+        _check(self.prefill_layout != self.decode_layout, "prefill_layout and decode_layout must differ")
+        for name in ("settle_polls", "stall_polls", "failed_flip_backoff_polls", "max_backoff_polls"):
+            value = getattr(self, name)
+            _check(isinstance(value, int) and not isinstance(value, bool) and value >= 1,
+                   f"PolicyConfig.{name}={value!r} must be an int >= 1")
+        for name in ("min_dwell_s", "max_decode_wait_s", "max_prefill_wait_s"):
+            _check(_is_num(getattr(self, name)) and getattr(self, name) >= 0,
+                   f"PolicyConfig.{name}={getattr(self, name)!r} must be a number >= 0")
+
+    def other(self, layout: str) -> str:
+        return self.decode_layout if layout == self.prefill_layout else self.prefill_layout
+
+
+@dataclass(frozen=True)
+class PolicyInputs:
+    """Everything decide() may read: measured by the caller at the moment of the decision."""
+    active: str
+    now_s: float
+    pending_prefill_tokens: int     # prompt tokens not yet in KV: waiting + running mid-prefill
+    admissible_prefill_tokens: int  # of those, what could run now: running prefills + waiting that fit
+    num_waiting: int
+    num_running: int
+    num_carried_decodes: int        # running sequences whose next step is a decode
+    carried_decode_tokens: int      # tokens they may still generate (sum of max_tokens - generated)
+    free_kv_blocks: int
+    bundle_kv_blocks: int           # blocks the running sequences still need to reach max_tokens
+    oldest_wait_s: float | None     # age of the oldest prompt without a first token (None: none)
+    progress: Progress
+    rates: Mapping[str, LayoutRates]
+    legs: Mapping[str, LegCost]     # by direction "pp->tp"
+
+    def __post_init__(self) -> None:
+        for name in ("pending_prefill_tokens", "admissible_prefill_tokens", "num_waiting", "num_running",
+                     "num_carried_decodes", "carried_decode_tokens", "free_kv_blocks", "bundle_kv_blocks"):
+            value = getattr(self, name)
+            _check(isinstance(value, int) and value >= 0, f"PolicyInputs.{name}={value!r} must be an int >= 0")
+        _check(self.admissible_prefill_tokens <= self.pending_prefill_tokens,
+               "admissible_prefill_tokens cannot exceed pending_prefill_tokens")
+        _check(self.num_carried_decodes <= self.num_running, "num_carried_decodes cannot exceed num_running")
+        object.__setattr__(self, "rates", MappingProxyType(dict(self.rates)))
+        object.__setattr__(self, "legs", MappingProxyType(dict(self.legs)))
+
+
+@dataclass(frozen=True)
+class Decision:
+    action: str                 # stay | flip
+    target: str                 # the layout that runs next (the active one for a stay)
+    reason: str
+    prefill: bool               # phases open in `target` until the next decision
+    decode: bool
+    numbers: Mapping[str, object] = field(default_factory=dict)
+
+    def record(self, inputs: PolicyInputs) -> dict:
+        """The decision-log entry: time, layout, action, reason and the numbers the rule used."""
+        return {"time_s": inputs.now_s, "layout": inputs.active, "action": self.action, "target": self.target,
+                "reason": self.reason, "prefill": self.prefill, "decode": self.decode,
+                "numbers": dict(self.numbers)}
+
+
+
+# -- the rules -------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class _View:
+    """One decision's derived values: computed once, so a bar is one value from one place."""
+    w: PolicyInputs
+    c: PolicyConfig
+    here: str
+    there: str
+    out: LegCost             # here -> there
+    rt: RoundTrip
+
+    @classmethod
+    def of(cls, w: PolicyInputs, c: PolicyConfig) -> "_View":
+        _check(w.active in (c.prefill_layout, c.decode_layout),
+               f"active layout {w.active!r} is neither {c.prefill_layout!r} nor {c.decode_layout!r}")
+        here, there = w.active, c.other(w.active)
+        out, back = _leg(w, here, there), _leg(w, there, here)
+        return cls(w, c, here, there, out, round_trip(out, back))
+
+    def rates(self, layout: str) -> LayoutRates:
+        return self.w.rates.get(layout) or LayoutRates(layout, None)
+
+    def home(self, layout: str) -> tuple[bool, bool]:
+        return (True, False) if layout == self.c.prefill_layout else (False, True)
+
+    def stay(self, reason: str, phases: tuple[bool, bool], numbers: dict) -> Decision:
+        return Decision("stay", self.here, reason, phases[0], phases[1], MappingProxyType(dict(numbers)))
+
+    def flip(self, reason: str, numbers: dict) -> Decision:
+        prefill, decode = self.home(self.there)
+        return Decision("flip", self.there, reason, prefill, decode, MappingProxyType(dict(numbers)))
+
+    def dwell_left_s(self) -> float:
+        return self.c.min_dwell_s - (self.w.now_s - self.w.progress.layout_since_s)
+
+
+def _leg(w: PolicyInputs, source: str, target: str) -> LegCost:
+    name = direction(source, target)
+    return w.legs.get(name) or LegCost(name, None, None, UNPRICED, 0)
+
+
+def decide(inputs: PolicyInputs, config: PolicyConfig) -> Decision:
+    """Stay (with the phases the active layout may run) or flip, with the reason and its numbers."""
+    v = _View.of(inputs, config)
+    decision = _idle(v) or _failed_flip(v) or _settle(v)
+    if decision is None:
+        decision = _from_prefill_layout(v) if v.here == config.prefill_layout else _from_decode_layout(v)
+    return _never_idle(decision, inputs)
+
+
+def _idle(v: _View) -> Decision | None:
+    if v.w.pending_prefill_tokens or v.w.num_running:
+        return None
+    return v.stay("idle: no work", v.home(v.here), {})
+
+
+def _failed_flip(v: _View) -> Decision | None:
+    """After a failed flip, run everything here for a bound that doubles per failure (LESSONS 10)."""
+    p = v.w.progress
+    if p.failed_flips_in_row == 0:
+        return None
+    bound = min(v.c.failed_flip_backoff_polls * 2 ** (p.failed_flips_in_row - 1), v.c.max_backoff_polls)
+    if p.polls_since_failed_flip >= bound:
+        return None
+    return v.stay("flip failed: run here", (True, True), {
+        "failed_flips_in_row": p.failed_flips_in_row, "polls_since_failed_flip": p.polls_since_failed_flip,
+        "bound_polls": bound})
+
+
+def _settle(v: _View) -> Decision | None:
+    """A layout just cut over to is not judged until it had the chance to run (LESSONS 11)."""
+    polls = v.w.progress.polls_in_layout
+    if polls >= v.c.settle_polls:
+        return None
+    return v.stay("settle", v.home(v.here), {"polls_in_layout": polls, "bound_polls": v.c.settle_polls})
+
+
+def _from_prefill_layout(v: _View) -> Decision:
+    """Drain: prefill until nothing admissible is left (or prefill stalls, or decodes starve), then send
+    the carried bundle to the decode layout if it saves more than a round trip, else decode it here."""
+    w = v.w
+    if w.num_carried_decodes == 0:
+        return v.stay("prefill", (True, False), {"num_carried_decodes": 0})
+    trigger, numbers = _prefill_side_trigger(v)
+    if trigger is None:
+        return v.stay("drain: prefill first", (True, False), numbers)
+    if trigger != "decode-starved" and v.dwell_left_s() > 0:
+        return v.stay(f"{trigger}: min dwell", (True, True), {**numbers, **_dwell_numbers(v)})
+    here_s = v.rates(v.here).decode_s(w.carried_decode_tokens, w.num_carried_decodes)
+    there_s = v.rates(v.there).decode_s(w.carried_decode_tokens, w.num_carried_decodes)
+    return _flip_if_worth(v, trigger, here_s, there_s, numbers)
+
+
+def _prefill_side_trigger(v: _View) -> tuple[str | None, dict]:
+    w, c, p = v.w, v.c, v.w.progress
+    decode_wait_s = 0.0 if p.decodes_waiting_since_s is None else w.now_s - p.decodes_waiting_since_s
+    numbers = {"pending_prefill_tokens": w.pending_prefill_tokens,
+               "admissible_prefill_tokens": w.admissible_prefill_tokens,
+               "num_carried_decodes": w.num_carried_decodes, "free_kv_blocks": w.free_kv_blocks,
+               "bundle_kv_blocks": w.bundle_kv_blocks, "polls_without_prefill": p.polls_without_prefill,
+               "stall_polls": c.stall_polls, "decode_wait_s": decode_wait_s,
+               "max_decode_wait_s": c.max_decode_wait_s}
+    if decode_wait_s >= c.max_decode_wait_s:
+        return "decode-starved", numbers
+    if w.admissible_prefill_tokens == 0:
+        return ("drained" if w.pending_prefill_tokens == 0 else "kv-full"), numbers
+    if p.polls_without_prefill >= c.stall_polls:
+        return "stalled", numbers
+    return None, numbers
+
+
+def _from_decode_layout(v: _View) -> Decision:
+    """Decode the bundle to completion; then go back for the prefill waiting if it saves more than a
+    round trip, else prefill it here. Latency mode leaves earlier, at the oldest prompt's deadline."""
+    w, c = v.w, v.c
+    if w.admissible_prefill_tokens == 0:
+        return v.stay("decode", (False, True), {"admissible_prefill_tokens": 0})
+    if c.mode == "latency":
+        decision = _ttft_deadline(v)
+        if decision is not None:
+            return decision
+    oldest = w.oldest_wait_s or 0.0
+    numbers = {"admissible_prefill_tokens": w.admissible_prefill_tokens,
+               "num_carried_decodes": w.num_carried_decodes, "oldest_wait_s": oldest,
+               "max_prefill_wait_s": c.max_prefill_wait_s}
+    if oldest >= c.max_prefill_wait_s:
+        trigger = "prefill-starved"
+    elif w.num_carried_decodes == 0:
+        trigger = "drained"
+    else:
+        return v.stay("drain: decode the bundle", (False, True), numbers)
+    if trigger == "drained" and v.dwell_left_s() > 0:
+        return v.stay(f"{trigger}: min dwell", (True, True), {**numbers, **_dwell_numbers(v)})
+    here_s = v.rates(v.here).prefill_s(w.admissible_prefill_tokens)
+    there_s = v.rates(v.there).prefill_s(w.admissible_prefill_tokens)
+    return _flip_if_worth(v, trigger, here_s, there_s, numbers)
+
+
+def _ttft_deadline(v: _View) -> Decision | None:
+    """LESSONS 6's cycle ceiling, per request: leave the decode layout when the oldest waiting prompt,
+    after the worst recent leg back and the prefill queue, would just make the budget. If prefilling here
+    is sooner than flipping (the window closed: no cycle fits), prefill here instead."""
+    w, budget = v.w, v.c.ttft_budget_s
+    leg_s = v.out.high_s
+    queue_there = v.rates(v.there).prefill_s(w.admissible_prefill_tokens)
+    queue_here = v.rates(v.here).prefill_s(w.admissible_prefill_tokens)
+    priced = leg_s is not None and queue_there is not None
+    bar_s = budget - leg_s - queue_there if priced else 0.0
+    oldest = w.oldest_wait_s or 0.0
+    numbers = {"ttft_budget_s": budget, "oldest_wait_s": oldest, "leg_high_s": leg_s,
+               "leg_provenance": v.out.provenance, "queue_there_s": queue_there, "queue_here_s": queue_here,
+               "bar_s": bar_s}
+    if w.oldest_wait_s is None or oldest < bar_s:
+        return None
+    if priced and queue_here is not None and queue_here <= leg_s + queue_there:
+        return v.stay("ttft-deadline: prefill here is sooner", (True, True), numbers)
+    return v.flip("ttft-deadline" if priced else "ttft-deadline (unpriced)", numbers)
+
+
+def _flip_if_worth(v: _View, trigger: str, here_s: float | None, there_s: float | None,
+                   numbers: dict) -> Decision:
+    """Break-even: flip when the work waiting for the other layout saves more than a round trip. An
+    unpriced saving or round trip follows the drain rule; a flip that does not pay runs the work here."""
+    saving_s = None if here_s is None or there_s is None else here_s - there_s
+    bar_s = v.rt.seconds
+    numbers = {**numbers, "work_here_s": here_s, "work_there_s": there_s, "saving_s": saving_s,
+               "round_trip_s": bar_s, "round_trip_provenance": v.rt.provenance}
+    if saving_s is None or bar_s is None:
+        return v.flip(f"{trigger} (unpriced)", numbers)
+    if saving_s > bar_s:
+        return v.flip(trigger, numbers)
+    return v.stay(f"{trigger}: below break-even, run here", (True, True), numbers)
+
+
+def _dwell_numbers(v: _View) -> dict:
+    return {"time_in_layout_s": v.w.now_s - v.w.progress.layout_since_s, "min_dwell_s": v.c.min_dwell_s}
+
+
+def _never_idle(d: Decision, w: PolicyInputs) -> Decision:
+    """A stay must leave a phase open that has work, whenever any work can run (LESSONS 10)."""
+    can_prefill, can_decode = w.admissible_prefill_tokens > 0, w.num_carried_decodes > 0
+    if d.action == "flip" or (d.prefill and can_prefill) or (d.decode and can_decode):
+        return d
+    if not (can_prefill or can_decode):
+        return d
+    return replace(d, prefill=d.prefill or can_prefill, decode=d.decode or can_decode,
+                   reason=f"{d.reason} (+open: nothing else runs here)")
+
+
+__all__ = ["FlipCostEstimator", "RateEstimator", "ProgressTracker", "PolicyConfig", "PolicyInputs",
+           "Decision", "LegCost", "RoundTrip", "LayoutRates", "Progress", "round_trip", "direction", "decide"]

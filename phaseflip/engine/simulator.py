@@ -1,0 +1,410 @@
+"""A modelled rig driven by the SAME policy code the engine runs: layout rates and per-leg flip costs from
+a rig profile (JSON), requests from an arrival trace (JSONL); reports throughput, time-to-first-token
+percentiles and flips for the policy and for the static layouts.
+
+Owns: loading and validating rig profiles (every number labelled measured / derived / assumption) and
+traces, the discrete step model, the comparison table. The step model, and what it assumes:
+  - a step runs the decodes of every decode-ready sequence (if decode is open) and up to `chunk_tokens`
+    prompt tokens (if prefill is open; running prefills first, then FIFO admission);
+  - a prefill step takes tokens / prefill_tok_s, a decode step the rig's step time at its batch, a mixed
+    step prefill time + the decode's marginal cost over a batch of one (the weight reads are shared);
+  - admission reserves KV for prompt + max_tokens (no preemption); a sequence's first token comes with
+    the step that finishes its prompt;
+  - a flip takes the next of its direction's sampled totals; a failed one wastes `failed_flip_fraction`
+    of it and changes nothing; an idle poll (nothing could run) costs `idle_poll_s`.
+The policy sees only what LayoutControl would measure: rates and flip costs through the estimators of
+engine/policy.py (seeded as boot calibration would), counters through its ProgressTracker.
+
+Must never: import torch, or re-implement a policy rule (it calls policy.decide).
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from types import MappingProxyType
+from typing import Callable, Mapping
+
+from phaseflip.engine.policy import (Decision, FlipCostEstimator, LayoutRates, PolicyConfig, PolicyInputs,
+                                     ProgressTracker, RateEstimator, decide, direction)
+
+BASES = ("measured", "derived", "assumption")
+RIGS_DIR = Path(__file__).resolve().parent.parent / "tools" / "rigs"
+DecideFn = Callable[[PolicyInputs, PolicyConfig], Decision]
+
+
+# -- rig profiles ------------------------------------------------------------------------------------------
+def check_labels(node, path: str = "rig") -> None:
+    """Every number in a rig profile sits in a {"value": ..., "basis": "measured|derived|assumption: ..."}."""
+    if isinstance(node, dict) and "value" in node:
+        basis = node.get("basis")
+        if not isinstance(basis, str) or not basis.startswith(BASES):
+            raise ValueError(f"{path}: basis must start with one of {', '.join(BASES)}, got {basis!r}")
+        return
+    if isinstance(node, dict):
+        for key, child in node.items():
+            check_labels(child, f"{path}.{key}")
+    elif isinstance(node, list):
+        for i, child in enumerate(node):
+            check_labels(child, f"{path}[{i}]")
+    elif isinstance(node, (int, float)) and not isinstance(node, bool):
+        raise ValueError(f"{path}: the number {node} is not labelled (wrap it as {{'value', 'basis'}})")
+
+
+def _value(node: dict, key: str, path: str):
+    if key not in node or not isinstance(node[key], dict) or "value" not in node[key]:
+        raise ValueError(f"{path}.{key} is missing (a {{'value', 'basis'}} object)")
+    return node[key]["value"]
+
+
+def _positive(x, path: str) -> float:
+    if not isinstance(x, (int, float)) or isinstance(x, bool) or not math.isfinite(x) or x <= 0:
+        raise ValueError(f"{path} must be a number > 0, got {x!r}")
+    return float(x)
+
+
+def _count(x, path: str) -> int:
+    if not isinstance(x, int) or isinstance(x, bool) or x < 1:
+        raise ValueError(f"{path} must be an integer >= 1, got {x!r}")
+    return x
+
+
+@dataclass(frozen=True)
+class Rig:
+    name: str
+    layouts: Mapping[str, LayoutRates]           # what the rig really does (and what boot calibrates)
+    flip_samples_s: Mapping[str, tuple[float, ...]]  # per direction, used in turn
+    flip_prior_s: Mapping[str, float]            # the estimators' seeds
+    max_num_seqs: int
+    chunk_tokens: int
+    block_size: int
+    num_kv_blocks: int
+    idle_poll_s: float
+    failed_flip_fraction: float
+
+    def flip_s(self, leg: str, n: int) -> float:
+        samples = self.flip_samples_s[leg]
+        return samples[n % len(samples)]
+
+
+def rig_from_dict(raw: dict) -> Rig:
+    check_labels(raw)
+    name = raw.get("name")
+    if not isinstance(name, str) or not name:
+        raise ValueError("rig.name must be a non-empty string")
+    eng = raw.get("engine") or {}
+    layouts = {k: _layout_from_dict(k, v) for k, v in (raw.get("layouts") or {}).items()}
+    if set(layouts) != {"pp", "tp"}:
+        raise ValueError(f"rig.layouts must define pp and tp, got {sorted(layouts)}")
+    flips = raw.get("flips") or {}
+    legs = (direction("pp", "tp"), direction("tp", "pp"))
+    samples, priors = {}, {}
+    for leg in legs:
+        node = flips.get(leg) or {}
+        values = _value(node, "samples_s", f"rig.flips.{leg}")
+        if not isinstance(values, list) or not values:
+            raise ValueError(f"rig.flips.{leg}.samples_s must be a non-empty list")
+        samples[leg] = tuple(_positive(x, f"rig.flips.{leg}.samples_s") for x in values)
+        priors[leg] = _positive(_value(node, "prior_s", f"rig.flips.{leg}"), f"rig.flips.{leg}.prior_s")
+    fraction = _value(flips, "failed_flip_fraction", "rig.flips")
+    if not isinstance(fraction, (int, float)) or not 0 <= fraction <= 1:
+        raise ValueError(f"rig.flips.failed_flip_fraction must be in [0, 1], got {fraction!r}")
+    return Rig(name, MappingProxyType(layouts), MappingProxyType(samples), MappingProxyType(priors),
+               max_num_seqs=_count(_value(eng, "max_num_seqs", "rig.engine"), "rig.engine.max_num_seqs"),
+               chunk_tokens=_count(_value(eng, "chunk_tokens", "rig.engine"), "rig.engine.chunk_tokens"),
+               block_size=_count(_value(eng, "block_size", "rig.engine"), "rig.engine.block_size"),
+               num_kv_blocks=_count(_value(eng, "num_kv_blocks", "rig.engine"), "rig.engine.num_kv_blocks"),
+               idle_poll_s=_positive(_value(eng, "idle_poll_s", "rig.engine"), "rig.engine.idle_poll_s"),
+               failed_flip_fraction=float(fraction))
+
+
+def _layout_from_dict(name: str, node: dict) -> LayoutRates:
+    path = f"rig.layouts.{name}"
+    prefill = _positive(_value(node, "prefill_tok_s", path), f"{path}.prefill_tok_s")
+    table = _value(node, "decode_step_s", path)
+    if not isinstance(table, dict) or not table:
+        raise ValueError(f"{path}.decode_step_s must be a non-empty {{batch: seconds}} object")
+    steps = sorted((_count(int(b), f"{path}.decode_step_s batch"), _positive(s, f"{path}.decode_step_s[{b}]"))
+                   for b, s in table.items())
+    return LayoutRates(name, prefill, tuple(steps))
+
+
+def load_rig(path) -> Rig:
+    """A rig profile from a JSON file, or a shipped one by name (see tools/rigs/)."""
+    p = Path(path)
+    if not p.exists() and (RIGS_DIR / f"{path}.json").exists():
+        p = RIGS_DIR / f"{path}.json"
+    if not p.exists():
+        shipped = ", ".join(sorted(f.stem for f in RIGS_DIR.glob("*.json")))
+        raise ValueError(f"no rig profile {str(path)!r} (a JSON file, or one of: {shipped})")
+    try:
+        raw = json.loads(p.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{p} is not JSON: {e}") from e
+    return rig_from_dict(raw)
+
+
+# -- traces ------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class TraceRequest:
+    arrival_s: float
+    prompt_tokens: int
+    output_tokens: int      # what it will really generate
+    max_tokens: int         # what the engine is told (an upper bound; the policy sees only this)
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.arrival_s, (int, float)) and math.isfinite(self.arrival_s) and self.arrival_s >= 0):
+            raise ValueError(f"arrival_s must be a number >= 0, got {self.arrival_s!r}")
+        for name in ("prompt_tokens", "output_tokens", "max_tokens"):
+            _count(getattr(self, name), name)
+        if self.output_tokens > self.max_tokens:
+            raise ValueError(f"output_tokens={self.output_tokens} exceeds max_tokens={self.max_tokens}")
+
+
+def load_trace(path) -> tuple[TraceRequest, ...]:
+    """JSONL: {"arrival_s", "prompt_tokens", "output_tokens"[, "max_tokens"][, "kind"]} per line."""
+    p = Path(path)
+    if not p.exists() and (RIGS_DIR / path).exists():
+        p = RIGS_DIR / path
+    requests = []
+    for n, line in enumerate(p.read_text(encoding="utf-8").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+            requests.append(TraceRequest(obj["arrival_s"], obj["prompt_tokens"], obj["output_tokens"],
+                                         obj.get("max_tokens", obj["output_tokens"])))
+        except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
+            raise ValueError(f"{p} line {n}: {e!r}") from e
+    if not requests:
+        raise ValueError(f"{p} holds no requests")
+    return tuple(sorted(requests, key=lambda r: r.arrival_s))
+
+
+
+# -- the run -----------------------------------------------------------------------------------------------
+@dataclass
+class _Seq:
+    req: TraceRequest
+    arrival_s: float
+    reserved: int                   # KV blocks reserved at admission
+    computed: int = 0               # prompt tokens in KV
+    generated: int = 0
+    first_token_s: float | None = None
+    finish_s: float | None = None
+
+    @property
+    def prefill_left(self) -> int:
+        return self.req.prompt_tokens - self.computed
+
+    @property
+    def is_decode(self) -> bool:
+        return self.prefill_left == 0 and self.generated < self.req.output_tokens
+
+
+@dataclass(frozen=True)
+class SimResult:
+    label: str
+    completed: bool
+    makespan_s: float
+    num_requests: int
+    prompt_tokens: int
+    output_tokens: int
+    ttft_s: tuple[float, ...]
+    flips: int
+    failed_flips: int
+    flip_time_s: float
+    idle_polls_with_work: int       # polls where nothing ran although requests were pending
+    reasons: Mapping[str, int]      # decisions taken, by reason
+    events: tuple[dict, ...]        # every flip attempt, with the decision's numbers and the queue state
+
+    @property
+    def tok_s(self) -> float:
+        return (self.prompt_tokens + self.output_tokens) / self.makespan_s if self.makespan_s > 0 else 0.0
+
+    def ttft_pct(self, q: float) -> float | None:
+        if not self.ttft_s:
+            return None
+        ordered = sorted(self.ttft_s)
+        return ordered[min(len(ordered) - 1, max(0, math.ceil(q / 100 * len(ordered)) - 1))]
+
+
+def static_decide(inputs: PolicyInputs, config: PolicyConfig) -> Decision:
+    """The static baseline: never flip, run both phases in the layout it started in."""
+    return Decision("stay", inputs.active, "static", True, True)
+
+
+class _Run:
+    """One simulation: the queue state, the modelled clock and the caller-side meters."""
+
+    def __init__(self, rig: Rig, trace, start: str, flip_faults):
+        self.rig, self.active, self.now = rig, start, 0.0
+        self.future = list(reversed(trace))       # pop() = next arrival
+        self.waiting: list[_Seq] = []
+        self.running: list[_Seq] = []
+        self.done: list[_Seq] = []
+        self.reserved = 0
+        self.tracker = ProgressTracker(0.0)
+        self.rates = {k: RateEstimator(k, r.prefill_tok_s, dict(r.decode_step_s)) for k, r in rig.layouts.items()}
+        self.legs = {leg: FlipCostEstimator(leg, rig.flip_prior_s[leg]) for leg in rig.flip_samples_s}
+        self.flip_faults, self.attempts, self.leg_uses = set(flip_faults), 0, {leg: 0 for leg in self.legs}
+        self.flips = self.failed = self.idle_polls = 0
+        self.flip_time = 0.0
+        self.reasons: dict[str, int] = {}
+        self.events: list[dict] = []
+
+    # -- what LayoutControl would measure --------------------------------------------------------------------
+    def blocks(self, tokens: int) -> int:
+        return -(-tokens // self.rig.block_size)
+
+    def _fits(self, seq_reserve: int, reserved: int, slots: int) -> bool:
+        return slots < self.rig.max_num_seqs and reserved + seq_reserve <= self.rig.num_kv_blocks
+
+    def admissible_tokens(self) -> int:
+        tokens = sum(s.prefill_left for s in self.running)
+        reserved, slots = self.reserved, len(self.running)
+        for seq in self.waiting:
+            if not self._fits(seq.reserved, reserved, slots):
+                break
+            tokens, reserved, slots = tokens + seq.req.prompt_tokens, reserved + seq.reserved, slots + 1
+        return tokens
+
+    def inputs(self) -> PolicyInputs:
+        carried = [s for s in self.running if s.is_decode]
+        used = sum(self.blocks(s.computed + s.generated) for s in self.running)
+        unstarted = [s.arrival_s for s in self.waiting + self.running if s.first_token_s is None]
+        return PolicyInputs(
+            active=self.active, now_s=self.now,
+            pending_prefill_tokens=sum(s.prefill_left for s in self.waiting + self.running),
+            admissible_prefill_tokens=self.admissible_tokens(), num_waiting=len(self.waiting),
+            num_running=len(self.running), num_carried_decodes=len(carried),
+            carried_decode_tokens=sum(s.req.max_tokens - s.generated for s in carried),
+            free_kv_blocks=self.rig.num_kv_blocks - used, bundle_kv_blocks=self.reserved - used,
+            oldest_wait_s=self.now - min(unstarted) if unstarted else None,
+            progress=self.tracker.snapshot(), rates={k: e.reading() for k, e in self.rates.items()},
+            legs={k: e.reading() for k, e in self.legs.items()})
+
+    # -- the modelled engine --------------------------------------------------------------------------------
+    def arrive(self) -> None:
+        while self.future and self.future[-1].arrival_s <= self.now:
+            req = self.future.pop()
+            self.waiting.append(_Seq(req, req.arrival_s, self.blocks(req.prompt_tokens + req.max_tokens)))
+
+    def step(self, prefill: bool, decode: bool) -> bool:
+        """Run one step with the open phases; False when nothing could run (an idle poll)."""
+        batch = [s for s in self.running if s.is_decode] if decode else []
+        chunks = self._prefill_chunks() if prefill else []
+        num_prefill = sum(n for _, n in chunks)
+        if not batch and not chunks:
+            self.now += self.rig.idle_poll_s
+            self.idle_polls += 1
+            self.tracker.on_poll(self.now, 0, 0, sum(s.is_decode for s in self.running))
+            return False
+        seconds = self._step_seconds(num_prefill, len(batch))
+        self.now += seconds
+        self.rates[self.active].observe_step(num_prefill, len(batch), seconds)
+        for seq in batch:
+            seq.generated += 1
+        for seq, n in chunks:
+            seq.computed += n
+            if seq.prefill_left == 0:
+                seq.generated, seq.first_token_s = 1, self.now
+        self._finish()
+        self.tracker.on_poll(self.now, num_prefill, len(batch), sum(s.is_decode for s in self.running))
+        return True
+
+    def _prefill_chunks(self) -> list[tuple[_Seq, int]]:
+        budget, chunks = self.rig.chunk_tokens, []
+        for seq in [s for s in self.running if s.prefill_left > 0]:
+            if budget == 0:
+                return chunks
+            chunks.append((seq, min(seq.prefill_left, budget)))
+            budget -= chunks[-1][1]
+        while budget and self.waiting and self._fits(self.waiting[0].reserved, self.reserved, len(self.running)):
+            seq = self.waiting.pop(0)
+            self.running.append(seq)
+            self.reserved += seq.reserved
+            chunks.append((seq, min(seq.prefill_left, budget)))
+            budget -= chunks[-1][1]
+        return chunks
+
+    def _step_seconds(self, num_prefill: int, batch: int) -> float:
+        rates = self.rig.layouts[self.active]
+        if not num_prefill:
+            return rates.step_s(batch)
+        seconds = rates.prefill_s(num_prefill)
+        return seconds + (max(0.0, rates.step_s(batch) - rates.step_s(1)) if batch else 0.0)
+
+    def _finish(self) -> None:
+        for seq in [s for s in self.running if s.prefill_left == 0 and s.generated >= s.req.output_tokens]:
+            self.running.remove(seq)
+            self.reserved -= seq.reserved
+            seq.finish_s = self.now
+            self.done.append(seq)
+
+    def flip(self, decision: Decision, inputs: PolicyInputs) -> None:
+        leg = direction(self.active, decision.target)
+        seconds = self.rig.flip_s(leg, self.leg_uses[leg])
+        self.leg_uses[leg] += 1
+        ok = self.attempts not in self.flip_faults
+        self.attempts += 1
+        wasted = seconds if ok else seconds * self.rig.failed_flip_fraction
+        self.now += wasted
+        self.flip_time += wasted
+        self.events.append({"time_s": self.now, "direction": leg, "ok": ok, "seconds": wasted,
+                            "reason": decision.reason, "numbers": dict(decision.numbers),
+                            "num_running": inputs.num_running, "num_waiting": inputs.num_waiting,
+                            "num_carried_decodes": inputs.num_carried_decodes,
+                            "pending_prefill_tokens": inputs.pending_prefill_tokens})
+        if ok:
+            self.active, self.flips = decision.target, self.flips + 1
+            self.legs[leg].observe(seconds)
+            self.tracker.on_cutover(self.now)
+        else:
+            self.failed += 1
+            self.tracker.on_flip_failed()
+
+
+def simulate(rig: Rig, trace, config: PolicyConfig, *, decide_fn: DecideFn = decide, start: str = "pp",
+             offline: bool = False, flip_faults=(), label: str = "policy", max_polls: int = 2_000_000) -> SimResult:
+    """Run `trace` on `rig` under `decide_fn`. offline=True submits every request at t=0 (a batch)."""
+    if offline:
+        trace = [TraceRequest(0.0, r.prompt_tokens, r.output_tokens, r.max_tokens) for r in trace]
+    _check_fits(rig, trace)
+    run = _Run(rig, list(trace), start, flip_faults)
+    for _ in range(max_polls):
+        run.arrive()
+        if not run.waiting and not run.running:
+            if not run.future:
+                break
+            run.now = run.future[-1].arrival_s
+            continue
+        inputs = run.inputs()
+        decision = decide_fn(inputs, config)
+        run.reasons[decision.reason] = run.reasons.get(decision.reason, 0) + 1
+        if decision.action == "flip":
+            run.flip(decision, inputs)
+        else:
+            run.step(decision.prefill, decision.decode)
+    return _result(run, trace, label)
+
+
+def _check_fits(rig: Rig, trace) -> None:
+    for i, r in enumerate(trace):
+        if -(-(r.prompt_tokens + r.max_tokens) // rig.block_size) > rig.num_kv_blocks:
+            raise ValueError(f"trace request {i} ({r.prompt_tokens} + {r.max_tokens} tokens) cannot fit in "
+                             f"{rig.name}'s KV pool of {rig.num_kv_blocks} blocks")
+
+
+def _result(run: _Run, trace, label: str) -> SimResult:
+    done = run.done
+    completed = len(done) == len(trace)
+    start = min(r.arrival_s for r in trace)
+    end = max((s.finish_s for s in done), default=run.now)
+    return SimResult(label=label, completed=completed, makespan_s=end - start, num_requests=len(trace),
+                     prompt_tokens=sum(s.req.prompt_tokens for s in done),
+                     output_tokens=sum(s.req.output_tokens for s in done),
+                     ttft_s=tuple(s.first_token_s - s.arrival_s for s in done), flips=run.flips,
+                     failed_flips=run.failed, flip_time_s=run.flip_time, idle_polls_with_work=run.idle_polls,
+                     reasons=MappingProxyType(dict(run.reasons)), events=tuple(run.events))

@@ -1,0 +1,137 @@
+"""`phaseflip inspect`: what was captured, where every byte went, what each flip cost — for a person.
+
+Owns: reading a boot manifest (or booting to get one), printing it as tables (captured steps per
+layout and phase, the ledger per rank for both layouts side by side, the boot timeline, the flips),
+`--json`, `--svg FILE` (tools/svg.py) and `--dot FILE --step LAYOUT:PHASE:BUCKET`.
+"""
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from pathlib import Path
+
+import click
+
+LEDGER_TERMS = ("arena", "kv_usable", "kv_unusable", "graph_pool", "static_buffers", "staging_reserve",
+                "host_images", "framework_overhead", "free")
+
+
+def default_manifest_path() -> Path:
+    from phaseflip.engine.default_model import cache_dir
+    return cache_dir() / "last-manifest.json"
+
+
+def _mib(v) -> str:
+    return "null" if v is None else f"{v / 2**20:,.1f}"
+
+
+def steps_table(m: dict) -> list[str]:
+    groups = defaultdict(list)
+    for st in m["steps"]:
+        if st["rank"] == 0:
+            groups[(st["layout"], st["phase"], st["backend"])].append(st)
+    lines = ["captured steps (rank 0; every rank captures the same buckets):"]
+    for (layout, phase, backend), steps in sorted(groups.items()):
+        buckets = ",".join(str(s["bucket"]) for s in sorted(steps, key=lambda s: s["bucket"]))
+        ms = sum(s["capture_ms"] for s in steps)
+        pool = [s["pool_bytes"] for s in steps]
+        pool_txt = ("none (no graph pool off CUDA)" if backend != "cuda" else
+                    "null" if any(p is None for p in pool) else _mib(sum(pool)) + " MiB")
+        lines.append(f"  {layout:3} {phase:8} {backend:9} {len(steps):3} steps  buckets {buckets}  "
+                     f"capture {ms:.1f} ms  pool {pool_txt}")
+    lines.append(f"  total {len(m['steps'])} steps over {m['world_size']} rank(s); eager fallbacks so far: "
+                 f"{m['eager_fallbacks'] or 'none'}")
+    return lines
+
+
+def ledger_table(m: dict) -> list[str]:
+    layouts = list(m["layouts"])
+    names = [f"rank {r['rank']} {lay}" for r in m["ranks"] for lay in layouts]
+    head = f"  {'MiB':20}" + "".join(f"{n:>16}" for n in names)
+    lines = ["memory ledger per rank and layout (sums to the budget; null = not measured):", head]
+    for term in ("budget",) + LEDGER_TERMS:
+        lines.append(f"  {term:20}" + "".join(f"{_mib(r['ledger'][lay][term]):>16}"
+                                              for r in m["ranks"] for lay in layouts))
+    lines.append(f"  {'sums to budget':20}" + "".join(f"{str(r['ledger'][lay]['sums_to_budget']):>16}"
+                                                      for r in m["ranks"] for lay in layouts))
+    return lines
+
+
+def boot_table(m: dict) -> list[str]:
+    lines = ["boot timeline (ms):", "  controller: " + ", ".join(f"{k} {v:.0f}" for k, v in m["boot_ms"].items())]
+    for r in m["ranks"]:
+        lines.append(f"  rank {r['rank']}: " + ", ".join(f"{k} {v:.0f}" for k, v in r["boot_ms"].items()))
+        for lay, roles in r["compile"].items():
+            for role, c in roles.items():
+                extra = ", ".join(f"{k} {v:.1f}" for k, v in c.items() if isinstance(v, float))
+                lines.append(f"    {lay} {role}: {c['choice']}" + (f" ({extra})" if extra else "")
+                             + (f" — {c['reason']}" if "reason" in c else ""))
+    return lines
+
+
+def flips_table(m: dict) -> list[str]:
+    if not m["flips"]:
+        return ["flips: none yet"]
+    lines = [f"flips ({len(m['flips'])}):", f"  {'direction':10}{'total':>9}{'read':>8}{'exch':>8}{'refill':>8}"
+             f"{'write':>8}{'cut':>7}{'kv MiB':>9}{'w MiB':>9}  result"]
+    for e in m["flips"]:
+        def f(k):
+            return f"{e[k]:.1f}" if e.get(k) is not None else "-"
+        lines.append(f"  {e['direction']:10}{e['total_ms']:9.1f}{f('read_ms'):>8}{f('exchange_ms'):>8}"
+                     f"{f('refill_ms'):>8}{f('write_ms'):>8}{f('cutover_ms'):>7}{_mib(e['kv_bytes']):>9}"
+                     f"{_mib(e['weight_bytes']):>9}  {'ok' if e['ok'] else 'FAILED at ' + str(e['failed_stage'])}")
+    return lines
+
+
+def render_text(m: dict) -> str:
+    head = [f"phaseflip manifest: {m['model']['dir']} ({m['model']['architecture']}, {m['dtype']}, "
+            f"{m['device']}), world size {m['world_size']}, layouts {','.join(m['layouts'])}, "
+            f"active {m['active_layout']}; KV {m['kv']['num_blocks']} blocks of {m['kv']['block_size']}"]
+    for lay, shards in m["layouts"].items():
+        head.append(f"  {lay}: " + "; ".join(
+            f"rank {s['rank']} layers {s['layers'][0]}-{s['layers'][1]} kv heads {s['kv_heads'][0]}-{s['kv_heads'][1]}"
+            f" mlp {s['mlp'][0]}-{s['mlp'][1]}" for s in shards))
+    head += [f"  note: {n}" for n in m["plan"]["notes"]]
+    sections = [head, steps_table(m), ledger_table(m), boot_table(m), flips_table(m)]
+    return "\n\n".join("\n".join(s) for s in sections)
+
+
+def _boot_manifest(model, world_size, layouts) -> dict:
+    from phaseflip.engine.llm import LLM
+    with LLM(model=model, world_size=world_size, layouts=tuple(layouts.split(",")) if layouts else None) as llm:
+        return llm.inspect()
+
+
+@click.command("inspect")
+@click.argument("manifest", required=False, type=click.Path(dir_okay=False))
+@click.option("--json", "as_json", is_flag=True, help="Print the manifest as JSON.")
+@click.option("--svg", "svg_path", type=click.Path(dir_okay=False), help="Draw memory bars and flip timelines here.")
+@click.option("--dot", "dot_path", type=click.Path(dir_okay=False), help="Dump one CUDA graph as DOT (needs --step).")
+@click.option("--step", default=None, help="LAYOUT:PHASE:BUCKET for --dot, e.g. tp:decode:8.")
+@click.option("--model", default=None, help="Boot this model (HF dir; default the embedded one) and inspect it.")
+@click.option("--world-size", type=int, default=None, help="With --model/--boot: ranks.")
+@click.option("--layouts", default=None, help="With --model/--boot: pp,tp | pp | tp.")
+@click.option("--boot", "do_boot", is_flag=True, help="Boot (the default model unless --model) instead of reading a file.")
+def inspect(manifest, as_json, svg_path, dot_path, step, model, world_size, layouts, do_boot):
+    """Show what a boot captured and where memory went. MANIFEST defaults to the last boot's."""
+    if dot_path:
+        raise click.ClickException(_dot_unavailable(step))
+    if model or do_boot or world_size:
+        m = _boot_manifest(model, world_size or 1, layouts)
+    else:
+        path = Path(manifest) if manifest else default_manifest_path()
+        if not path.is_file():
+            raise click.ClickException(f"no manifest at {path}: run `phaseflip boot` first, or pass --model DIR")
+        m = json.loads(path.read_text())
+    if svg_path:
+        from phaseflip.tools.svg import render_svg
+        Path(svg_path).write_text(render_svg(m))
+        click.echo(f"wrote {svg_path}")
+    click.echo(json.dumps(m, indent=2) if as_json else render_text(m))
+
+
+def _dot_unavailable(step: str | None) -> str:
+    if not step:
+        return "--dot needs --step LAYOUT:PHASE:BUCKET"
+    return (f"--dot {step}: DOT dumps come from a live CUDA graph (torch.cuda.CUDAGraph.debug_dump); "
+            "this manifest's steps were recorded by a CPU backend, which has no graph to dump")
