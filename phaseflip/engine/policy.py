@@ -163,6 +163,7 @@ class Progress:
     polls_in_layout: int               # steps + idle polls since then (bounds the settle window)
     polls_without_prefill: int         # consecutive polls that computed no prefill token (the stall exit)
     decodes_waiting_since_s: float | None  # carried decodes have made no progress since (starvation cap)
+    prefill_waiting_since_s: float | None  # admissible prefill has made no progress since (starvation cap)
     failed_flips_in_row: int
     polls_since_failed_flip: int       # bounds the failed-flip fallback
 
@@ -172,22 +173,22 @@ class ProgressTracker:
     on_flip_failed after a failed one; pass snapshot() to decide(). It only counts what it is told."""
 
     def __init__(self, now_s: float):
-        self._p = Progress(now_s, 0, 0, None, 0, 0)
+        self._p = Progress(now_s, 0, 0, None, None, 0, 0)
 
     def snapshot(self) -> Progress:
         return self._p
 
-    def on_poll(self, now_s: float, prefill_tokens: int, decode_tokens: int, num_carried: int) -> None:
+    def on_poll(self, now_s: float, prefill_tokens: int, decode_tokens: int, num_carried: int,
+                admissible_prefill_tokens: int) -> None:
+        """After each step or idle poll: what it computed and what is left waiting."""
         p = self._p
-        waiting = p.decodes_waiting_since_s
-        if num_carried == 0 or decode_tokens > 0:
-            waiting = None
-        elif waiting is None:
-            waiting = now_s
-        self._p = replace(p, polls_in_layout=p.polls_in_layout + 1,
-                          polls_without_prefill=0 if prefill_tokens > 0 else p.polls_without_prefill + 1,
-                          decodes_waiting_since_s=waiting,
-                          polls_since_failed_flip=p.polls_since_failed_flip + 1)
+        self._p = replace(
+            p, polls_in_layout=p.polls_in_layout + 1,
+            polls_without_prefill=0 if prefill_tokens > 0 else p.polls_without_prefill + 1,
+            decodes_waiting_since_s=_since(p.decodes_waiting_since_s, now_s, num_carried > 0, decode_tokens > 0),
+            prefill_waiting_since_s=_since(p.prefill_waiting_since_s, now_s, admissible_prefill_tokens > 0,
+                                           prefill_tokens > 0),
+            polls_since_failed_flip=p.polls_since_failed_flip + 1)
 
     def on_cutover(self, now_s: float) -> None:
         self._p = replace(self._p, layout_since_s=now_s, polls_in_layout=0, polls_without_prefill=0,
@@ -196,6 +197,13 @@ class ProgressTracker:
     def on_flip_failed(self) -> None:
         self._p = replace(self._p, failed_flips_in_row=self._p.failed_flips_in_row + 1,
                           polls_since_failed_flip=0)
+
+
+def _since(stamp: float | None, now_s: float, waiting: bool, progressed: bool) -> float | None:
+    """A starvation stamp: when work began waiting without progress; None while none waits or it moves."""
+    if not waiting or progressed:
+        return None
+    return now_s if stamp is None else stamp
 
 
 # -- configuration, inputs, decision -------------------------------------------------------------------
@@ -209,7 +217,7 @@ class PolicyConfig:
     min_dwell_s: float = 0.5            # no economic exit before this long in a layout
     stall_polls: int = 4                # k chunk cadences without prefill while decodes are carried
     max_decode_wait_s: float = 60.0     # outer backstop: carried decodes never wait longer in prefill
-    max_prefill_wait_s: float = 120.0   # outer backstop: a prompt never waits longer in the decode layout
+    max_prefill_wait_s: float = 60.0    # outer backstop: admissible prefill never waits longer in decode
     failed_flip_backoff_polls: int = 8  # polls in the fallback after a failed flip; doubles per failure
     max_backoff_polls: int = 1024
 
@@ -392,8 +400,10 @@ def _prefill_side_trigger(v: _View) -> tuple[str | None, dict]:
 
 
 def _from_decode_layout(v: _View) -> Decision:
-    """Decode the bundle to completion; then go back for the prefill waiting if it saves more than a
-    round trip, else prefill it here. Latency mode leaves earlier, at the oldest prompt's deadline."""
+    """Decode the bundle; go back for the admissible prefill as soon as it saves more than a round trip
+    (it grows as the bundle frees KV, so the bundle's tail joins the next one instead of running thin);
+    once the bundle is done, prefill what does not pay a round trip here. Latency mode may leave earlier,
+    at the oldest prompt's deadline."""
     w, c = v.w, v.c
     if w.admissible_prefill_tokens == 0:
         return v.stay("decode", (False, True), {"admissible_prefill_tokens": 0})
@@ -401,21 +411,23 @@ def _from_decode_layout(v: _View) -> Decision:
         decision = _ttft_deadline(v)
         if decision is not None:
             return decision
-    oldest = w.oldest_wait_s or 0.0
+    since = w.progress.prefill_waiting_since_s
+    prefill_wait_s = 0.0 if since is None else w.now_s - since
     numbers = {"admissible_prefill_tokens": w.admissible_prefill_tokens,
-               "num_carried_decodes": w.num_carried_decodes, "oldest_wait_s": oldest,
+               "num_carried_decodes": w.num_carried_decodes, "prefill_wait_s": prefill_wait_s,
                "max_prefill_wait_s": c.max_prefill_wait_s}
-    if oldest >= c.max_prefill_wait_s:
-        trigger = "prefill-starved"
-    elif w.num_carried_decodes == 0:
-        trigger = "drained"
-    else:
-        return v.stay("drain: decode the bundle", (False, True), numbers)
-    if trigger == "drained" and v.dwell_left_s() > 0:
-        return v.stay(f"{trigger}: min dwell", (True, True), {**numbers, **_dwell_numbers(v)})
     here_s = v.rates(v.here).prefill_s(w.admissible_prefill_tokens)
     there_s = v.rates(v.there).prefill_s(w.admissible_prefill_tokens)
-    return _flip_if_worth(v, trigger, here_s, there_s, numbers)
+    if prefill_wait_s >= c.max_prefill_wait_s:
+        return _flip_if_worth(v, "prefill-starved", here_s, there_s, numbers)
+    trigger = "drained" if w.num_carried_decodes == 0 else "prefill waits"
+    if v.dwell_left_s() > 0:
+        phases = (True, True) if trigger == "drained" else (False, True)
+        return v.stay(f"{trigger}: min dwell", phases, {**numbers, **_dwell_numbers(v)})
+    decision = _flip_if_worth(v, trigger, here_s, there_s, numbers)
+    if decision.action == "stay" and trigger == "prefill waits":
+        return replace(decision, reason="drain: decode the bundle", prefill=False)
+    return decision
 
 
 def _ttft_deadline(v: _View) -> Decision | None:

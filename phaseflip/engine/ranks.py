@@ -25,7 +25,8 @@ import torch.distributed as dist
 
 from phaseflip.engine.loader import load_model_config, load_weights
 from phaseflip.layouts.comm import NoComm, RankComm, init_group
-from phaseflip.layouts.messages import RankBoot, RankFailure, Shutdown
+from phaseflip.engine.progress import BootProgress
+from phaseflip.layouts.messages import RankBoot, RankFailure, RankProgress, Shutdown
 from phaseflip.layouts.runtime import RankRuntime
 from phaseflip.layouts.worker import failure, handle, serve
 
@@ -50,7 +51,8 @@ class LocalRanks:
     world_size = 1
 
     def __init__(self, boot: RankBoot):
-        self.runtime = RankRuntime(boot, 0, NoComm(), load_checkpoint)
+        with BootProgress(boot, 1) as bar:
+            self.runtime = RankRuntime(boot, 0, NoComm(), load_checkpoint, bar.update_from(0))
         self.ready = [self.runtime.ready()]
         self.pids = [os.getpid()]
         self.dead = None
@@ -100,7 +102,8 @@ def _rank_main(rank: int, world_size: int, init_method: str, control: str, authk
     except Exception as e:  # noqa: BLE001
         conn.send(failure(rank, e))
         return
-    serve(rank, lambda: RankRuntime(boot, rank, RankComm(rank, world_size), load_checkpoint), conn)
+    serve(rank, lambda progress: RankRuntime(boot, rank, RankComm(rank, world_size), load_checkpoint, progress),
+          conn)
     os._exit(0)  # skip interpreter teardown: no hang in a half-closed process group
 
 
@@ -123,7 +126,8 @@ class ProcessRanks:
         for conn in self.conns:
             conn.send(boot)
         try:
-            self.ready = self._collect()
+            with BootProgress(boot, world_size) as bar:
+                self.ready = self._collect(progress=bar)
         except BaseException:
             self.shutdown()
             raise
@@ -140,9 +144,10 @@ class ProcessRanks:
             conns[conn.recv()] = conn
         return [conns[r] for r in range(self.world_size)]
 
-    def _collect(self, replies: dict | None = None) -> list:
+    def _collect(self, replies: dict | None = None, progress=None) -> list:
         """One reply per rank. The first RankFailure wins at once (its peers may be stuck in a
-        collective with it); a dead process is noticed within poll_s."""
+        collective with it); a dead process is noticed within poll_s. RankProgress messages (boot)
+        go to `progress`."""
         replies = {} if replies is None else replies
         while len(replies) < self.world_size:
             pending = {self.conns[r]: r for r in range(self.world_size) if r not in replies}
@@ -153,6 +158,11 @@ class ProcessRanks:
                 except (EOFError, OSError):
                     self._die(self._death(rank))
                 reply = replies[rank]
+                if isinstance(reply, RankProgress):
+                    del replies[rank]
+                    if progress is not None:
+                        progress.update(reply)
+                    continue
                 if isinstance(reply, RankFailure):
                     self.dead = f"rank {rank} failed: {reply.error}"
                     self.shutdown()
@@ -236,7 +246,8 @@ def serve_torchrun_rank(device: str = "cpu") -> None:
     channel = _DistChannel(group)
     boot: RankBoot = channel.recv()
     torch.set_num_threads(boot.num_threads or max(1, (os.cpu_count() or 1) // world_size))
-    serve(rank, lambda: RankRuntime(boot, rank, RankComm(rank, world_size), load_checkpoint), channel)
+    serve(rank, lambda progress: RankRuntime(boot, rank, RankComm(rank, world_size), load_checkpoint), channel,
+          progress=False)
     dist.destroy_process_group()
 
 

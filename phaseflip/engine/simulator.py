@@ -299,7 +299,8 @@ class _Run:
         if not batch and not chunks:
             self.now += self.rig.idle_poll_s
             self.idle_polls += 1
-            self.tracker.on_poll(self.now, 0, 0, sum(s.is_decode for s in self.running))
+            self.tracker.on_poll(self.now, 0, 0, sum(s.is_decode for s in self.running),
+                                 self.admissible_tokens())
             return False
         seconds = self._step_seconds(num_prefill, len(batch))
         self.now += seconds
@@ -311,7 +312,8 @@ class _Run:
             if seq.prefill_left == 0:
                 seq.generated, seq.first_token_s = 1, self.now
         self._finish()
-        self.tracker.on_poll(self.now, num_prefill, len(batch), sum(s.is_decode for s in self.running))
+        self.tracker.on_poll(self.now, num_prefill, len(batch), sum(s.is_decode for s in self.running),
+                             self.admissible_tokens())
         return True
 
     def _prefill_chunks(self) -> list[tuple[_Seq, int]]:

@@ -92,6 +92,14 @@ class RankReady:
 
 
 @dataclass(frozen=True)
+class RankProgress:
+    """Sent by a booting rank after each boot phase, before RankReady."""
+    rank: int
+    phase: str
+    ms: float
+
+
+@dataclass(frozen=True)
 class StepReply:
     rank: int
     sampled: tuple[SampledToken, ...] | None   # the output rank's tokens; None elsewhere

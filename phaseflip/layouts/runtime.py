@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+from contextlib import contextmanager
 from typing import Callable
 
 import torch
@@ -51,24 +52,26 @@ class Faults:
 
 
 class RankRuntime:
-    def __init__(self, boot: RankBoot, rank: int, comm, load: Loader):
+    def __init__(self, boot: RankBoot, rank: int, comm, load: Loader,
+                 progress: Callable[[str, float], None] | None = None):
         self.boot_ms: dict[str, float] = {}
+        self.progress = progress or (lambda phase, ms: log.info("rank %d: %s %.0f ms", rank, phase, ms))
         self.rank, self.comm, self.layouts = rank, comm, boot.layouts
         self.layout_plan = boot.layout_plan
         self.device = boot.device if boot.device == "cpu" else f"cuda:{rank}"
         dtype = getattr(torch, boot.dtype)
-        with timed(self.boot_ms, "load"):
+        with self._timed("load"):
             self.cfg, hf = load(boot.model_dir, dtype)
-        with timed(self.boot_ms, "pack"):
+        with self._timed("pack"):
             templates = {name: shard_weights(hf, self.cfg, self.layout_plan.spec(name).shards[rank])
                          for name in boot.layouts}
             images = {name: pack_image(w, pin=self.device != "cpu") for name, w in templates.items()}
             del hf
         self.shard_bytes = {name: img.num_bytes for name, img in images.items()}
-        with timed(self.boot_ms, "arena"):
+        with self._timed("arena"):
             self.arena = WeightArena(images, templates, self.device, resident=_resident(boot, images))
         self.kv_block_size = boot.shapes.block_size
-        with timed(self.boot_ms, "kv_alloc"):
+        with self._timed("kv_alloc"):
             self.kv = KVRegion({name: self._kv_shape(name, boot) for name in boot.layouts}, dtype, self.device)
         self.faults = Faults(rank)
         self.sampler = Sampler(boot.seed)
@@ -82,6 +85,13 @@ class RankRuntime:
         self.budget_bytes = boot.budgets_bytes[rank] if boot.budgets_bytes else None
         self.num_kv_blocks = boot.num_kv_blocks
         self.memory = measure_memory(self)
+
+    @contextmanager
+    def _timed(self, phase: str):
+        """Time a boot phase and report it (a progress bar on a terminal, log lines elsewhere)."""
+        with timed(self.boot_ms, phase):
+            yield
+        self.progress(phase, self.boot_ms[phase])
 
     def _kv_shape(self, layout: str, boot: RankBoot) -> KVShape:
         shard = self.layout_plan.spec(layout).shards[self.rank]
@@ -109,9 +119,9 @@ class RankRuntime:
         for name in boot.layouts:
             self.arena.refill(name)
             runner = self.runners[name]
-            with timed(self.boot_ms, f"compile:{name}"):
+            with self._timed(f"compile:{name}"):
                 runner.prepare_compiled(boot.compile, cuda)
-            with timed(self.boot_ms, f"capture:{name}"):
+            with self._timed(f"capture:{name}"):
                 if boot.capture:
                     runner.capture_all(self.pool, stream)
             log.info("rank %d: layout %s compiled (%s) and captured %d steps in %.0f ms", self.rank, name,

@@ -11,7 +11,7 @@ from typing import Callable, Protocol
 
 from phaseflip.layouts.fence import install_rebuild_fence
 from phaseflip.layouts.messages import (ArmFault, FenceRebuild, FlipCommand, ManifestQuery, PoisonArena,
-                                        RankFailure, RunStep, Shutdown, StatsQuery)
+                                        RankFailure, RankProgress, RunStep, Shutdown, StatsQuery)
 from phaseflip.layouts.runtime import RankRuntime
 
 
@@ -46,9 +46,10 @@ def failure(rank: int, e: BaseException) -> RankFailure:
     return RankFailure(rank, f"{type(e).__name__}: {e}", traceback.format_exc())
 
 
-def serve(rank: int, make_runtime: Callable[[], RankRuntime], channel: Channel) -> None:
+def serve(rank: int, make_runtime: Callable[..., RankRuntime], channel: Channel, progress: bool = True) -> None:
+    """progress: send a RankProgress after each boot phase (the controller draws them)."""
     try:
-        rt = make_runtime()
+        rt = make_runtime((lambda phase, ms: channel.send(RankProgress(rank, phase, ms))) if progress else None)
     except Exception as e:  # noqa: BLE001 — reported to the controller with the traceback
         channel.send(failure(rank, e))
         return

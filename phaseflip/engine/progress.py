@@ -1,0 +1,45 @@
+"""Boot progress: a progress bar over every rank's boot phases on a terminal, log lines elsewhere.
+
+Owns: BootProgress, fed with RankProgress messages (or a rank's in-process callback). The phases a rank
+goes through are known in advance: load, pack, arena, kv_alloc, then compile and capture per layout.
+"""
+from __future__ import annotations
+
+import logging
+import sys
+
+from tqdm.auto import tqdm
+
+from phaseflip.layouts.messages import RankProgress
+
+log = logging.getLogger("phaseflip")
+
+
+def rank_phases(layouts) -> list[str]:
+    return ["load", "pack", "arena", "kv_alloc"] + [f"{p}:{name}" for name in layouts for p in ("compile", "capture")]
+
+
+class BootProgress:
+    def __init__(self, boot, world_size: int):
+        self.bar = None
+        if sys.stderr.isatty():
+            self.bar = tqdm(total=len(rank_phases(boot.layouts)) * world_size, desc="boot", unit="phase",
+                            leave=False)
+
+    def update(self, msg: RankProgress) -> None:
+        if self.bar is not None:
+            self.bar.set_postfix_str(f"rank {msg.rank} {msg.phase} {msg.ms:.0f} ms")
+            self.bar.update(1)
+        else:
+            log.info("boot: rank %d %s %.0f ms", msg.rank, msg.phase, msg.ms)
+
+    def update_from(self, rank: int):
+        """An in-process rank's progress callback."""
+        return lambda phase, ms: self.update(RankProgress(rank, phase, ms))
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        if self.bar is not None:
+            self.bar.close()

@@ -1,0 +1,92 @@
+"""The boot manifest and `phaseflip inspect` on two CPU ranks with both layouts."""
+import json
+import xml.dom.minidom
+
+import pytest
+from click.testing import CliRunner
+
+from phaseflip import LLM, SamplingParams
+from phaseflip.tools.cli import main
+from phaseflip.tools.inspect_cmd import LEDGER_TERMS
+
+
+@pytest.fixture(scope="module")
+def manifest(tiny_model_dir, tmp_path_factory):
+    d = tiny_model_dir("llama")
+    with LLM(model=str(d), dtype="float32", world_size=2, park="always", flip_every_steps=1,
+             max_num_seqs=8, rank_memory_gib=(1.5, 1.0)) as llm:
+        llm.generate(["the quick brown fox"] * 3, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
+                     use_tqdm=False)
+        m = llm.inspect()
+        stats = llm.stats()
+    path = tmp_path_factory.mktemp("manifest") / "m.json"
+    path.write_text(json.dumps(m))
+    return m, stats, path
+
+
+def test_manifest_lists_steps_of_both_layouts_on_every_rank(manifest):
+    m, stats, _ = manifest
+    for rank in (0, 1):
+        for layout in ("pp", "tp"):
+            for phase in ("prefill", "decode"):
+                steps = [s for s in m["steps"] if (s["rank"], s["layout"], s["phase"]) == (rank, layout, phase)]
+                assert steps, (rank, layout, phase)
+                assert all(s["capture_ms"] is not None and s["buffers"]["input_ids"] for s in steps)
+    assert m["captures_at_boot"] == stats["captures_at_boot"] == len(m["steps"])
+    assert stats["flips"] >= 20 and stats["captures_after_boot"] == 0
+    assert len(m["flips"]) == len(stats["flip_log"])
+
+
+def test_every_ledger_sums_to_its_budget_exactly(manifest):
+    m, _, _ = manifest
+    budgets = {0: int(1.5 * 2**30), 1: int(1.0 * 2**30)}
+    for r in m["ranks"]:
+        for layout, ledger in r["ledger"].items():
+            assert ledger["budget"] == budgets[r["rank"]]
+            assert ledger["unmeasured"] == []
+            assert sum(ledger[t] for t in LEDGER_TERMS) == ledger["budget"], (r["rank"], layout)
+            assert ledger["sums_to_budget"] is True
+            assert ledger["arena"] == max(r_ledger["arena_layout_bytes"] for r_ledger in r["ledger"].values())
+
+
+def test_unusable_kv_is_shown_not_hidden(manifest):
+    """3 layers and 2 KV heads over 2 ranks cannot match fractions: some KV bytes are unusable."""
+    m, _, _ = manifest
+    assert m["plan"]["balanced"] is False and m["plan"]["notes"]
+    assert any(r["ledger"][lay]["kv_unusable"] > 0 for r in m["ranks"] for lay in ("pp", "tp"))
+
+
+def test_inspect_prints_tables_json_and_svg(manifest, tmp_path):
+    _, _, path = manifest
+    runner = CliRunner()
+    text = runner.invoke(main, ["inspect", str(path)])
+    assert text.exit_code == 0, text.output
+    for heading in ("captured steps", "memory ledger", "boot timeline", "flips ("):
+        assert heading in text.output
+    as_json = runner.invoke(main, ["inspect", str(path), "--json"])
+    assert json.loads(as_json.output)["phaseflip_manifest"] == 1
+    svg = tmp_path / "m.svg"
+    drawn = runner.invoke(main, ["inspect", str(path), "--svg", str(svg)])
+    assert drawn.exit_code == 0
+    doc = xml.dom.minidom.parse(str(svg))
+    assert doc.documentElement.tagName == "svg"
+    assert len(doc.getElementsByTagName("rect")) > 20
+
+
+def test_inspect_boots_a_model_without_generating(tiny_model_dir):
+    result = CliRunner().invoke(main, ["inspect", "--model", str(tiny_model_dir("llama")), "--world-size", "2",
+                                       "--layouts", "pp,tp", "--json"])
+    assert result.exit_code == 0, result.output
+    m = json.loads(result.output)
+    assert {s["layout"] for s in m["steps"]} == {"pp", "tp"} and m["flips"] == []
+
+
+def test_dot_needs_a_cuda_graph(manifest):
+    _, _, path = manifest
+    result = CliRunner().invoke(main, ["inspect", str(path), "--dot", "x.dot", "--step", "tp:decode:8"])
+    assert result.exit_code != 0 and "CUDA graph" in result.output
+
+
+def test_missing_manifest_is_a_clear_error(tmp_path):
+    result = CliRunner().invoke(main, ["inspect", str(tmp_path / "nope.json")])
+    assert result.exit_code != 0 and "no manifest" in result.output
