@@ -98,10 +98,15 @@ def paged_attention_ref(q, k, v, k_cache, v_cache, slot_mapping, block_tables, s
     return out
 
 
-@torch.library.custom_op("phaseflip::paged_attention", mutates_args=("k_cache", "v_cache"))
-def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                    v_cache: torch.Tensor, slot_mapping: torch.Tensor, block_tables: torch.Tensor,
+# The op takes a layout's WHOLE KV view ([2, layers, blocks, block_size, heads, D]) and a layer index,
+# not the layer's K/V sub-views: inductor hands a custom op that mutates an offset sub-view of a
+# closed-over tensor a fresh buffer instead of the cache (seen with torch 2.13), so the compiled step
+# attended over zeros. A view of the whole region starting at offset 0 is passed through intact.
+@torch.library.custom_op("phaseflip::paged_attention", mutates_args=("kv_cache",))
+def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, layer: int,
+                    slot_mapping: torch.Tensor, block_tables: torch.Tensor,
                     seq_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float) -> torch.Tensor:
+    k_cache, v_cache = kv_cache[0, layer], kv_cache[1, layer]
     if q.is_cuda and triton_available():
         from phaseflip.kernels.triton_attention import store_and_attend
         return store_and_attend(q, k, v, k_cache, v_cache, slot_mapping, block_tables, seq_lens,
@@ -111,5 +116,5 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
 
 
 @paged_attention.register_fake
-def _(q, k, v, k_cache, v_cache, slot_mapping, block_tables, seq_lens, query_start_loc, scale):
+def _(q, k, v, kv_cache, layer, slot_mapping, block_tables, seq_lens, query_start_loc, scale):
     return torch.empty_like(q)

@@ -39,7 +39,7 @@ def embed(w: RankWeights, shard: RankShard, input_ids: torch.Tensor, comm: Comm)
 
 
 def attention_block(lw: LayerWeights, cfg: ModelConfig, shard: RankShard, h: torch.Tensor,
-                    meta: dict[str, torch.Tensor], kv: tuple[torch.Tensor, torch.Tensor],
+                    meta: dict[str, torch.Tensor], kv: KVView, layer: int,
                     cos_sin: torch.Tensor, comm: Comm) -> torch.Tensor:
     d, hq, hkv = cfg.head_dim, shard.q_heads(cfg).count, shard.kv_heads.count
     qkv = F.linear(h, lw.qkv_proj, lw.qkv_bias)                   # [T, (hq + 2 hkv) * D]
@@ -49,7 +49,7 @@ def attention_block(lw: LayerWeights, cfg: ModelConfig, shard: RankShard, h: tor
         q, k = rms_norm(q, lw.q_norm, cfg.rms_norm_eps), rms_norm(k, lw.k_norm, cfg.rms_norm_eps)
     q, k = apply_rotary(q, cos_sin), apply_rotary(k, cos_sin)
     o = torch.ops.phaseflip.paged_attention(
-        q.contiguous(), k.contiguous(), v.contiguous(), kv[0], kv[1], meta["slot_mapping"],
+        q.contiguous(), k.contiguous(), v.contiguous(), kv.tensor, layer, meta["slot_mapping"],
         meta["block_tables"], meta["seq_lens"], meta["query_start_loc"], d ** -0.5)  # [T, hq, D]
     return comm.all_reduce(F.linear(o.view(-1, hq * d), lw.o_proj))  # [T, H]
 
@@ -69,7 +69,7 @@ def forward(w: RankWeights, cfg: ModelConfig, shard: RankShard, meta: dict[str, 
     eps = cfg.rms_norm_eps
     for i, lw in enumerate(w.layers):
         x = x + attention_block(lw, cfg, shard, rms_norm(x, lw.input_layernorm, eps), meta,
-                                kv.layer(i), cos_sin, comm)
+                                kv, i, cos_sin, comm)
         x = x + mlp_block(lw, rms_norm(x, lw.post_attention_layernorm, eps), comm)
     return rms_norm(x, w.norm, eps) if shard.has_head else x
 

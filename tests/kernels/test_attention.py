@@ -19,8 +19,8 @@ def naive(q, keys, values, scale):
 def build(seqs, hq=4, hkv=2, d=8, block_size=4, num_blocks=40, pad_tokens=0, pad_seqs=0, seed=0):
     """seqs: list of (cached_len, new_len). Returns op args plus the full K/V history per sequence."""
     g = torch.Generator().manual_seed(seed)
-    kc = torch.zeros(num_blocks, block_size, hkv, d)
-    vc = torch.zeros_like(kc)
+    kv = torch.zeros(2, 1, num_blocks, block_size, hkv, d)   # one layer's K and V, as the op takes them
+    kc, vc = kv[0, 0], kv[1, 0]
     free = list(torch.randperm(num_blocks, generator=g).tolist())
     tables, hist, qs, ks, vs, slots, lens, starts = [], [], [], [], [], [], [], [0]
     for cached, new in seqs:
@@ -43,7 +43,7 @@ def build(seqs, hq=4, hkv=2, d=8, block_size=4, num_blocks=40, pad_tokens=0, pad
     k = torch.cat(ks + [torch.randn(pad_tokens, hkv, d, generator=g)])
     v = torch.cat(vs + [torch.randn(pad_tokens, hkv, d, generator=g)])
     args = dict(
-        q=q, k=k, v=v, k_cache=kc, v_cache=vc,
+        q=q, k=k, v=v, kv_cache=kv, layer=0,
         slot_mapping=torch.tensor(slots + [-1] * pad_tokens),
         block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables] + [[0] * width] * pad_seqs),
         seq_lens=torch.tensor(lens + [0] * pad_seqs),
@@ -75,9 +75,10 @@ def test_matches_naive(seqs, pad):
 
 def test_store_writes_exactly_the_slots():
     args, hist = build([(3, 2), (0, 3)], pad_tokens=2)
-    before_k = args["k_cache"].clone()
+    k_cache = args["kv_cache"][0, 0]
+    before_k = k_cache.clone()
     torch.ops.phaseflip.paged_attention(**args)
-    flat = args["k_cache"].view(-1, *args["k_cache"].shape[2:])
+    flat = k_cache.view(-1, *k_cache.shape[2:])
     slots = args["slot_mapping"]
     real = slots[slots >= 0]
     torch.testing.assert_close(flat[real], args["k"][: len(real)])
