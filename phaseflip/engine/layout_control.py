@@ -16,6 +16,7 @@ from phaseflip.layouts.messages import FlipCommand
 log = logging.getLogger("phaseflip")
 
 COMPONENTS = ("read", "exchange", "refill", "write", "cutover")
+FALLBACK_STEPS = 32  # steps a failed flip's fallback lasts before the rule may flip again
 
 
 class LayoutControl:
@@ -27,8 +28,14 @@ class LayoutControl:
         self.flip_log: list[dict] = []
         self.num_flips = 0
         self.num_failed_flips = 0
-        self.fallback = False   # the last flip failed: both phases run in the current layout
+        self.fallback_until = -1  # after a failed flip, both phases run here until this step count
         self._steps = 0
+
+    @property
+    def fallback(self) -> bool:
+        """A failed flip opens both phases in the current layout for FALLBACK_STEPS steps (a hold with
+        a bound the step count advances), then the rule tries to flip again."""
+        return self._steps < self.fallback_until
 
     def allowed(self) -> tuple[bool, bool]:
         """(prefill, decode) the active layout may run now."""
@@ -61,13 +68,13 @@ class LayoutControl:
         entry = _log_entry(self.active, target, reports, (time.perf_counter() - t0) * 1e3)
         self.flip_log.append(entry)
         if entry["ok"]:
-            self.active, self.fallback = target, False
+            self.active, self.fallback_until = target, -1
             self.num_flips += 1
             log.info("flip %s: total %.1f ms (%s); kv %d B, weights %d B", entry["direction"],
                      entry["total_ms"], ", ".join(f"{c} {entry[c + '_ms']:.1f}" for c in COMPONENTS),
                      entry["kv_bytes"], entry["weight_bytes"])
         else:
-            self.fallback = True
+            self.fallback_until = self._steps + FALLBACK_STEPS
             self.num_failed_flips += 1
             log.warning("flip %s failed at %s (%s); rolled back, staying in %s", entry["direction"],
                         entry["failed_stage"], entry["error"], self.active)

@@ -138,10 +138,6 @@ class LLM:
     # -- introspection and lifetime ----------------------------------------------------------------
     def stats(self) -> dict:
         ranks = self.ranks.call(StatsQuery())
-        fallbacks: dict[str, int] = {}
-        for r in ranks:
-            for k, v in r.eager_fallbacks.items():
-                fallbacks[k] = fallbacks.get(k, 0) + v
         return {
             "active_layout": self.control.active,
             "world_size": self.config.world_size,
@@ -149,7 +145,7 @@ class LLM:
             "steps": self.core.num_steps,
             "captures_at_boot": sum(r.captures_at_boot for r in ranks),
             "captures_after_boot": sum(r.captures_after_boot for r in ranks),
-            "eager_fallbacks": fallbacks,
+            "eager_fallbacks": dict(ranks[-1].eager_fallbacks),  # every rank runs the same steps
             "boot_ms": dict(self.boot_ms),
             "rank_boot_ms": [dict(r.boot_ms) for r in self.ranks.ready],
             "arena_bytes": [r.arena_bytes for r in ranks],

@@ -29,10 +29,7 @@ def _layouts(plan, layouts) -> dict:
 def build_manifest(llm, ranks: list) -> dict:
     cfg, plan, mc = llm.config, llm.plan, llm.model_config
     steps = [{"rank": r.rank, **st} for r in ranks for st in r.steps]
-    fallbacks: dict[str, int] = {}
-    for r in ranks:
-        for k, v in r.eager_fallbacks.items():
-            fallbacks[k] = fallbacks.get(k, 0) + v
+    fallbacks = dict(ranks[-1].eager_fallbacks)  # every rank runs the same steps
     return {
         "phaseflip_manifest": VERSION,
         "model": {"dir": plan.model_dir, **{k: v for k, v in dataclasses.asdict(mc).items()

@@ -9,6 +9,7 @@ controller dies (PR_SET_PDEATHSIG plus a parent watchdog); shutdown() leaves no 
 from __future__ import annotations
 
 import ctypes
+import datetime
 import faulthandler
 import multiprocessing as mp
 import multiprocessing.connection
@@ -29,6 +30,15 @@ from phaseflip.engine.progress import BootProgress
 from phaseflip.layouts.messages import RankBoot, RankFailure, RankProgress, Shutdown
 from phaseflip.layouts.runtime import RankRuntime
 from phaseflip.layouts.worker import failure, handle, serve
+
+
+def _set_threads(boot: RankBoot, world_size: int) -> None:
+    """Ranks share the machine's cores: oversubscribed OpenMP threads spin against each other."""
+    torch.set_num_threads(boot.num_threads or max(1, (os.cpu_count() or 1) // world_size))
+
+
+def _comm_device(boot: RankBoot, rank: int) -> str:
+    return "cpu" if boot.device == "cpu" else f"cuda:{int(os.environ.get('LOCAL_RANK', rank))}"
 
 
 class RankError(RuntimeError):
@@ -95,15 +105,14 @@ def _rank_main(rank: int, world_size: int, init_method: str, control: str, authk
     conn = mp.connection.Client((host, int(port)), authkey=bytes.fromhex(authkey))
     conn.send(rank)
     boot: RankBoot = conn.recv()
-    # Ranks share the machine's cores: oversubscribed OpenMP threads spin against each other.
-    torch.set_num_threads(boot.num_threads or max(1, (os.cpu_count() or 1) // world_size))
+    _set_threads(boot, world_size)
     try:
         init_group(rank, world_size, boot.device, init_method)
     except Exception as e:  # noqa: BLE001
         conn.send(failure(rank, e))
         return
-    serve(rank, lambda progress: RankRuntime(boot, rank, RankComm(rank, world_size), load_checkpoint, progress),
-          conn)
+    comm = RankComm(rank, world_size, _comm_device(boot, rank))
+    serve(rank, lambda progress: RankRuntime(boot, rank, comm, load_checkpoint, progress), conn)
     os._exit(0)  # skip interpreter teardown: no hang in a half-closed process group
 
 
@@ -118,9 +127,12 @@ class ProcessRanks:
         init_method = f"tcp://127.0.0.1:{_free_port()}"
         with mp.connection.Listener(("127.0.0.1", 0), authkey=authkey) as listener:
             host, port = listener.address
+            # A session of their own: a Ctrl-C at the terminal interrupts the controller (which keeps
+            # the ranks in lockstep), not the ranks. They still die with the controller (PDEATHSIG).
             self.procs = [subprocess.Popen(
                 [sys.executable, "-m", "phaseflip.engine.ranks", str(rank), str(world_size), init_method,
-                 f"{host}:{port}", authkey.hex(), str(os.getpid())]) for rank in range(world_size)]
+                 f"{host}:{port}", authkey.hex(), str(os.getpid())], start_new_session=True)
+                for rank in range(world_size)]
             self.pids = [p.pid for p in self.procs]
             self.conns = self._accept(listener)
         for conn in self.conns:
@@ -236,18 +248,21 @@ class _DistChannel:
 def _torchrun_group(world_size: int, device: str):
     rank = int(os.environ["RANK"])
     init_group(rank, world_size, device, None)
-    return rank, dist.new_group(backend="gloo")  # control messages always travel over gloo
+    # Control messages travel over gloo, and a worker may wait for the next command indefinitely.
+    return rank, dist.new_group(backend="gloo", timeout=datetime.timedelta(days=365))
 
 
-def serve_torchrun_rank(device: str = "cpu") -> None:
+def serve_torchrun_rank(device: str = "auto") -> None:
     """Ranks > 0 under torchrun: receive the boot and the commands from rank 0 (the controller)."""
     world_size = int(os.environ["WORLD_SIZE"])
+    if device == "auto":  # the same rule as the controller's device="auto"
+        device = "cuda" if torch.cuda.is_available() else "cpu"
     rank, group = _torchrun_group(world_size, device)
     channel = _DistChannel(group)
     boot: RankBoot = channel.recv()
     torch.set_num_threads(boot.num_threads or max(1, (os.cpu_count() or 1) // world_size))
-    serve(rank, lambda progress: RankRuntime(boot, rank, RankComm(rank, world_size), load_checkpoint), channel,
-          progress=False)
+    comm = RankComm(rank, world_size, _comm_device(boot, rank))
+    serve(rank, lambda progress: RankRuntime(boot, rank, comm, load_checkpoint), channel, progress=False)
     dist.destroy_process_group()
 
 
@@ -261,10 +276,10 @@ class TorchrunRanks:
         rank, self.group = _torchrun_group(world_size, boot.device)
         if rank != 0:
             raise RuntimeError(f"LLM() runs on torchrun rank 0 only; rank {rank} serves (serve_torchrun_rank)")
-        torch.set_num_threads(boot.num_threads or max(1, (os.cpu_count() or 1) // world_size))
+        _set_threads(boot, world_size)
         self._broadcast(boot)
         try:
-            runtime = RankRuntime(boot, 0, RankComm(0, world_size), load_checkpoint)
+            runtime = RankRuntime(boot, 0, RankComm(0, world_size, _comm_device(boot, 0)), load_checkpoint)
             mine = runtime.ready()
         except Exception as e:  # noqa: BLE001
             runtime, mine = None, failure(0, e)

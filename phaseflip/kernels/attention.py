@@ -48,7 +48,7 @@ def _decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale):
     max_len = int(seq_lens.max())
     k = _gather_context(k_cache, block_tables, max_len)        # [n, Hkv, L, D]
     v = _gather_context(v_cache, block_tables, max_len)
-    mask = torch.arange(max_len)[None, :] < seq_lens[:, None]  # [n, L]
+    mask = torch.arange(max_len, device=q.device)[None, :] < seq_lens[:, None]  # [n, L]
     s = torch.einsum("nhgd,nhld->nhgl", q.view(n, hkv, hq // hkv, d), k) * scale
     p = s.masked_fill(~mask[:, None, None, :], float("-inf")).softmax(-1)
     return torch.einsum("nhgl,nhld->nhgd", p, v).reshape(n, hq, d)
@@ -71,7 +71,8 @@ def _prefill_attention(q, k, v, k_cache, v_cache, block_table, seq_len, scale):
     else:
         kc = _gather_context(k_cache, block_table, seq_len)[None]  # [1, Hkv, L, D]
         vc = _gather_context(v_cache, block_table, seq_len)[None]
-        mask = torch.arange(seq_len)[None, :] <= (start + torch.arange(n))[:, None]  # [n, L]
+        pos = torch.arange(seq_len, device=q.device)
+        mask = pos[None, :] <= (start + pos[:n])[:, None]          # [n, L]
     out = F.scaled_dot_product_attention(qh, _expand_kv(kc, group), _expand_kv(vc, group),
                                          attn_mask=mask, is_causal=mask is None, scale=scale)
     return out[0].transpose(0, 1)                              # [n, Hq, D]
@@ -86,7 +87,7 @@ def paged_attention_ref(q, k, v, k_cache, v_cache, slot_mapping, block_tables, s
     lens = seq_lens.tolist()
     decode_rows = [i for i in range(len(lens)) if lens[i] > 0 and starts[i + 1] - starts[i] == 1]
     if decode_rows:
-        rows = torch.tensor(decode_rows)
+        rows = torch.tensor(decode_rows, device=q.device)
         tok = query_start_loc[rows]
         out[tok] = _decode_attention(q[tok], k_cache, v_cache, block_tables[rows], seq_lens[rows], scale)
     for i, seq_len in enumerate(lens):

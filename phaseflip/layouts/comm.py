@@ -14,17 +14,22 @@ import torch.distributed as dist
 
 
 def init_group(rank: int, world_size: int, device: str, init_method: str | None,
-               timeout_s: float = 30.0) -> None:
-    """Join the rank group. init_method None = env:// (torchrun sets MASTER_ADDR/PORT, RANK ...)."""
+               timeout_s: float = 600.0) -> None:
+    """Join the rank group. init_method None = env:// (torchrun sets MASTER_ADDR/PORT, RANK ...).
+
+    The timeout bounds every wait of a collective or a send/recv, including a PP stage waiting for
+    the stages before it: it must exceed the longest step. A dead rank is not found by this timeout
+    but by the controller, which polls its rank processes (engine/ranks.py)."""
     backend = "nccl" if device.startswith("cuda") else "gloo"
     dist.init_process_group(backend, init_method=init_method or "env://", rank=rank,
                             world_size=world_size, timeout=datetime.timedelta(seconds=timeout_s))
 
 
 class RankComm:
-    def __init__(self, rank: int, world_size: int):
+    def __init__(self, rank: int, world_size: int, device: str = "cpu"):
         self.rank = rank
         self.world_size = world_size
+        self.device = device  # NCCL reduces device tensors only
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         dist.all_reduce(x)
@@ -51,7 +56,7 @@ class RankComm:
 
     def any(self, flag: bool) -> bool:
         """True on every rank when flag is True on any rank (a flip's agreement after each stage)."""
-        t = torch.tensor([1 if flag else 0], dtype=torch.int32)
+        t = torch.tensor([1 if flag else 0], dtype=torch.int32, device=self.device)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         return bool(t.item())
 

@@ -18,6 +18,12 @@ from phaseflip.layouts import reshard
 from phaseflip.layouts.messages import FlipCommand, FlipReport
 
 
+def _sync(rt) -> None:
+    """On CUDA, wait for the stage's kernels, so its time is the copy's time and not its launch's."""
+    if rt.kv.buffer.is_cuda:
+        torch.cuda.synchronize(rt.kv.buffer.device)
+
+
 class InjectedFault(RuntimeError):
     """A failure armed by a test (ArmFault)."""
 
@@ -32,7 +38,13 @@ class _Refill(threading.Thread):
     def run(self):
         t0 = time.perf_counter()
         try:
-            self.bytes = self.arena.refill(self.layout)
+            if self.arena.buffer.is_cuda:  # a side stream, so the copy overlaps the exchange
+                stream = torch.cuda.Stream(self.arena.buffer.device)
+                with torch.cuda.stream(stream):
+                    self.bytes = self.arena.refill(self.layout)
+                stream.synchronize()
+            else:
+                self.bytes = self.arena.refill(self.layout)
         except BaseException as e:  # reported to the flip, which rolls back
             self.error = e
         self.ms = (time.perf_counter() - t0) * 1e3
@@ -44,9 +56,9 @@ class _Flip:
         self.src, self.dst = rt.active, cmd.target
         self.blocks = torch.tensor(cmd.live_blocks, dtype=torch.int64, device=rt.kv.buffer.device)
         self.ms: dict[str, float] = {}
-        self.staged = None
-        self.received = None
+        self.staged = self.flat = self.received = None
         self.splits: list[int] = []
+        self.in_splits: list[int] = []
         self.kv_bytes = self.weight_bytes = 0
         self.refilled = self.wrote = False
         self.stage = "read"   # the component running now: what a failure is reported against
@@ -61,7 +73,16 @@ class _Flip:
         self.rt.faults.check(name)
 
     def read(self):
-        self.staged = reshard.read(self.rt.kv.view(self.src), self.blocks)
+        """Stage the live blocks and prepare the exchange (buffers, splits), so that anything that can
+        fail locally fails here, before the ranks enter the all_to_all together."""
+        rt, plan = self.rt, self.rt.layout_plan
+        self.staged = reshard.read(rt.kv.view(self.src), self.blocks)
+        src_shards, dst_shards = plan.spec(self.src).shards, plan.spec(self.dst).shards
+        self.flat, self.in_splits = reshard.send_buffer(self.staged, src_shards[rt.rank], dst_shards)
+        self.splits = reshard.recv_splits(src_shards, dst_shards[rt.rank], self.blocks.numel(),
+                                          rt.kv_block_size, rt.cfg.head_dim)
+        self.received = self.flat.new_empty(sum(self.splits))
+        _sync(rt)
 
     def exchange_and_refill(self):
         refill = _Refill(self.rt.arena, self.dst)
@@ -79,21 +100,17 @@ class _Flip:
         self.rt.faults.check("refill")
 
     def _exchange(self):
-        rt, plan = self.rt, self.rt.layout_plan
-        src_shards, dst_shards = plan.spec(self.src).shards, plan.spec(self.dst).shards
-        flat, in_splits = reshard.send_buffer(self.staged, src_shards[rt.rank], dst_shards)
-        d = rt.cfg.head_dim
-        self.splits = reshard.recv_splits(src_shards, dst_shards[rt.rank], self.blocks.numel(),
-                                          rt.kv_block_size, d)
-        self.received = flat.new_empty(sum(self.splits))
-        rt.comm.all_to_all(self.received, flat, self.splits, in_splits)
-        self.kv_bytes = (sum(in_splits) - in_splits[rt.rank]) * flat.element_size()
+        rt = self.rt
+        rt.comm.all_to_all(self.received, self.flat, self.splits, self.in_splits)
+        _sync(rt)
+        self.kv_bytes = (sum(self.in_splits) - self.in_splits[rt.rank]) * self.flat.element_size()
 
     def write(self):
         self.wrote = True
         plan = self.rt.layout_plan
         reshard.write(self.rt.kv.view(self.dst), self.received, self.splits, plan.spec(self.src).shards,
                       plan.spec(self.dst).shards[self.rt.rank], self.blocks)
+        _sync(self.rt)
 
     def cutover(self):
         self.rt.active = self.dst

@@ -133,7 +133,7 @@ class LayoutRunner:
         hidden = self._run(plan, meta)
         if not self.shard.has_head or not sample_rows:
             return [] if self.rank == self.output_rank else None
-        logits = compute_logits(self.weights, hidden[torch.tensor(sample_rows)])   # [N, V_rank]
+        logits = compute_logits(self.weights, hidden[torch.tensor(sample_rows, device=hidden.device)])  # [N, V_r]
         if self.shard.tp_size > 1:
             logits = self._gather_logits(logits)
         if self.rank != self.output_rank:

@@ -58,7 +58,9 @@ class RankRuntime:
         self.progress = progress or (lambda phase, ms: log.info("rank %d: %s %.0f ms", rank, phase, ms))
         self.rank, self.comm, self.layouts = rank, comm, boot.layouts
         self.layout_plan = boot.layout_plan
-        self.device = boot.device if boot.device == "cpu" else f"cuda:{rank}"
+        self.device = "cpu" if boot.device == "cpu" else f"cuda:{int(os.environ.get('LOCAL_RANK', rank))}"
+        if self.device != "cpu":
+            torch.cuda.set_device(self.device)
         dtype = getattr(torch, boot.dtype)
         with self._timed("load"):
             self.cfg, hf = load(boot.model_dir, dtype)
