@@ -11,7 +11,7 @@ HAS_GPU := $(shell nvidia-smi -L >/dev/null 2>&1 && echo yes)
 TORCH := $(if $(HAS_GPU),torch>=2.6,torch==2.13.0)
 PYTEST_ARGS ?=
 
-.PHONY: setup model demo test test-slow bench clean
+.PHONY: setup model demo test test-slow bench gpu-check clean
 setup: $(VENV)/.installed model
 
 $(VENV)/.installed: setup.cfg pyproject.toml
@@ -38,6 +38,12 @@ test-slow: setup
 # Flip components against their copy floor (a benchmark, not a test).
 bench: setup
 	$(PY) benchmarks/flips.py
+
+# The GPU check runs on a machine with CUDA from a source checkout, with the image's own python (no
+# venv, no network there): kernels on CUDA, CUDA-graph capture, park/restore, decode tokens/s vs HF.
+GPU_CHECK_OUT ?= gpu-check-out
+gpu-check:
+	PYTHONPATH=. $(PYTHON) -m phaseflip.tools.gpu_check --out $(GPU_CHECK_OUT)
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -94,6 +94,17 @@ def _reference_attention(args: dict) -> tuple[torch.Tensor, torch.Tensor, torch.
     return out, ref["k_cache"], ref["v_cache"]
 
 
+def _call_op(args: dict) -> torch.Tensor:
+    """torch.ops.phaseflip.paged_attention with either signature: separate K/V caches, or the whole KV
+    view [2, layers, blocks, page, heads, D] and a layer index."""
+    names = [a.name for a in torch.ops.phaseflip.paged_attention.default._schema.arguments]
+    if "kv_cache" not in names:
+        return torch.ops.phaseflip.paged_attention(**args)
+    rest = {k: v for k, v in args.items() if k not in ("k_cache", "v_cache")}
+    kv = torch.stack([args["k_cache"], args["v_cache"]])[:, None]
+    return torch.ops.phaseflip.paged_attention(kv_cache=kv, layer=0, **rest)
+
+
 def _attention_check(seqs, group: int, d: int, page: int, *, entry: str = "op", num_splits=None,
                      dtype=torch.float32, pad=(0, 0), hkv: int = 2, tile_n: int = 32) -> Callable[[str], float]:
     def check(device: str) -> float:
@@ -103,8 +114,7 @@ def _attention_check(seqs, group: int, d: int, page: int, *, entry: str = "op", 
                            device=device, seed=len(seqs) * 131 + group * 7 + d + page)
         ref_out, _, _ = _reference_attention(args)
         if entry == "op":   # on CUDA through the custom op and its dispatch; the interpreter directly
-            out = (torch.ops.phaseflip.paged_attention(**args) if device.startswith("cuda")
-                   else ta.store_and_attend(**args))
+            out = _call_op(args) if device.startswith("cuda") else ta.store_and_attend(**args)
         else:
             store_kv_triton(args["k"], args["v"], args["k_cache"], args["v_cache"], args["slot_mapping"])
             common = (args["q"], args["k_cache"], args["v_cache"], args["block_tables"], args["seq_lens"])
@@ -225,6 +235,39 @@ def _cases() -> dict[str, Callable[[str], float]]:
 
 
 CASES = _cases()
+
+
+def graph_replay_check(device: str, steps: int = 3) -> dict:
+    """The attention op (store + attend) captured ONCE as a CUDA graph and replayed for `steps` decode
+    steps whose metadata changes in place (new lengths, slots, queries): proves the launch sizes do not
+    depend on values and nothing syncs with the host. On the CPU it runs uncaptured (wiring only)."""
+    from phaseflip.kernels.triton_attention import store_and_attend
+    page, captured = 16, device.startswith("cuda")
+    static = build_paged([(60, 1), (40, 1), (17, 1), (0, 1)], 8, 2, 64, page, device=device, seed=5,
+                         dtype=torch.bfloat16 if captured else torch.float32)
+    ref = {k: (v.detach().cpu().float().clone() if isinstance(v, torch.Tensor) and v.is_floating_point()
+               else v.detach().cpu().clone() if isinstance(v, torch.Tensor) else v) for k, v in static.items()}
+    replay = lambda: store_and_attend(**static)  # noqa: E731
+    if captured:
+        replay()   # warm-up outside the capture: Triton compiles here
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = store_and_attend(**static)
+        replay = lambda: (graph.replay(), out)[1]  # noqa: E731
+    g, errors = torch.Generator().manual_seed(6), []
+    for step in range(steps):
+        if step:   # the next decode step of every sequence, written into the same tensors
+            pos = ref["seq_lens"].clone()
+            blocks = ref["block_tables"][torch.arange(len(pos)), pos // page]
+            new = dict(q=torch.randn(ref["q"].shape, generator=g), k=torch.randn(ref["k"].shape, generator=g),
+                       v=torch.randn(ref["v"].shape, generator=g), slot_mapping=blocks * page + pos % page,
+                       seq_lens=pos + 1)
+            for name, t in new.items():
+                ref[name].copy_(t)
+                static[name].copy_(t)
+        expected = paged_attention_ref(**ref)
+        errors.append(_compare(replay(), expected, static["q"].dtype))
+    return {"captured": captured, "replays": steps, "max_abs_err": max(errors)}
 
 
 def run_cases(device: str, names=None) -> list[dict]:

@@ -60,7 +60,7 @@ def _attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, acc_ptr, m_ptr, 
     seq_len = tl.load(seq_lens_ptr + seq)
     if q_tile * BLOCK_Q >= q_len:   # past this sequence's tiles (or padding tokens)
         return
-    if seq_len == 0:                # a padding sequence
+    if seq_len == 0:                # a padding sequence (an empty context would give zeros anyway)
         return
 
     rows = tl.arange(0, BLOCK_M)
@@ -77,8 +77,8 @@ def _attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, acc_ptr, m_ptr, 
     # this tile's context is [0, its last query position]; split `split` takes one slice of it
     ctx_len = seq_len - q_len + tl.minimum(q_len, (q_tile + 1) * BLOCK_Q)
     split_len = tl.cdiv(tl.cdiv(ctx_len, num_splits), TILE_N) * TILE_N
-    start = split * split_len
-    end = tl.minimum(start + split_len, ctx_len)
+    start = (split * split_len).to(tl.int32)
+    end = tl.minimum(start + split_len, ctx_len).to(tl.int32)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -132,7 +132,7 @@ def _reduce_splits(out_ptr, acc_ptr, m_ptr, l_ptr, num_splits, stride_ot, stride
     part = (t.to(tl.int64) * tl.num_programs(1) + h) * num_splits + s
     m = tl.load(m_ptr + part, mask=s_ok, other=float("-inf"))
     m_max = tl.max(m, 0)
-    w = tl.where(m > float("-inf"), 1.0, 0.0)                  # [BLOCK_S]
+    w = tl.exp2(m - tl.where(m_max == float("-inf"), 0.0, m_max))     # [BLOCK_S]
     used = s_ok & (w > 0)
     denom = tl.sum(tl.load(l_ptr + part, mask=used, other=0.0) * w, 0)
     d = tl.arange(0, BLOCK_D)

@@ -14,9 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from phaseflip.kernels import attention as _attention  # noqa: F401  (registers phaseflip::paged_attention)
-from phaseflip.kernels.activation import silu_and_mul
-from phaseflip.kernels.norm import rms_norm
-from phaseflip.kernels.rotary import apply_rotary
+from phaseflip.kernels.dispatch import add_rms_norm, apply_rotary, rms_norm, silu_and_mul
 from phaseflip.layouts.kvcache import KVView
 from phaseflip.layouts.model_config import ModelConfig
 from phaseflip.layouts.shard import LayerWeights, RankWeights
@@ -64,14 +62,25 @@ def forward(w: RankWeights, cfg: ModelConfig, shard: RankShard, meta: dict[str, 
     """Run this rank's layers. meta: input_ids [T], positions [T] and the attention metadata of
     kernels/attention.py. The first stage embeds input_ids; a later stage takes hidden_in [T, H].
     Returns [T, H]: final-normed on the stage that holds the head, the raw residual stream otherwise."""
-    x = embed(w, shard, meta["input_ids"], comm) if shard.has_embed else hidden_in
+    residual = embed(w, shard, meta["input_ids"], comm) if shard.has_embed else hidden_in  # [T, H]
     cos_sin = rope_table[meta["positions"]]                          # [T, D]
     eps = cfg.rms_norm_eps
+    delta = None  # the last block's output, not yet added to the residual stream (fused add + norm)
     for i, lw in enumerate(w.layers):
-        x = x + attention_block(lw, cfg, shard, rms_norm(x, lw.input_layernorm, eps), meta,
-                                kv, i, cos_sin, comm)
-        x = x + mlp_block(lw, rms_norm(x, lw.post_attention_layernorm, eps), comm)
-    return rms_norm(x, w.norm, eps) if shard.has_head else x
+        h, residual = _add_norm(delta, residual, lw.input_layernorm, eps)
+        delta = attention_block(lw, cfg, shard, h, meta, kv, i, cos_sin, comm)
+        h, residual = add_rms_norm(delta, residual, lw.post_attention_layernorm, eps)
+        delta = mlp_block(lw, h, comm)
+    if shard.has_head:
+        return _add_norm(delta, residual, w.norm, eps)[0]
+    return residual if delta is None else residual + delta
+
+
+def _add_norm(delta, residual, weight, eps):
+    """(rms_norm(residual + delta), residual + delta); delta None: nothing to add yet."""
+    if delta is None:
+        return rms_norm(residual, weight, eps), residual
+    return add_rms_norm(delta, residual, weight, eps)
 
 
 def compute_logits(w: RankWeights, hidden: torch.Tensor) -> torch.Tensor:

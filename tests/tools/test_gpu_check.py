@@ -1,0 +1,66 @@
+"""The GPU check is wired: its dry run (the same steps on the CPU with tiny shapes) writes every section,
+and a failing or late section is recorded without stopping the others."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from phaseflip.tools import gpu_check
+
+ROOT = Path(__file__).resolve().parents[2]
+SECTIONS = ("environment", "kernels", "bandwidth", "capture", "replay_vs_eager", "park_restore", "restore",
+            "decode_throughput", "fp32_parity", "hf_decode")
+
+
+def test_dry_run_writes_every_section(tmp_path):
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    env.pop("TRITON_INTERPRET", None)   # the script sets it itself in a dry run
+    proc = subprocess.run([sys.executable, "-m", "phaseflip.tools.gpu_check", "--dry-run", "--out", str(tmp_path)],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=180)
+    report = json.loads((tmp_path / "gpu_check.json").read_text())
+    s = report["sections"]
+    assert tuple(s) == SECTIONS == tuple(f.__name__ for f in gpu_check.SECTIONS)
+    failed = {name: sec.get("error") for name, sec in s.items() if not sec.get("ok")}
+    assert proc.returncode == 0 and not failed, (failed, proc.stderr[-3000:])
+    assert report["dry_run"] and "section hf_decode" in (tmp_path / "gpu_check.log").read_text()
+    assert s["kernels"]["num_passed"] == s["kernels"]["num_cases"] >= 7 and s["kernels"]["graph_replay"]["ok"]
+    assert s["bandwidth"]["device_gb_s"] > 0 and s["bandwidth"]["h2d_gb_s"] > 0
+    for layout in ("pp", "tp"):
+        assert s["capture"][layout]["num_steps"] > 0 and s["capture"][layout]["capture_ms"] is not None
+    assert s["replay_vs_eager"]["num_identical"] == s["replay_vs_eager"]["num_prompts"]
+    pr = s["park_restore"]
+    assert pr["cycles"] == 10 and pr["all_identical"] and pr["arena_ptrs_stable"]
+    assert s["restore"]["ratio_to_floor"] > 0
+    assert [r["batch"] for r in s["decode_throughput"]["rows"]] == [1, 8, 64]
+    assert all(r["tokens_per_s"] > 0 and r["bandwidth_bound_tokens_per_s"] > 0 for r in s["decode_throughput"]["rows"])
+    assert [r["batch"] for r in s["hf_decode"]["rows"]] == [1, 8, 64]
+    assert s["fp32_parity"]["ok"]
+
+
+def test_a_failing_section_is_recorded_and_a_late_one_skipped(tmp_path, monkeypatch):
+    def first(ctx):
+        ctx.shared["x"] = 1
+        return {"ok": True}
+
+    def broken(ctx):
+        raise ValueError("boom")
+
+    def needs_missing(ctx):
+        return {"ok": True, "y": ctx.need("y", "broken")}
+
+    def spend_budget(ctx):
+        ctx.deadline = 0.0
+        return {"ok": True}
+
+    def late(ctx):
+        raise AssertionError("must not run after the budget")
+    monkeypatch.setattr(gpu_check, "SECTIONS", (first, broken, needs_missing, spend_budget, late))
+    report = gpu_check.run(tmp_path, dry_run=True, budget_s=60)
+    s = report["sections"]
+    assert s["first"]["ok"] and s["spend_budget"]["ok"]
+    assert s["broken"]["ok"] is False and s["broken"]["error"] == "ValueError: boom"
+    assert "needs 'y' from section 'broken'" in s["needs_missing"]["error"]
+    assert s["late"] == {"ok": None, "skipped": "time budget spent"}
+    assert report["ok"] is False
+    assert json.loads((tmp_path / "gpu_check.json").read_text())["sections"].keys() == s.keys()
