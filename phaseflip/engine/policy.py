@@ -14,6 +14,8 @@ Must never: import torch, read a clock, price an unmeasured quantity as 0 (unmea
 """
 from __future__ import annotations
 
+import bisect
+import itertools
 import math
 import statistics
 from collections import deque
@@ -155,6 +157,35 @@ class RateEstimator:
         return LayoutRates(self.layout, self.prefill_tok_s, tuple(sorted(self._step_s.items())))
 
 
+class OutputLengthEstimator:
+    """Expected decode tokens a sequence has left, from the output lengths of finished ones (the mean
+    residual length of those that outgrew it); max_tokens bounds it, and is the answer until measured."""
+
+    def __init__(self, window: int = 512):
+        _check(isinstance(window, int) and window >= 1, f"window={window!r} must be an int >= 1")
+        self._lengths: deque[int] = deque(maxlen=window)
+        self._sorted: list[int] | None = None
+        self._prefix: list[int] = [0]     # prefix sums of _sorted
+
+    def observe(self, num_output_tokens: int) -> None:
+        _check(isinstance(num_output_tokens, int) and num_output_tokens >= 0,
+               f"num_output_tokens={num_output_tokens!r} must be an int >= 0")
+        self._lengths.append(num_output_tokens)
+        self._sorted = None
+
+    def expected_left(self, generated: int, max_tokens: int) -> int:
+        if self._sorted is None:
+            self._sorted = sorted(self._lengths)
+            self._prefix = [0, *itertools.accumulate(self._sorted)]
+        lo = bisect.bisect_right(self._sorted, generated)      # lengths > generated
+        hi = bisect.bisect_right(self._sorted, max_tokens)     # lengths <= max_tokens
+        longer = len(self._sorted) - lo
+        if longer == 0:
+            return max(0, max_tokens - generated)
+        capped = self._prefix[max(hi, lo)] - self._prefix[lo] + max_tokens * (len(self._sorted) - max(hi, lo))
+        return max(1, round(capped / longer) - generated)
+
+
 # -- progress stamps and hold counters (LESSONS 9, 11, 12) -------------------------------------------
 @dataclass(frozen=True)
 class Progress:
@@ -164,6 +195,8 @@ class Progress:
     polls_without_prefill: int         # consecutive polls that computed no prefill token (the stall exit)
     decodes_waiting_since_s: float | None  # carried decodes have made no progress since (starvation cap)
     prefill_waiting_since_s: float | None  # admissible prefill has made no progress since (starvation cap)
+    peak_carried_in_layout: int        # the largest decode batch seen since the cutover
+    prefill_tokens_in_layout: int      # prefill tokens computed since the cutover
     failed_flips_in_row: int
     polls_since_failed_flip: int       # bounds the failed-flip fallback
 
@@ -173,7 +206,7 @@ class ProgressTracker:
     on_flip_failed after a failed one; pass snapshot() to decide(). It only counts what it is told."""
 
     def __init__(self, now_s: float):
-        self._p = Progress(now_s, 0, 0, None, None, 0, 0)
+        self._p = Progress(now_s, 0, 0, None, None, 0, 0, 0, 0)
 
     def snapshot(self) -> Progress:
         return self._p
@@ -188,11 +221,14 @@ class ProgressTracker:
             decodes_waiting_since_s=_since(p.decodes_waiting_since_s, now_s, num_carried > 0, decode_tokens > 0),
             prefill_waiting_since_s=_since(p.prefill_waiting_since_s, now_s, admissible_prefill_tokens > 0,
                                            prefill_tokens > 0),
+            peak_carried_in_layout=max(p.peak_carried_in_layout, num_carried),
+            prefill_tokens_in_layout=p.prefill_tokens_in_layout + prefill_tokens,
             polls_since_failed_flip=p.polls_since_failed_flip + 1)
 
     def on_cutover(self, now_s: float) -> None:
         self._p = replace(self._p, layout_since_s=now_s, polls_in_layout=0, polls_without_prefill=0,
-                          failed_flips_in_row=0, polls_since_failed_flip=0)
+                          peak_carried_in_layout=0, prefill_tokens_in_layout=0, failed_flips_in_row=0,
+                          polls_since_failed_flip=0)
 
     def on_flip_failed(self) -> None:
         self._p = replace(self._p, failed_flips_in_row=self._p.failed_flips_in_row + 1,
@@ -218,6 +254,9 @@ class PolicyConfig:
     stall_polls: int = 4                # k chunk cadences without prefill while decodes are carried
     max_decode_wait_s: float = 60.0     # outer backstop: carried decodes never wait longer in prefill
     max_prefill_wait_s: float = 60.0    # outer backstop: admissible prefill never waits longer in decode
+    thin_fraction: float = 0.5          # the decode layout holds prefill back while the batch keeps this
+                                        # share of its peak since the cutover
+    hold_gain: float = 3.0              # ... or until the prefill held back saves hold_gain round trips
     failed_flip_backoff_polls: int = 8  # polls in the fallback after a failed flip; doubles per failure
     max_backoff_polls: int = 1024
 
@@ -236,6 +275,10 @@ class PolicyConfig:
         for name in ("min_dwell_s", "max_decode_wait_s", "max_prefill_wait_s"):
             _check(_is_num(getattr(self, name)) and getattr(self, name) >= 0,
                    f"PolicyConfig.{name}={getattr(self, name)!r} must be a number >= 0")
+        _check(_is_num(self.thin_fraction) and 0 <= self.thin_fraction < 1,
+               f"PolicyConfig.thin_fraction={self.thin_fraction!r} must be in [0, 1)")
+        _check(_is_num(self.hold_gain) and self.hold_gain >= 1,
+               f"PolicyConfig.hold_gain={self.hold_gain!r} must be a number >= 1")
 
     def other(self, layout: str) -> str:
         return self.decode_layout if layout == self.prefill_layout else self.prefill_layout
@@ -248,10 +291,12 @@ class PolicyInputs:
     now_s: float
     pending_prefill_tokens: int     # prompt tokens not yet in KV: waiting + running mid-prefill
     admissible_prefill_tokens: int  # of those, what could run now: running prefills + waiting that fit
+    fillable_prefill_tokens: int    # what one prefill phase could take at most: as admissible, but
+                                    # as if the carried bundle's KV blocks and slots were free
     num_waiting: int
     num_running: int
     num_carried_decodes: int        # running sequences whose next step is a decode
-    carried_decode_tokens: int      # tokens they may still generate (sum of max_tokens - generated)
+    carried_decode_tokens: int      # tokens they are expected to generate still (OutputLengthEstimator)
     free_kv_blocks: int
     bundle_kv_blocks: int           # blocks the running sequences still need to reach max_tokens
     oldest_wait_s: float | None     # age of the oldest prompt without a first token (None: none)
@@ -260,12 +305,13 @@ class PolicyInputs:
     legs: Mapping[str, LegCost]     # by direction "pp->tp"
 
     def __post_init__(self) -> None:
-        for name in ("pending_prefill_tokens", "admissible_prefill_tokens", "num_waiting", "num_running",
+        for name in ("pending_prefill_tokens", "admissible_prefill_tokens", "fillable_prefill_tokens",
+                     "num_waiting", "num_running",
                      "num_carried_decodes", "carried_decode_tokens", "free_kv_blocks", "bundle_kv_blocks"):
             value = getattr(self, name)
             _check(isinstance(value, int) and value >= 0, f"PolicyInputs.{name}={value!r} must be an int >= 0")
-        _check(self.admissible_prefill_tokens <= self.pending_prefill_tokens,
-               "admissible_prefill_tokens cannot exceed pending_prefill_tokens")
+        _check(self.admissible_prefill_tokens <= self.fillable_prefill_tokens <= self.pending_prefill_tokens,
+               "need admissible_prefill_tokens <= fillable_prefill_tokens <= pending_prefill_tokens")
         _check(self.num_carried_decodes <= self.num_running, "num_carried_decodes cannot exceed num_running")
         object.__setattr__(self, "rates", MappingProxyType(dict(self.rates)))
         object.__setattr__(self, "legs", MappingProxyType(dict(self.legs)))
@@ -374,11 +420,9 @@ def _from_prefill_layout(v: _View) -> Decision:
     trigger, numbers = _prefill_side_trigger(v)
     if trigger is None:
         return v.stay("drain: prefill first", (True, False), numbers)
-    if trigger != "decode-starved" and v.dwell_left_s() > 0:
-        return v.stay(f"{trigger}: min dwell", (True, True), {**numbers, **_dwell_numbers(v)})
     here_s = v.rates(v.here).decode_s(w.carried_decode_tokens, w.num_carried_decodes)
     there_s = v.rates(v.there).decode_s(w.carried_decode_tokens, w.num_carried_decodes)
-    return _flip_if_worth(v, trigger, here_s, there_s, numbers)
+    return _flip_if_worth(v, trigger, here_s, there_s, numbers, backstop=trigger == "decode-starved")
 
 
 def _prefill_side_trigger(v: _View) -> tuple[str | None, dict]:
@@ -400,10 +444,11 @@ def _prefill_side_trigger(v: _View) -> tuple[str | None, dict]:
 
 
 def _from_decode_layout(v: _View) -> Decision:
-    """Decode the bundle; go back for the admissible prefill as soon as it saves more than a round trip
-    (it grows as the bundle frees KV, so the bundle's tail joins the next one instead of running thin);
-    once the bundle is done, prefill what does not pay a round trip here. Latency mode may leave earlier,
-    at the oldest prompt's deadline."""
+    """Decode the bundle, holding prefill back while a full prefill phase would save hold_gain round trips
+    (so the prefill layout gets a batch worth its flip); go back once the admissible prefill saves that.
+    When the bundle has thinned (below thin_fraction of its peak), drained, or the prefill starves, or
+    when holding cannot pay, do the prefill where it is cheaper: there if that saves a round trip, else
+    here. Latency mode may leave earlier, at the oldest prompt's deadline."""
     w, c = v.w, v.c
     if w.admissible_prefill_tokens == 0:
         return v.stay("decode", (False, True), {"admissible_prefill_tokens": 0})
@@ -411,23 +456,42 @@ def _from_decode_layout(v: _View) -> Decision:
         decision = _ttft_deadline(v)
         if decision is not None:
             return decision
-    since = w.progress.prefill_waiting_since_s
-    prefill_wait_s = 0.0 if since is None else w.now_s - since
+    p = w.progress
+    prefill_wait_s = 0.0 if p.prefill_waiting_since_s is None else w.now_s - p.prefill_waiting_since_s
+    thin_batch = c.thin_fraction * p.peak_carried_in_layout
+    here, there = v.rates(v.here), v.rates(v.there)
     numbers = {"admissible_prefill_tokens": w.admissible_prefill_tokens,
-               "num_carried_decodes": w.num_carried_decodes, "prefill_wait_s": prefill_wait_s,
-               "max_prefill_wait_s": c.max_prefill_wait_s}
-    here_s = v.rates(v.here).prefill_s(w.admissible_prefill_tokens)
-    there_s = v.rates(v.there).prefill_s(w.admissible_prefill_tokens)
+               "fillable_prefill_tokens": w.fillable_prefill_tokens,
+               "num_carried_decodes": w.num_carried_decodes, "thin_batch": thin_batch,
+               "prefill_wait_s": prefill_wait_s, "max_prefill_wait_s": c.max_prefill_wait_s}
     if prefill_wait_s >= c.max_prefill_wait_s:
-        return _flip_if_worth(v, "prefill-starved", here_s, there_s, numbers)
-    trigger = "drained" if w.num_carried_decodes == 0 else "prefill waits"
-    if v.dwell_left_s() > 0:
-        phases = (True, True) if trigger == "drained" else (False, True)
-        return v.stay(f"{trigger}: min dwell", phases, {**numbers, **_dwell_numbers(v)})
-    decision = _flip_if_worth(v, trigger, here_s, there_s, numbers)
-    if decision.action == "stay" and trigger == "prefill waits":
-        return replace(decision, reason="drain: decode the bundle", prefill=False)
+        return _place_prefill(v, "prefill-starved", numbers, backstop=True)
+    if w.num_carried_decodes <= thin_batch:
+        return _place_prefill(v, "drained" if w.num_carried_decodes == 0 else "bundle thinned", numbers)
+    full = _saving(here.prefill_s(w.fillable_prefill_tokens), there.prefill_s(w.fillable_prefill_tokens))
+    hold_bar = None if v.rt.seconds is None else c.hold_gain * v.rt.seconds
+    numbers.update(full_phase_saving_s=full, hold_bar_s=hold_bar)
+    if full is not None and hold_bar is not None and full <= hold_bar:
+        return _place_prefill(v, "holding cannot pay", numbers)
+    held = (here.prefill_s(w.admissible_prefill_tokens), there.prefill_s(w.admissible_prefill_tokens))
+    decision = _flip_if_worth(v, "prefill waits", *held, numbers, gain=c.hold_gain)
+    if decision.action == "stay":
+        return v.stay("drain: decode the bundle", (False, True), decision.numbers)
     return decision
+
+
+def _place_prefill(v: _View, trigger: str, numbers: dict, backstop: bool = False) -> Decision:
+    """Run the admissible prefill where it is cheaper: there if it saves a round trip, or if together with
+    the prefill this layout already ran since the cutover (its regret) it saves hold_gain round trips."""
+    w, here, there = v.w, v.rates(v.here), v.rates(v.there)
+    now = (here.prefill_s(w.admissible_prefill_tokens), there.prefill_s(w.admissible_prefill_tokens))
+    taken = w.admissible_prefill_tokens + w.progress.prefill_tokens_in_layout
+    regret = (here.prefill_s(taken), there.prefill_s(taken))
+    if not _pays(v, *now, 1.0) and _pays(v, *regret, v.c.hold_gain):
+        return _flip_if_worth(v, f"{trigger} + prefill regret", *regret,
+                              {**numbers, "prefill_tokens_in_layout": w.progress.prefill_tokens_in_layout},
+                              gain=v.c.hold_gain, backstop=backstop)
+    return _flip_if_worth(v, trigger, *now, numbers, backstop=backstop)
 
 
 def _ttft_deadline(v: _View) -> Decision | None:
@@ -451,19 +515,31 @@ def _ttft_deadline(v: _View) -> Decision | None:
     return v.flip("ttft-deadline" if priced else "ttft-deadline (unpriced)", numbers)
 
 
-def _flip_if_worth(v: _View, trigger: str, here_s: float | None, there_s: float | None,
-                   numbers: dict) -> Decision:
-    """Break-even: flip when the work waiting for the other layout saves more than a round trip. An
-    unpriced saving or round trip follows the drain rule; a flip that does not pay runs the work here."""
-    saving_s = None if here_s is None or there_s is None else here_s - there_s
-    bar_s = v.rt.seconds
+def _saving(here_s: float | None, there_s: float | None) -> float | None:
+    return None if here_s is None or there_s is None else here_s - there_s
+
+
+def _pays(v: _View, here_s: float | None, there_s: float | None, gain: float) -> bool:
+    """The break-even test of _flip_if_worth, for choosing between candidate flips before taking one."""
+    saving_s = _saving(here_s, there_s)
+    return saving_s is None or v.rt.seconds is None or saving_s > gain * v.rt.seconds
+
+
+def _flip_if_worth(v: _View, trigger: str, here_s: float | None, there_s: float | None, numbers: dict,
+                   gain: float = 1.0, backstop: bool = False) -> Decision:
+    """Break-even: flip when the work waiting for the other layout saves more than `gain` round trips
+    (the bar). An unpriced saving or round trip follows the drain rule. A flip that does not pay, or one
+    inside the min dwell (backstops excepted), runs the work here instead."""
+    saving_s = _saving(here_s, there_s)
+    bar_s = None if v.rt.seconds is None else gain * v.rt.seconds
     numbers = {**numbers, "work_here_s": here_s, "work_there_s": there_s, "saving_s": saving_s,
-               "round_trip_s": bar_s, "round_trip_provenance": v.rt.provenance}
-    if saving_s is None or bar_s is None:
-        return v.flip(f"{trigger} (unpriced)", numbers)
-    if saving_s > bar_s:
-        return v.flip(trigger, numbers)
-    return v.stay(f"{trigger}: below break-even, run here", (True, True), numbers)
+               "round_trip_s": v.rt.seconds, "round_trip_provenance": v.rt.provenance, "bar_s": bar_s}
+    if not _pays(v, here_s, there_s, gain):
+        return v.stay(f"{trigger}: below break-even, run here", (True, True), numbers)
+    if not backstop and v.dwell_left_s() > 0:
+        return v.stay(f"{trigger}: min dwell, run here", (True, True), {**numbers, **_dwell_numbers(v)})
+    unpriced = saving_s is None or bar_s is None
+    return v.flip(f"{trigger} (unpriced)" if unpriced else trigger, numbers)
 
 
 def _dwell_numbers(v: _View) -> dict:
@@ -481,5 +557,6 @@ def _never_idle(d: Decision, w: PolicyInputs) -> Decision:
                    reason=f"{d.reason} (+open: nothing else runs here)")
 
 
-__all__ = ["FlipCostEstimator", "RateEstimator", "ProgressTracker", "PolicyConfig", "PolicyInputs",
-           "Decision", "LegCost", "RoundTrip", "LayoutRates", "Progress", "round_trip", "direction", "decide"]
+__all__ = ["FlipCostEstimator", "RateEstimator", "OutputLengthEstimator", "ProgressTracker", "PolicyConfig",
+           "PolicyInputs", "Decision", "LegCost", "RoundTrip", "LayoutRates", "Progress", "round_trip",
+           "direction", "decide"]

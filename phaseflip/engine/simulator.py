@@ -7,7 +7,7 @@ traces, the discrete step model, the comparison table. The step model, and what 
   - a step runs the decodes of every decode-ready sequence (if decode is open) and up to `chunk_tokens`
     prompt tokens (if prefill is open; running prefills first, then FIFO admission);
   - a prefill step takes tokens / prefill_tok_s, a decode step the rig's step time at its batch, a mixed
-    step prefill time + the decode's marginal cost over a batch of one (the weight reads are shared);
+    step both, less the share `mixed_step_shared` of a batch-of-one decode step (weight reads it shares);
   - admission reserves KV for prompt + max_tokens (no preemption); a sequence's first token comes with
     the step that finishes its prompt;
   - a flip takes the next of its direction's sampled totals; a failed one wastes `failed_flip_fraction`
@@ -26,8 +26,9 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Callable, Mapping
 
-from phaseflip.engine.policy import (Decision, FlipCostEstimator, LayoutRates, PolicyConfig, PolicyInputs,
-                                     ProgressTracker, RateEstimator, decide, direction)
+from phaseflip.engine.policy import (Decision, FlipCostEstimator, LayoutRates, OutputLengthEstimator,
+                                     PolicyConfig, PolicyInputs, ProgressTracker, RateEstimator, decide,
+                                     direction)
 
 BASES = ("measured", "derived", "assumption")
 RIGS_DIR = Path(__file__).resolve().parent.parent / "tools" / "rigs"
@@ -74,6 +75,7 @@ def _count(x, path: str) -> int:
 class Rig:
     name: str
     layouts: Mapping[str, LayoutRates]           # what the rig really does (and what boot calibrates)
+    mixed_step_shared: Mapping[str, float]       # share of a batch-of-one decode step a mixed step saves
     flip_samples_s: Mapping[str, tuple[float, ...]]  # per direction, used in turn
     flip_prior_s: Mapping[str, float]            # the estimators' seeds
     max_num_seqs: int
@@ -94,9 +96,12 @@ def rig_from_dict(raw: dict) -> Rig:
     if not isinstance(name, str) or not name:
         raise ValueError("rig.name must be a non-empty string")
     eng = raw.get("engine") or {}
-    layouts = {k: _layout_from_dict(k, v) for k, v in (raw.get("layouts") or {}).items()}
-    if set(layouts) != {"pp", "tp"}:
-        raise ValueError(f"rig.layouts must define pp and tp, got {sorted(layouts)}")
+    raw_layouts = raw.get("layouts") or {}
+    if set(raw_layouts) != {"pp", "tp"}:
+        raise ValueError(f"rig.layouts must define pp and tp, got {sorted(raw_layouts)}")
+    layouts = {k: _layout_from_dict(k, v) for k, v in raw_layouts.items()}
+    shared = {k: _fraction(_value(v, "mixed_step_shared", f"rig.layouts.{k}"), f"rig.layouts.{k}.mixed_step_shared")
+              for k, v in raw_layouts.items()}
     flips = raw.get("flips") or {}
     legs = (direction("pp", "tp"), direction("tp", "pp"))
     samples, priors = {}, {}
@@ -107,16 +112,21 @@ def rig_from_dict(raw: dict) -> Rig:
             raise ValueError(f"rig.flips.{leg}.samples_s must be a non-empty list")
         samples[leg] = tuple(_positive(x, f"rig.flips.{leg}.samples_s") for x in values)
         priors[leg] = _positive(_value(node, "prior_s", f"rig.flips.{leg}"), f"rig.flips.{leg}.prior_s")
-    fraction = _value(flips, "failed_flip_fraction", "rig.flips")
-    if not isinstance(fraction, (int, float)) or not 0 <= fraction <= 1:
-        raise ValueError(f"rig.flips.failed_flip_fraction must be in [0, 1], got {fraction!r}")
-    return Rig(name, MappingProxyType(layouts), MappingProxyType(samples), MappingProxyType(priors),
+    fraction = _fraction(_value(flips, "failed_flip_fraction", "rig.flips"), "rig.flips.failed_flip_fraction")
+    return Rig(name, MappingProxyType(layouts), MappingProxyType(shared), MappingProxyType(samples),
+               MappingProxyType(priors),
                max_num_seqs=_count(_value(eng, "max_num_seqs", "rig.engine"), "rig.engine.max_num_seqs"),
                chunk_tokens=_count(_value(eng, "chunk_tokens", "rig.engine"), "rig.engine.chunk_tokens"),
                block_size=_count(_value(eng, "block_size", "rig.engine"), "rig.engine.block_size"),
                num_kv_blocks=_count(_value(eng, "num_kv_blocks", "rig.engine"), "rig.engine.num_kv_blocks"),
                idle_poll_s=_positive(_value(eng, "idle_poll_s", "rig.engine"), "rig.engine.idle_poll_s"),
-               failed_flip_fraction=float(fraction))
+               failed_flip_fraction=fraction)
+
+
+def _fraction(x, path: str) -> float:
+    if not isinstance(x, (int, float)) or isinstance(x, bool) or not 0 <= x <= 1:
+        raise ValueError(f"{path} must be a number in [0, 1], got {x!r}")
+    return float(x)
 
 
 def _layout_from_dict(name: str, node: dict) -> LayoutRates:
@@ -187,7 +197,6 @@ def load_trace(path) -> tuple[TraceRequest, ...]:
 @dataclass
 class _Seq:
     req: TraceRequest
-    arrival_s: float
     reserved: int                   # KV blocks reserved at admission
     computed: int = 0               # prompt tokens in KV
     generated: int = 0
@@ -248,6 +257,7 @@ class _Run:
         self.tracker = ProgressTracker(0.0)
         self.rates = {k: RateEstimator(k, r.prefill_tok_s, dict(r.decode_step_s)) for k, r in rig.layouts.items()}
         self.legs = {leg: FlipCostEstimator(leg, rig.flip_prior_s[leg]) for leg in rig.flip_samples_s}
+        self.outputs = OutputLengthEstimator()
         self.flip_faults, self.attempts, self.leg_uses = set(flip_faults), 0, {leg: 0 for leg in self.legs}
         self.flips = self.failed = self.idle_polls = 0
         self.flip_time = 0.0
@@ -261,9 +271,10 @@ class _Run:
     def _fits(self, seq_reserve: int, reserved: int, slots: int) -> bool:
         return slots < self.rig.max_num_seqs and reserved + seq_reserve <= self.rig.num_kv_blocks
 
-    def admissible_tokens(self) -> int:
-        tokens = sum(s.prefill_left for s in self.running)
-        reserved, slots = self.reserved, len(self.running)
+    def admissible_tokens(self, as_if_empty: bool = False) -> int:
+        """Prefill that could run now (or, as_if_empty, with every running sequence's KV and slot free)."""
+        tokens = 0 if as_if_empty else sum(s.prefill_left for s in self.running)
+        reserved, slots = (0, 0) if as_if_empty else (self.reserved, len(self.running))
         for seq in self.waiting:
             if not self._fits(seq.reserved, reserved, slots):
                 break
@@ -273,13 +284,15 @@ class _Run:
     def inputs(self) -> PolicyInputs:
         carried = [s for s in self.running if s.is_decode]
         used = sum(self.blocks(s.computed + s.generated) for s in self.running)
-        unstarted = [s.arrival_s for s in self.waiting + self.running if s.first_token_s is None]
+        unstarted = [s.req.arrival_s for s in self.waiting + self.running if s.first_token_s is None]
         return PolicyInputs(
             active=self.active, now_s=self.now,
             pending_prefill_tokens=sum(s.prefill_left for s in self.waiting + self.running),
-            admissible_prefill_tokens=self.admissible_tokens(), num_waiting=len(self.waiting),
+            admissible_prefill_tokens=self.admissible_tokens(),
+            fillable_prefill_tokens=max(self.admissible_tokens(), self.admissible_tokens(as_if_empty=True)),
+            num_waiting=len(self.waiting),
             num_running=len(self.running), num_carried_decodes=len(carried),
-            carried_decode_tokens=sum(s.req.max_tokens - s.generated for s in carried),
+            carried_decode_tokens=sum(self.outputs.expected_left(s.generated, s.req.max_tokens) for s in carried),
             free_kv_blocks=self.rig.num_kv_blocks - used, bundle_kv_blocks=self.reserved - used,
             oldest_wait_s=self.now - min(unstarted) if unstarted else None,
             progress=self.tracker.snapshot(), rates={k: e.reading() for k, e in self.rates.items()},
@@ -289,7 +302,7 @@ class _Run:
     def arrive(self) -> None:
         while self.future and self.future[-1].arrival_s <= self.now:
             req = self.future.pop()
-            self.waiting.append(_Seq(req, req.arrival_s, self.blocks(req.prompt_tokens + req.max_tokens)))
+            self.waiting.append(_Seq(req, self.blocks(req.prompt_tokens + req.max_tokens)))
 
     def step(self, prefill: bool, decode: bool) -> bool:
         """Run one step with the open phases; False when nothing could run (an idle poll)."""
@@ -335,8 +348,8 @@ class _Run:
         rates = self.rig.layouts[self.active]
         if not num_prefill:
             return rates.step_s(batch)
-        seconds = rates.prefill_s(num_prefill)
-        return seconds + (max(0.0, rates.step_s(batch) - rates.step_s(1)) if batch else 0.0)
+        shared = self.rig.mixed_step_shared[self.active] * rates.step_s(1)
+        return rates.prefill_s(num_prefill) + (rates.step_s(batch) - shared if batch else 0.0)
 
     def _finish(self) -> None:
         for seq in [s for s in self.running if s.prefill_left == 0 and s.generated >= s.req.output_tokens]:
@@ -344,6 +357,7 @@ class _Run:
             self.reserved -= seq.reserved
             seq.finish_s = self.now
             self.done.append(seq)
+            self.outputs.observe(seq.generated)
 
     def flip(self, decision: Decision, inputs: PolicyInputs) -> None:
         leg = direction(self.active, decision.target)
@@ -407,6 +421,6 @@ def _result(run: _Run, trace, label: str) -> SimResult:
     return SimResult(label=label, completed=completed, makespan_s=end - start, num_requests=len(trace),
                      prompt_tokens=sum(s.req.prompt_tokens for s in done),
                      output_tokens=sum(s.req.output_tokens for s in done),
-                     ttft_s=tuple(s.first_token_s - s.arrival_s for s in done), flips=run.flips,
+                     ttft_s=tuple(s.first_token_s - s.req.arrival_s for s in done), flips=run.flips,
                      failed_flips=run.failed, flip_time_s=run.flip_time, idle_polls_with_work=run.idle_polls,
                      reasons=MappingProxyType(dict(run.reasons)), events=tuple(run.events))

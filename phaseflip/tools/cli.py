@@ -14,6 +14,7 @@ import click
 
 from phaseflip.tools.convert import convert
 from phaseflip.tools.inspect_cmd import default_manifest_path, inspect
+from phaseflip.tools.simulate import simulate
 
 DEMO_PROMPTS = (
     "What is the capital of France?",
@@ -201,6 +202,7 @@ def _print_summary(llm, results, boot_s: float, gen_s: float) -> None:
 
 main.add_command(convert)
 main.add_command(inspect)
+main.add_command(simulate)
 
 if __name__ == "__main__":
     main()
