@@ -49,6 +49,8 @@ class EngineConfig:
     rank_memory_gib: tuple[float, ...] | None = None  # memory budget per rank for the ledger (CPU);
                                                       # None = RAM / world_size (CPU), the device (CUDA)
     compile: str = "auto"               # auto (CUDA: compile; CPU: eager) | on | off
+    policy: str = "throughput"          # which layout runs next: throughput | latency | drain
+    ttft_budget_s: float | None = None  # policy="latency": the time-to-first-token budget
     def __post_init__(self):
         _check(self.dtype in ("auto", "float32", "fp32", "bfloat16", "bf16", "float16", "fp16", "half"),
                f"dtype={self.dtype!r} is invalid: allowed are auto, float32, bfloat16, float16")
@@ -72,6 +74,11 @@ class EngineConfig:
         _check(self.flip_every_steps is None or self.flip_every_steps >= 1,
                f"flip_every_steps={self.flip_every_steps} is invalid: must be >= 1 (or None)")
         self._check_layouts()
+        _check(self.policy in ("throughput", "latency", "drain"),
+               f"policy={self.policy!r} is invalid: allowed are throughput, latency, drain")
+        _check((self.policy == "latency") == (self.ttft_budget_s is not None),
+               f"ttft_budget_s={self.ttft_budget_s!r} is invalid with policy={self.policy!r}: "
+               f"policy='latency' needs a ttft_budget_s > 0, the others take none")
         _check(self.compile in ("auto", "on", "off"),
                f"compile={self.compile!r} is invalid: allowed are auto, on, off")
         for name in ("pp_split", "tp_kv_split", "rank_budgets", "rank_memory_gib"):

@@ -8,10 +8,14 @@ from __future__ import annotations
 import time
 from typing import Callable
 
+from phaseflip.engine.policy_rule import StepSummary
 from phaseflip.engine.requests import Sequence
 from phaseflip.engine.scheduler import Scheduler
 from phaseflip.engine.stopping import check_stop
 from phaseflip.layouts.plan import StepPlan, StepResult
+
+
+MAX_IDLE_POLLS = 10_000  # a rule that leaves work pending with nothing runnable this long is a bug
 
 
 class EngineCore:
@@ -25,6 +29,7 @@ class EngineCore:
         self.max_model_len = max_model_len
         self.seqs: dict[int, Sequence] = {}
         self.num_steps = 0
+        self._idle_polls = 0
 
     def add(self, seq: Sequence) -> None:
         self.seqs[seq.seq_id] = seq
@@ -35,17 +40,24 @@ class EngineCore:
 
     def step(self) -> list[Sequence]:
         """Run one step; return the sequences that finished in it."""
-        prefill, decode = self.control.allowed()
+        prefill, decode = self.control.allowed(self.live_blocks)
         plan = self.scheduler.schedule(prefill=prefill, decode=decode)
         if plan is None:
             if self.scheduler.has_unfinished():
+                self._idle_polls += 1
+                if self._idle_polls > MAX_IDLE_POLLS:
+                    raise RuntimeError(f"no step could run for {MAX_IDLE_POLLS} polls in a row with work "
+                                       f"pending (engine bug); decisions: {self.control.last_decisions()}")
                 self.control.on_idle(self.live_blocks)  # the work is for the other layout
             return []
+        self._idle_polls = 0
         # The scheduler itself finishes a sequence that outgrew the whole KV pool ("length").
         finished = [self.seqs.pop(i) for i in plan.finished_seq_ids
                     if i in self.seqs and self.seqs[i].is_finished]
+        t0 = time.perf_counter()
         result = self.execute(plan)
         now = time.perf_counter()
+        decodes = sum(1 for c in plan.chunks if c.num_tokens == 1 and self._is_output(c))
         sampled = {s.seq_id: s.token_id for s in result.sampled}
         self.scheduler.on_step_done(plan, sampled)
         self.num_steps += 1
@@ -57,8 +69,15 @@ class EngineCore:
                 seq.stop_reason = decision.stop_reason
                 self.scheduler.finish(seq, decision.finish_reason)
                 finished.append(self.seqs.pop(seq.seq_id))
-        self.control.after_step(self.live_blocks)
+        self.control.after_step(self.live_blocks, StepSummary(
+            prefill_tokens=plan.num_tokens - decodes, decode_tokens=decodes, seconds=now - t0,
+            finished_output_lengths=tuple(s.num_output_tokens for s in finished)))
         return finished
+
+    def _is_output(self, chunk) -> bool:
+        """The chunk's token is a generated one (a decode), not part of a prompt."""
+        seq = self.seqs.get(chunk.seq_id)
+        return seq is not None and chunk.start_pos >= seq.num_prompt_tokens
 
     def live_blocks(self) -> list[int]:
         """Every KV block holding a live sequence's tokens (what a flip must carry over)."""

@@ -17,7 +17,7 @@ import json
 from pathlib import Path
 
 GGUF_MAGIC = b"GGUF"
-INSTALL_HINT = "pip install transformers gguf"
+INSTALL_HINT = "pip install transformers gguf accelerate"
 # Keys that transformers' GGUF path adds to the config which describe the source, not the model.
 _SOURCE_ONLY_KEYS = ("quantization_config", "_name_or_path", "_model_name_or_path")
 # tokenizer_config keys that describe how transformers was called, not the tokenizer.

@@ -1,9 +1,10 @@
-"""Which captured layout runs next, and the flips that switch it (the drain rule, until the policy).
+"""Which captured layout runs next, and the flips that switch it.
 
-Owns: the active layout as the controller sees it, the phases each layout may run under the drain
-rule (prefill in PP until no admissible prompt waits, flip, decode in TP until the running batch is
-empty, flip back — never a flip per arriving request), forced flips (flip_every_steps, llm.flip) and
-the flip log. A failed flip leaves the engine in the old layout and opens both phases there, so work
+Owns: the active layout as the controller sees it, the phases it may run, forced flips
+(flip_every_steps, llm.flip) and the flip log. Two rules decide: the policy (engine/policy.py through
+engine/policy_rule.py; policy="throughput" | "latency") or the plain drain rule (policy="drain":
+prefill in PP until no admissible prompt waits, flip, decode in TP until the running batch is empty,
+flip back). A failed flip leaves the engine in the old layout and opens both phases there, so work
 never waits on a flip that cannot happen (LESSONS 10).
 """
 from __future__ import annotations
@@ -20,8 +21,9 @@ FALLBACK_STEPS = 32  # steps a failed flip's fallback lasts before the rule may 
 
 
 class LayoutControl:
-    def __init__(self, ranks, layouts: tuple[str, ...], flip_every_steps: int | None):
+    def __init__(self, ranks, layouts: tuple[str, ...], flip_every_steps: int | None, rule=None):
         self.ranks = ranks
+        self.rule = rule if len(layouts) > 1 and not flip_every_steps else None  # None: the drain rule
         self.layouts = layouts
         self.flip_every_steps = flip_every_steps
         self.active = layouts[0]
@@ -37,23 +39,39 @@ class LayoutControl:
         a bound the step count advances), then the rule tries to flip again."""
         return self._steps < self.fallback_until
 
-    def allowed(self) -> tuple[bool, bool]:
-        """(prefill, decode) the active layout may run now."""
+    def allowed(self, live_blocks=None) -> tuple[bool, bool]:
+        """(prefill, decode) the active layout may run now; the policy may flip first."""
+        if self.rule is not None:
+            d = self.rule.decide(self.active)
+            if d.action == "flip" and live_blocks is not None:
+                self.flip(d.target, live_blocks())
+                d = self.rule.decide(self.active)  # the phases after the cutover (or the fallback)
+            return d.prefill, d.decode
         if len(self.layouts) == 1 or self.flip_every_steps or self.fallback:
             return True, True
         return (True, False) if self.active == "pp" else (False, True)
 
+    def last_decisions(self, n: int = 3) -> list:
+        return self.rule.decisions[-n:] if self.rule is not None else ["the drain rule"]
+
     def other(self) -> str:
         return next(name for name in self.layouts if name != self.active)
 
-    def after_step(self, live_blocks) -> None:
-        """live_blocks: a callable giving the KV blocks of live sequences (computed only to flip)."""
+    def after_step(self, live_blocks, summary=None) -> None:
+        """live_blocks: a callable giving the KV blocks of live sequences (computed only to flip);
+        summary: what the step computed (feeds the policy's meters)."""
         self._steps += 1
+        if self.rule is not None and summary is not None:
+            self.rule.observe_step(self.active, summary)
         if self.flip_every_steps and len(self.layouts) > 1 and self._steps % self.flip_every_steps == 0:
             self.flip(self.other(), live_blocks())
 
     def on_idle(self, live_blocks) -> None:
-        """Nothing could run in the active layout under the rule: switch to where the work is."""
+        """Nothing could run with the open phases. The policy counts an idle poll (its stall exit and
+        hold bounds advance on them); the drain rule switches to where the work is."""
+        if self.rule is not None:
+            self.rule.observe_idle(self.active)
+            return
         if self.allowed() == (True, True):
             raise RuntimeError("no step could be scheduled with both phases open (engine bug)")
         self.flip(self.other(), live_blocks())
@@ -67,6 +85,8 @@ class LayoutControl:
         reports = self.ranks.call(FlipCommand(target, tuple(sorted(live_blocks))))
         entry = _log_entry(self.active, target, reports, (time.perf_counter() - t0) * 1e3)
         self.flip_log.append(entry)
+        if self.rule is not None:
+            self.rule.observe_flip(entry)
         if entry["ok"]:
             self.active, self.fallback_until = target, -1
             self.num_flips += 1

@@ -27,6 +27,8 @@ from phaseflip.engine.sampling_params import SamplingParams
 from phaseflip.engine.scheduler import Scheduler, SchedulerConfig
 from phaseflip.engine.stopping import final_text
 from phaseflip.engine.manifest import build_manifest
+from phaseflip.engine.policy import PolicyConfig
+from phaseflip.engine.policy_rule import PolicyRule
 from phaseflip.layouts.messages import ManifestQuery, RunStep, StatsQuery
 from phaseflip.layouts.timing import timed
 from phaseflip.layouts.plan import StepPlan, StepResult
@@ -56,13 +58,16 @@ class LLM:
         with timed(self.boot_ms, "ranks"):
             boot = rank_boot(cfg, self.plan)
             self.ranks = _start_ranks(boot, cfg.world_size)
-        self.control = LayoutControl(self.ranks, cfg.layouts, cfg.flip_every_steps)
         shapes = self.plan.shapes
         self.allocator = BlockAllocator(self.plan.num_kv_blocks, shapes.block_size)
         scheduler = Scheduler(SchedulerConfig(max_num_seqs=shapes.max_num_seqs,
                                               max_num_batched_tokens=shapes.max_num_batched_tokens,
                                               max_prefill_chunk=shapes.max_num_batched_tokens,
                                               block_size=shapes.block_size), self.allocator)
+        rule = None if cfg.policy == "drain" else PolicyRule(
+            PolicyConfig(mode=cfg.policy, ttft_budget_s=cfg.ttft_budget_s), cfg.layouts, scheduler,
+            self.plan.max_model_len)
+        self.control = LayoutControl(self.ranks, cfg.layouts, cfg.flip_every_steps, rule)
         eos = set(mc.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
@@ -157,6 +162,7 @@ class LLM:
             "flips": self.control.num_flips,
             "failed_flips": self.control.num_failed_flips,
             "flip_log": list(self.control.flip_log),
+            "decisions": list(self.control.rule.decisions) if self.control.rule else [],
             "rank_pids": list(self.ranks.pids),
         }
 

@@ -46,6 +46,7 @@ def build_manifest(llm, ranks: list) -> dict:
         "steps": steps,
         "boot_ms": dict(llm.boot_ms),
         "flips": list(llm.control.flip_log),
+        "decisions": list(llm.control.rule.decisions) if llm.control.rule else [],
         "eager_fallbacks": fallbacks,
         "captures_at_boot": len(steps),
     }

@@ -45,7 +45,7 @@ def test_restore_never_rebuild_fence(ref):
 
 def test_poisoned_arena_is_restored_by_the_refill(ref):
     d, prompts, expected = ref
-    with LLM(model=str(d), dtype="float32", world_size=2, park="always") as llm:
+    with LLM(model=str(d), dtype="float32", world_size=2, park="always", policy="drain") as llm:
         check(llm.generate(prompts, GREEDY, use_tqdm=False), expected)   # ends in TP (drain)
         ptrs = llm.stats()["arena_ptrs"]
         for _ in range(3):
@@ -71,7 +71,7 @@ def test_poison_is_real(ref):
 @pytest.mark.parametrize("stage", ["read", "exchange", "refill", "write", "cutover"])
 def test_fault_at_each_stage_rolls_back_and_keeps_serving(ref, stage):
     d, prompts, expected = ref
-    with LLM(model=str(d), dtype="float32", world_size=2, park="always") as llm:
+    with LLM(model=str(d), dtype="float32", world_size=2, park="always", policy="drain") as llm:
         llm.ranks.call(ArmFault(stage, rank=1))
         outs = llm.generate(prompts, GREEDY, use_tqdm=False)
         stats = llm.stats()

@@ -18,8 +18,9 @@ LAYOUTS = {
     "pp3": dict(world_size=3, layouts=("pp",)),
     "tp2": dict(world_size=2, layouts=("tp",)),
     "tp3": dict(world_size=3, layouts=("tp",)),
-    "drain2": dict(world_size=2, park="always"),
-    "drain3": dict(world_size=3),
+    "drain2": dict(world_size=2, park="always", policy="drain"),
+    "drain3": dict(world_size=3, policy="drain"),
+    "policy2": dict(world_size=2, park="always"),   # the default policy="throughput"
     "every1": dict(world_size=2, flip_every_steps=1, park="always"),
     "every3": dict(world_size=2, flip_every_steps=3),
     "every7": dict(world_size=3, flip_every_steps=7, park="always"),

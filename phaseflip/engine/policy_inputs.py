@@ -1,0 +1,59 @@
+"""What the layout policy reads, measured from the live engine at the moment of a decision.
+
+Owns: `measure(...) -> PolicyInputs` from the scheduler's queues, the block allocator's free count and
+the meters (engine/estimators.py). Capacity figures are exactly what the allocator could deliver
+(LESSONS 4): a waiting prompt counts as admissible only if its blocks fit beside what the running
+sequences still need to reach max_tokens. No torch.
+"""
+from __future__ import annotations
+
+from phaseflip.engine.policy import PolicyInputs
+from phaseflip.engine.requests import Sequence
+from phaseflip.engine.scheduler import Scheduler
+
+
+def _max_tokens(seq: Sequence, max_model_len: int) -> int:
+    mt = seq.params.max_tokens
+    limit = max_model_len - seq.num_prompt_tokens
+    return limit if mt is None else min(mt, limit)
+
+
+def _prefill_left(seq: Sequence) -> int:
+    return 0 if Scheduler.wants_decode(seq) else seq.num_tokens - seq.num_computed_tokens
+
+
+def _walk(waiting, blocks_free: int, slots_free: int, blocks_needed) -> int:
+    """Prompt tokens of waiting sequences admitted FIFO while slots and blocks last (no skipping)."""
+    tokens = 0
+    for seq in waiting:
+        need = blocks_needed(seq.num_tokens)
+        if slots_free < 1 or need > blocks_free:
+            break
+        tokens, blocks_free, slots_free = tokens + seq.num_tokens, blocks_free - need, slots_free - 1
+    return tokens
+
+
+def measure(scheduler: Scheduler, active: str, now_s: float, max_model_len: int, tracker, rates, legs,
+            outputs) -> PolicyInputs:
+    alloc, cfg = scheduler.allocator, scheduler.config
+    running, waiting = scheduler.running, list(scheduler.waiting)
+    carried = [s for s in running if Scheduler.wants_decode(s)]
+    bundle = sum(max(0, alloc.blocks_needed(s.num_prompt_tokens + _max_tokens(s, max_model_len)) - len(s.block_ids))
+                 for s in running)
+    running_prefill = sum(_prefill_left(s) for s in running)
+    pending = running_prefill + sum(s.num_tokens for s in waiting)
+    free = alloc.num_free_blocks
+    admissible = running_prefill + _walk(waiting, max(0, free - bundle), cfg.max_num_seqs - len(running),
+                                         alloc.blocks_needed)
+    fillable = max(admissible, _walk(waiting, alloc.num_total_blocks, cfg.max_num_seqs, alloc.blocks_needed))
+    unstarted = [s.arrival_time for s in waiting + running if s.first_token_time is None]
+    return PolicyInputs(
+        active=active, now_s=now_s, pending_prefill_tokens=pending, admissible_prefill_tokens=admissible,
+        fillable_prefill_tokens=min(fillable, pending), num_waiting=len(waiting), num_running=len(running),
+        num_carried_decodes=len(carried),
+        carried_decode_tokens=sum(outputs.expected_left(s.num_output_tokens, _max_tokens(s, max_model_len))
+                                  for s in carried),
+        free_kv_blocks=free, bundle_kv_blocks=bundle,
+        oldest_wait_s=now_s - min(unstarted) if unstarted else None,
+        progress=tracker.snapshot(), rates={k: e.reading() for k, e in rates.items()},
+        legs={k: e.reading() for k, e in legs.items()})
