@@ -2,8 +2,9 @@
 a rig profile (JSON), requests from an arrival trace (JSONL); reports throughput, time-to-first-token
 percentiles and flips for the policy and for the static layouts.
 
-Owns: loading and validating rig profiles (every number labelled measured / derived / assumption) and
-traces, the discrete step model, the comparison table. The step model, and what it assumes:
+Owns: the discrete step model and its result (SimResult); rig profiles are loaded and validated in
+sim_rig.py (every number labelled measured / derived / assumption), arrival traces in sim_trace.py, and
+both are re-exported here. The step model, and what it assumes:
   - a step runs the decodes of every decode-ready sequence (if decode is open) and up to `chunk_tokens`
     prompt tokens (if prefill is open; running prefills first, then FIFO admission);
   - a prefill step takes tokens / prefill_tok_s, a decode step the rig's step time at its batch, a mixed
@@ -19,178 +20,18 @@ Must never: import torch, or re-implement a policy rule (it calls policy.decide)
 """
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass
-from pathlib import Path
 from types import MappingProxyType
 from typing import Callable, Mapping
 
-from phaseflip.engine.policy import (Decision, FlipCostEstimator, LayoutRates, OutputLengthEstimator,
+from phaseflip.engine.policy import (Decision, FlipCostEstimator, LayoutRates, OutputLengthEstimator,  # noqa: F401
                                      PolicyConfig, PolicyInputs, ProgressTracker, RateEstimator, decide,
                                      direction)
+from phaseflip.engine.sim_rig import BASES, RIGS_DIR, Rig, check_labels, load_rig, rig_from_dict  # noqa: F401
+from phaseflip.engine.sim_trace import TraceRequest, load_trace  # noqa: F401
 
-BASES = ("measured", "derived", "assumption")
-RIGS_DIR = Path(__file__).resolve().parent.parent / "tools" / "rigs"
 DecideFn = Callable[[PolicyInputs, PolicyConfig], Decision]
-
-
-# -- rig profiles ------------------------------------------------------------------------------------------
-def check_labels(node, path: str = "rig") -> None:
-    """Every number in a rig profile sits in a {"value": ..., "basis": "measured|derived|assumption: ..."}."""
-    if isinstance(node, dict) and "value" in node:
-        basis = node.get("basis")
-        if not isinstance(basis, str) or not basis.startswith(BASES):
-            raise ValueError(f"{path}: basis must start with one of {', '.join(BASES)}, got {basis!r}")
-        return
-    if isinstance(node, dict):
-        for key, child in node.items():
-            check_labels(child, f"{path}.{key}")
-    elif isinstance(node, list):
-        for i, child in enumerate(node):
-            check_labels(child, f"{path}[{i}]")
-    elif isinstance(node, (int, float)) and not isinstance(node, bool):
-        raise ValueError(f"{path}: the number {node} is not labelled (wrap it as {{'value', 'basis'}})")
-
-
-def _value(node: dict, key: str, path: str):
-    if key not in node or not isinstance(node[key], dict) or "value" not in node[key]:
-        raise ValueError(f"{path}.{key} is missing (a {{'value', 'basis'}} object)")
-    return node[key]["value"]
-
-
-def _positive(x, path: str) -> float:
-    if not isinstance(x, (int, float)) or isinstance(x, bool) or not math.isfinite(x) or x <= 0:
-        raise ValueError(f"{path} must be a number > 0, got {x!r}")
-    return float(x)
-
-
-def _count(x, path: str) -> int:
-    if not isinstance(x, int) or isinstance(x, bool) or x < 1:
-        raise ValueError(f"{path} must be an integer >= 1, got {x!r}")
-    return x
-
-
-@dataclass(frozen=True)
-class Rig:
-    name: str
-    layouts: Mapping[str, LayoutRates]           # what the rig really does (and what boot calibrates)
-    mixed_step_shared: Mapping[str, float]       # share of a batch-of-one decode step a mixed step saves
-    flip_samples_s: Mapping[str, tuple[float, ...]]  # per direction, used in turn
-    flip_prior_s: Mapping[str, float]            # the estimators' seeds
-    max_num_seqs: int
-    chunk_tokens: int
-    block_size: int
-    num_kv_blocks: int
-    idle_poll_s: float
-    failed_flip_fraction: float
-
-    def flip_s(self, leg: str, n: int) -> float:
-        samples = self.flip_samples_s[leg]
-        return samples[n % len(samples)]
-
-
-def rig_from_dict(raw: dict) -> Rig:
-    check_labels(raw)
-    name = raw.get("name")
-    if not isinstance(name, str) or not name:
-        raise ValueError("rig.name must be a non-empty string")
-    eng = raw.get("engine") or {}
-    raw_layouts = raw.get("layouts") or {}
-    if set(raw_layouts) != {"pp", "tp"}:
-        raise ValueError(f"rig.layouts must define pp and tp, got {sorted(raw_layouts)}")
-    layouts = {k: _layout_from_dict(k, v) for k, v in raw_layouts.items()}
-    shared = {k: _fraction(_value(v, "mixed_step_shared", f"rig.layouts.{k}"), f"rig.layouts.{k}.mixed_step_shared")
-              for k, v in raw_layouts.items()}
-    flips = raw.get("flips") or {}
-    legs = (direction("pp", "tp"), direction("tp", "pp"))
-    samples, priors = {}, {}
-    for leg in legs:
-        node = flips.get(leg) or {}
-        values = _value(node, "samples_s", f"rig.flips.{leg}")
-        if not isinstance(values, list) or not values:
-            raise ValueError(f"rig.flips.{leg}.samples_s must be a non-empty list")
-        samples[leg] = tuple(_positive(x, f"rig.flips.{leg}.samples_s") for x in values)
-        priors[leg] = _positive(_value(node, "prior_s", f"rig.flips.{leg}"), f"rig.flips.{leg}.prior_s")
-    fraction = _fraction(_value(flips, "failed_flip_fraction", "rig.flips"), "rig.flips.failed_flip_fraction")
-    return Rig(name, MappingProxyType(layouts), MappingProxyType(shared), MappingProxyType(samples),
-               MappingProxyType(priors),
-               max_num_seqs=_count(_value(eng, "max_num_seqs", "rig.engine"), "rig.engine.max_num_seqs"),
-               chunk_tokens=_count(_value(eng, "chunk_tokens", "rig.engine"), "rig.engine.chunk_tokens"),
-               block_size=_count(_value(eng, "block_size", "rig.engine"), "rig.engine.block_size"),
-               num_kv_blocks=_count(_value(eng, "num_kv_blocks", "rig.engine"), "rig.engine.num_kv_blocks"),
-               idle_poll_s=_positive(_value(eng, "idle_poll_s", "rig.engine"), "rig.engine.idle_poll_s"),
-               failed_flip_fraction=fraction)
-
-
-def _fraction(x, path: str) -> float:
-    if not isinstance(x, (int, float)) or isinstance(x, bool) or not 0 <= x <= 1:
-        raise ValueError(f"{path} must be a number in [0, 1], got {x!r}")
-    return float(x)
-
-
-def _layout_from_dict(name: str, node: dict) -> LayoutRates:
-    path = f"rig.layouts.{name}"
-    prefill = _positive(_value(node, "prefill_tok_s", path), f"{path}.prefill_tok_s")
-    table = _value(node, "decode_step_s", path)
-    if not isinstance(table, dict) or not table:
-        raise ValueError(f"{path}.decode_step_s must be a non-empty {{batch: seconds}} object")
-    steps = sorted((_count(int(b), f"{path}.decode_step_s batch"), _positive(s, f"{path}.decode_step_s[{b}]"))
-                   for b, s in table.items())
-    return LayoutRates(name, prefill, tuple(steps))
-
-
-def load_rig(path) -> Rig:
-    """A rig profile from a JSON file, or a shipped one by name (see tools/rigs/)."""
-    p = Path(path)
-    if not p.exists() and (RIGS_DIR / f"{path}.json").exists():
-        p = RIGS_DIR / f"{path}.json"
-    if not p.exists():
-        shipped = ", ".join(sorted(f.stem for f in RIGS_DIR.glob("*.json")))
-        raise ValueError(f"no rig profile {str(path)!r} (a JSON file, or one of: {shipped})")
-    try:
-        raw = json.loads(p.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{p} is not JSON: {e}") from e
-    return rig_from_dict(raw)
-
-
-# -- traces ------------------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class TraceRequest:
-    arrival_s: float
-    prompt_tokens: int
-    output_tokens: int      # what it will really generate
-    max_tokens: int         # what the engine is told (an upper bound; the policy sees only this)
-
-    def __post_init__(self) -> None:
-        if not (isinstance(self.arrival_s, (int, float)) and math.isfinite(self.arrival_s) and self.arrival_s >= 0):
-            raise ValueError(f"arrival_s must be a number >= 0, got {self.arrival_s!r}")
-        for name in ("prompt_tokens", "output_tokens", "max_tokens"):
-            _count(getattr(self, name), name)
-        if self.output_tokens > self.max_tokens:
-            raise ValueError(f"output_tokens={self.output_tokens} exceeds max_tokens={self.max_tokens}")
-
-
-def load_trace(path) -> tuple[TraceRequest, ...]:
-    """JSONL: {"arrival_s", "prompt_tokens", "output_tokens"[, "max_tokens"][, "kind"]} per line."""
-    p = Path(path)
-    if not p.exists() and (RIGS_DIR / path).exists():
-        p = RIGS_DIR / path
-    requests = []
-    for n, line in enumerate(p.read_text(encoding="utf-8").splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            obj = json.loads(line)
-            requests.append(TraceRequest(obj["arrival_s"], obj["prompt_tokens"], obj["output_tokens"],
-                                         obj.get("max_tokens", obj["output_tokens"])))
-        except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
-            raise ValueError(f"{p} line {n}: {e!r}") from e
-    if not requests:
-        raise ValueError(f"{p} holds no requests")
-    return tuple(sorted(requests, key=lambda r: r.arrival_s))
-
 
 
 # -- the run -----------------------------------------------------------------------------------------------

@@ -1,0 +1,62 @@
+"""The GPU check's run description: the model shapes, the two profiles (FULL on one GPU, DRY on the CPU with
+tiny shapes) and the Context every section receives (profile, scratch folder, deadline, what earlier
+sections produced). Plain data: no torch import, no device work.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+LLAMA_1B = dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+                num_key_value_heads=8, head_dim=64, vocab_size=128256, max_position_embeddings=131072,
+                rms_norm_eps=1e-5, tie_word_embeddings=True, rope_theta=500000.0,
+                rope_scaling=dict(rope_type="llama3", factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                                  original_max_position_embeddings=8192))
+TINY = dict(LLAMA_1B, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=16, vocab_size=384, max_position_embeddings=512,
+            rope_scaling=dict(LLAMA_1B["rope_scaling"], original_max_position_embeddings=64))
+DRY_KERNEL_CASES = ("attention/decode-g3-d64-page16-splits3", "attention/prefill-g4-d64-page32-splits2",
+                    "attention/op-mixed-bf16", "kv_store/page16", "add_rms_norm/bfloat16-rows7-h100",
+                    "rotary/llama3-float32-d64", "silu_and_mul/bfloat16-5x100")
+
+
+@dataclass(frozen=True)
+class Profile:
+    device: str
+    model: dict
+    max_model_len: int
+    decode_buckets: tuple[int, ...]
+    prefill_buckets: tuple[int, ...]
+    prompt_len: int
+    num_prompts: int
+    gen_tokens: int
+    bench_batches: tuple[int, ...]
+    bench_tokens: int
+    copy_bytes: int
+    cycles: int
+    kernel_cases: tuple[str, ...] | None   # None: every case
+    hf_compile: bool
+
+
+FULL = Profile("cuda", LLAMA_1B, 1024, (1, 2, 4, 8, 16, 32, 64), (128, 512), 16, 8, 32, (1, 8, 64), 128,
+               1 << 30, 10, None, True)
+DRY = Profile("cpu", TINY, 128, (1, 2, 4, 8, 64), (32, 64), 8, 4, 8, (1, 8, 64), 6, 32 << 20, 10,
+              DRY_KERNEL_CASES, False)
+
+
+@dataclass
+class Context:
+    profile: Profile
+    dry_run: bool
+    work: Path
+    deadline: float
+    engine_compile: str                          # the big engine's compile option (see --engine-compile)
+    shared: dict = field(default_factory=dict)   # what later sections reuse (models, the engine, numbers)
+
+    def need(self, key: str, section: str):
+        if key not in self.shared:
+            raise RuntimeError(f"needs {key!r} from section {section!r}, which did not produce it")
+        return self.shared[key]
+
+
+GRACE_S = 40.0   # hf_decode may start a batch that ends this long after the budget
