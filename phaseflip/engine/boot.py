@@ -12,10 +12,9 @@ import torch
 
 from phaseflip.engine.config import EngineConfig
 from phaseflip.engine.loader import resolve_dtype
-from phaseflip.layouts.kvcache import KVShape
 from phaseflip.layouts.messages import RankBoot
 from phaseflip.layouts.model_config import ModelConfig
-from phaseflip.layouts.planner import LayoutPlan, plan_layouts
+from phaseflip.layouts.planner import LayoutPlan, kv_block_bytes, plan_layouts
 from phaseflip.layouts.runner import StepShapes
 
 
@@ -89,8 +88,10 @@ def _kv_blocks(cfg: EngineConfig, mc: ModelConfig, plan: LayoutPlan, dtype: torc
     """Blocks every rank can hold in every captured view (the minimum: block ids are shared)."""
     if cfg.num_kv_blocks is not None:
         return cfg.num_kv_blocks
-    per_block = max(KVShape(s.layers.count, 1, cfg.block_size, s.kv_heads.count, mc.head_dim).bytes_per_block(dtype)
-                    for name in cfg.layouts for s in getattr(plan, name).shards)
+    dtype_bytes = torch.empty((), dtype=dtype).element_size()
+    per_block = max(b for pp, tp in zip(plan.pp.shards, plan.tp.shards)
+                    for name, b in zip(("pp", "tp"), kv_block_bytes(mc, pp, tp, cfg.block_size, dtype_bytes))
+                    if name in cfg.layouts)
     budget_blocks = int(cfg.kv_cache_memory_gib * 2**30) // per_block
     enough = cfg.max_num_seqs * -(-max_model_len // cfg.block_size)  # more could never be used
     return max(1, min(budget_blocks, enough))

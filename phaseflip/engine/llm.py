@@ -79,7 +79,8 @@ class LLM:
 
     def _run_step(self, plan: StepPlan) -> StepResult:
         replies = self.ranks.call(RunStep(self.control.active, plan))
-        return StepResult(plan.step_id, replies[-1].sampled or ())
+        output_rank = self.plan.layout_plan.spec(self.control.active).output_rank
+        return StepResult(plan.step_id, replies[output_rank].sampled or ())
 
     def flip(self, target: str) -> dict:
         """Flip to `target` ("pp" | "tp") now; returns the flip's log entry (components in ms, bytes)."""

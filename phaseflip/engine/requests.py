@@ -57,12 +57,12 @@ class Sequence:
     def is_finished(self) -> bool:
         return self.status is SeqStatus.FINISHED
 
-    def token_at(self, i: int) -> int:
-        n = len(self.prompt_token_ids)
-        return self.prompt_token_ids[i] if i < n else self.output_token_ids[i - n]
-
     def tokens_slice(self, start: int, stop: int) -> list[int]:
-        return (self.prompt_token_ids + self.output_token_ids)[start:stop]
+        """Tokens [start, stop) of prompt + outputs, without building the concatenation (per step)."""
+        n = len(self.prompt_token_ids)
+        if start >= n:
+            return self.output_token_ids[start - n:stop - n]
+        return self.prompt_token_ids[start:stop] + self.output_token_ids[:max(0, stop - n)]
 
 
 @dataclass(frozen=True)

@@ -46,14 +46,14 @@ class StepShapes:
 class LayoutRunner:
     def __init__(self, layout: str, cfg: ModelConfig, shards: tuple[RankShard, ...], rank: int,
                  weights: RankWeights, kv: KVView, rope_table: torch.Tensor, shapes: StepShapes,
-                 buffers: StaticBuffers, registry: GraphRegistry, sampler: Sampler, comm):
+                 buffers: StaticBuffers, registry: GraphRegistry, sampler: Sampler, comm, output_rank: int):
         self.layout, self.cfg, self.rank = layout, cfg, rank
         self.shards, self.shard = shards, shards[rank]
         self.weights, self.kv, self.rope_table = weights, kv, rope_table
         self.shapes, self.buffers, self.registry = shapes, buffers, registry
         self.sampler, self.comm = sampler, comm
         self.is_pp = self.shard.tp_size == 1 and len(shards) > 1
-        self.output_rank = len(shards) - 1
+        self.output_rank = output_rank  # the layout spec's: where logits are sampled
         # The maths reduces partial sums over the ranks sharing a layer: nobody in PP.
         self.tp_comm = comm if self.shard.tp_size > 1 else NoComm()
         self.fns = {phase.value: self.step_fn for phase in Phase}   # per role: eager or compiled

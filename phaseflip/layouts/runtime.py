@@ -109,7 +109,8 @@ class RankRuntime:
                              self.cfg.rope_scaling).to(self.device)
         return {name: LayoutRunner(name, self.cfg, self.layout_plan.spec(name).shards, self.rank,
                                    self.arena.weights[name], self.kv.view(name), rope, s, self.buffers,
-                                   self.registry, self.sampler, self.comm)
+                                   self.registry, self.sampler, self.comm,
+                                   self.layout_plan.spec(name).output_rank)
                 for name in boot.layouts}
 
     def _capture(self, boot: RankBoot) -> None:
