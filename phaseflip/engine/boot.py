@@ -2,10 +2,14 @@
 
 Owns: BootPlan (device, dtype, max_model_len, KV block count, bucket sets, the two layouts) and the
 RankBoot message each rank boots from. Checkpoint problems are raised by the loader before any rank
-allocates its KV region.
+allocates its KV region, and a KV budget that cannot hold one sequence of max_model_len tokens is
+refused here, saying what to change. An explicit num_kv_blocks is taken as given (a test and tuning
+knob): a smaller pool is then every request's length limit (a warning says so).
 """
 from __future__ import annotations
 
+import logging
+import math
 from dataclasses import dataclass
 
 import torch
@@ -16,6 +20,8 @@ from phaseflip.layouts.messages import RankBoot
 from phaseflip.layouts.model_config import ModelConfig
 from phaseflip.layouts.planner import LayoutPlan, kv_block_bytes, plan_layouts
 from phaseflip.layouts.runner import StepShapes
+
+log = logging.getLogger("phaseflip")
 
 
 @dataclass(frozen=True)
@@ -86,15 +92,39 @@ def memory_budgets(cfg: EngineConfig, device: str) -> tuple[int, ...] | None:
 def _kv_blocks(cfg: EngineConfig, mc: ModelConfig, plan: LayoutPlan, dtype: torch.dtype,
                max_model_len: int) -> int:
     """Blocks every rank can hold in every captured view (the minimum: block ids are shared)."""
+    one_seq = -(-max_model_len // cfg.block_size)
     if cfg.num_kv_blocks is not None:
+        if cfg.num_kv_blocks < one_seq:
+            log.warning("num_kv_blocks=%d holds %d tokens, less than max_model_len=%d: a request ends "
+                        "(finish_reason 'length') when it fills the pool", cfg.num_kv_blocks,
+                        cfg.num_kv_blocks * cfg.block_size, max_model_len)
         return cfg.num_kv_blocks
     dtype_bytes = torch.empty((), dtype=dtype).element_size()
     per_block = max(b for pp, tp in zip(plan.pp.shards, plan.tp.shards)
                     for name, b in zip(("pp", "tp"), kv_block_bytes(mc, pp, tp, cfg.block_size, dtype_bytes))
                     if name in cfg.layouts)
     budget_blocks = int(cfg.kv_cache_memory_gib * 2**30) // per_block
-    enough = cfg.max_num_seqs * -(-max_model_len // cfg.block_size)  # more could never be used
-    return max(1, min(budget_blocks, enough))
+    if budget_blocks < one_seq:
+        raise ValueError(_pool_too_small(cfg, max_model_len, one_seq, budget_blocks, per_block))
+    return min(budget_blocks, cfg.max_num_seqs * one_seq)  # more could never be used
+
+
+def _pool_too_small(cfg: EngineConfig, max_model_len: int, one_seq: int, budget_blocks: int,
+                    per_block: int) -> str:
+    need_gib = _round_up(one_seq * per_block / 2**30)
+    fits = budget_blocks * cfg.block_size
+    lower = f", or lower max_model_len to <= {fits}" if fits >= 2 else ""
+    given = "" if cfg.max_model_len is not None else " (the model's maximum: max_model_len was not given)"
+    return (f"the KV pool cannot hold one sequence of max_model_len={max_model_len}{given} tokens: it needs "
+            f"{one_seq} blocks of {cfg.block_size} tokens ({per_block} bytes per block on the largest rank, "
+            f"{need_gib} GiB), but kv_cache_memory_gib={cfg.kv_cache_memory_gib} holds {budget_blocks} "
+            f"blocks ({fits} tokens): raise kv_cache_memory_gib to >= {need_gib}{lower}")
+
+
+def _round_up(x: float, digits: int = 3) -> float:
+    """x rounded UP to `digits` significant digits (a budget quoted as enough must be enough)."""
+    scale = 10 ** (digits - 1 - math.floor(math.log10(x)))
+    return math.ceil(x * scale) / scale
 
 
 def make_plan(cfg: EngineConfig, mc: ModelConfig, model_dir: str) -> BootPlan:
