@@ -2,12 +2,18 @@
 
 Owns: booting the engine from an EngineConfig, validating and submitting requests, running the step
 loop until they finish, and building RequestOutputs. Model maths, scheduling and sampling live elsewhere.
+
+Every generate() ends settled, whether it returned or raised: no request state is left on the
+controller or on a rank, every KV block is free, and the controller and the ranks agree on the active
+layout (an interrupt may land after the ranks flipped and before the controller recorded it). A dead
+engine refuses new work up front with EngineDeadError.
 """
 from __future__ import annotations
 
 import itertools
 import logging
 import time
+from contextlib import contextmanager
 
 import torch
 from tqdm.auto import tqdm
@@ -19,7 +25,7 @@ from phaseflip.engine.core import EngineCore
 from phaseflip.engine.layout_control import LayoutControl
 from phaseflip.engine.loader import load_model_config
 from phaseflip.engine.tokenizer import load_tokenizer
-from phaseflip.engine.ranks import LocalRanks, ProcessRanks, TorchrunRanks
+from phaseflip.engine.ranks import EngineDeadError, LocalRanks, ProcessRanks, TorchrunRanks
 from phaseflip.layouts.comm import env_rank
 from phaseflip.engine.prompts import prepare_prompts
 from phaseflip.engine.requests import CompletionOutput, RequestMetrics, RequestOutput, Sequence
@@ -29,7 +35,7 @@ from phaseflip.engine.stopping import final_text
 from phaseflip.engine.manifest import build_manifest
 from phaseflip.engine.policy import PolicyConfig
 from phaseflip.engine.policy_rule import PolicyRule
-from phaseflip.layouts.messages import ManifestQuery, RunStep, StatsQuery
+from phaseflip.layouts.messages import ForgetRequests, LiveStateQuery, ManifestQuery, RunStep, StatsQuery
 from phaseflip.layouts.timing import timed
 from phaseflip.layouts.plan import StepPlan, StepResult
 
@@ -85,7 +91,8 @@ class LLM:
     def flip(self, target: str) -> dict:
         """Flip to `target` ("pp" | "tp") now; returns the flip's log entry (components in ms, bytes)."""
         self._check_open()
-        return self.control.flip(target, self.core.live_blocks())
+        with self._settled():
+            return self.control.flip(target, self.core.live_blocks())
 
     # -- the offline API ---------------------------------------------------------------------------
     def get_tokenizer(self):
@@ -99,15 +106,41 @@ class LLM:
                                    vocab_size=self.model_config.vocab_size,
                                    max_model_len=self.plan.max_model_len,
                                    max_tokens_in_pool=self.plan.num_kv_blocks * shapes.block_size)
-        seqs = [self._submit(p) for p in prepared]
-        bar = tqdm(total=len(seqs), desc="Processed prompts", disable=not use_tqdm or not seqs)
-        try:
-            while self.core.has_unfinished():
-                bar.update(len(self.core.step()))
-        finally:
-            bar.close()
-            self.core.abort_all()  # no-op after a clean run; after an interrupt, frees every block
+        with self._settled():
+            seqs = [self._submit(p) for p in prepared]
+            with tqdm(total=len(seqs), desc="Processed prompts", disable=not use_tqdm or not seqs) as bar:
+                while self.core.has_unfinished():
+                    bar.update(len(self.core.step()))
         return [self._output(s) for s in seqs]
+
+    @contextmanager
+    def _settled(self):
+        """Leave no request state behind, on a clean exit or a failure (see the module docstring)."""
+        try:
+            yield
+        except BaseException:
+            self.core.abort_all()
+            if not self.ranks.dead:
+                self._agree_on_layout()
+            raise
+        finally:
+            self.core.abort_all()  # no-op after a clean run; after a failure, frees every block
+            if not self.ranks.dead:
+                self._forget_finished()
+
+    def _agree_on_layout(self) -> None:
+        """After a failure: take the ranks' active layout, which an interrupted flip may have changed."""
+        active = {r.active_layout for r in self.ranks.call(StatsQuery())}
+        if len(active) != 1:
+            raise EngineDeadError(f"engine is dead: the ranks disagree on the active layout ({sorted(active)})")
+        self.control.active = active.pop()
+
+    def _forget_finished(self) -> None:
+        """Ranks drop finished sequences' state when the next plan says so; with no next plan, now."""
+        seq_ids = self.core.scheduler.pending_finished_ids()
+        if seq_ids:
+            self.ranks.call(ForgetRequests(seq_ids))
+            self.core.scheduler.forget_finished(seq_ids)
 
     def chat(self, messages, sampling_params=None, use_tqdm: bool = True,
              add_generation_prompt: bool = True) -> list[RequestOutput]:
@@ -165,6 +198,8 @@ class LLM:
             "flip_log": list(self.control.flip_log),
             "decisions": list(self.control.rule.decisions) if self.control.rule else [],
             "rank_pids": list(self.ranks.pids),
+            "request_state": {**self.core.scheduler.live_state(), "core_seqs": len(self.core.seqs)},
+            "rank_sampler_seqs": [r.num_sampler_seqs for r in self.ranks.call(LiveStateQuery())],
         }
 
     def inspect(self) -> dict:
@@ -174,6 +209,8 @@ class LLM:
     def _check_open(self) -> None:
         if self._closed:
             raise RuntimeError("this LLM was shut down; create a new one")
+        if self.ranks.dead:
+            raise EngineDeadError(f"engine is dead: {self.ranks.dead}; create a new LLM")
 
     def shutdown(self) -> None:
         if not self._closed:

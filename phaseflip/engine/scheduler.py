@@ -238,6 +238,21 @@ class Scheduler:
         self._announced.discard(seq.seq_id)
         self._finished_ids.append(seq.seq_id)
 
+    def pending_finished_ids(self) -> tuple[int, ...]:
+        """Finished sequences the ranks have not been told about yet (no plan carried them)."""
+        return tuple(self._finished_ids)
+
+    def forget_finished(self, seq_ids) -> None:
+        """The ranks were told (outside a plan) that these sequences finished."""
+        told = set(seq_ids)
+        self._finished_ids = [i for i in self._finished_ids if i not in told]
+
+    def live_state(self) -> dict[str, int]:
+        """Counts of every piece of per-request state held here: all 0 when no request is left."""
+        return {"waiting": len(self.waiting), "running": len(self.running), "live": len(self._live),
+                "announced": len(self._announced), "unreported_finished": len(self._finished_ids),
+                "in_flight": int(self._in_flight is not None)}
+
     def abort_all(self, reason: str = "abort") -> list[Sequence]:
         """Finish every waiting and running sequence; returns them (running first, admission order)."""
         seqs = list(self.running) + list(self.waiting)

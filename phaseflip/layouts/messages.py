@@ -11,7 +11,8 @@ from typing import Any
 from phaseflip.layouts.plan import SampledToken, StepPlan
 
 FLIP_STAGES = ("read", "exchange", "refill", "write", "cutover")
-FAULT_STAGES = FLIP_STAGES + ("step",)  # "step": the next RunStep raises on that rank
+# "step": the next RunStep raises on that rank; "capture": the rank's boot raises as it starts capturing
+FAULT_STAGES = FLIP_STAGES + ("step", "capture")
 
 
 @dataclass(frozen=True)
@@ -30,6 +31,7 @@ class RankBoot:
     num_threads: int | None = None
     compile: str = "auto"                                # auto | on | off (engine/config.py)
     budgets_bytes: tuple[int, ...] | None = None         # memory budget per rank, for the ledger
+    faults: tuple["ArmFault", ...] = ()                  # test hook: faults armed before boot starts
 
 
 @dataclass(frozen=True)
@@ -53,6 +55,17 @@ class ArmFault:
     def __post_init__(self):
         if self.stage not in FAULT_STAGES:
             raise ValueError(f"fault stage {self.stage!r} is unknown; stages: {', '.join(FAULT_STAGES)}")
+
+
+@dataclass(frozen=True)
+class ForgetRequests:
+    """The controller finished these sequences: drop their sampling state (sent when no step follows)."""
+    seq_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class LiveStateQuery:
+    """How much per-request state a rank still holds (leak checks)."""
 
 
 @dataclass(frozen=True)
@@ -127,6 +140,12 @@ class RankStats:
     eager_fallbacks: dict[str, int]
     arena_ptr: int
     arena_bytes: int
+
+
+@dataclass(frozen=True)
+class RankLiveState:
+    rank: int
+    num_sampler_seqs: int     # sequences whose sampling state this rank keeps
 
 
 @dataclass(frozen=True)

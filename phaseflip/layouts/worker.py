@@ -10,8 +10,9 @@ import traceback
 from typing import Callable, Protocol
 
 from phaseflip.layouts.fence import install_rebuild_fence
-from phaseflip.layouts.messages import (ArmFault, FenceRebuild, FlipCommand, ManifestQuery, PoisonArena,
-                                        RankFailure, RankProgress, RunStep, Shutdown, StatsQuery)
+from phaseflip.layouts.messages import (ArmFault, FenceRebuild, FlipCommand, ForgetRequests, LiveStateQuery,
+                                        ManifestQuery, PoisonArena, RankFailure, RankLiveState, RankProgress,
+                                        RunStep, Shutdown, StatsQuery)
 from phaseflip.layouts.runtime import RankRuntime
 
 
@@ -26,6 +27,12 @@ def handle(rt: RankRuntime, msg):
         return rt.run_step(msg)
     if isinstance(msg, FlipCommand):
         return rt.flip(msg)
+    if isinstance(msg, ForgetRequests):
+        for seq_id in msg.seq_ids:
+            rt.sampler.remove(seq_id)
+        return RankLiveState(rt.rank, len(rt.sampler))
+    if isinstance(msg, LiveStateQuery):
+        return RankLiveState(rt.rank, len(rt.sampler))
     if isinstance(msg, ArmFault):
         rt.faults.arm(msg)
         return rt.stats()
