@@ -5,6 +5,8 @@ size 1); `ProcessRanks` spawns world_size processes that form a torch.distribute
 NCCL on CUDA). A rank's exception reaches the caller as RankError naming the rank with its traceback;
 a dead rank raises EngineDeadError naming it (polled every 0.1 s: never a hang); ranks exit when the
 controller dies (PR_SET_PDEATHSIG plus a parent watchdog); shutdown() leaves no process behind.
+A Ctrl-C never leaves the ranks out of step: a command reaches every rank or none, and an interrupted
+call still collects its replies (a second interrupt while it does declares the engine dead).
 """
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ import subprocess
 import sys
 import threading
 import time
+from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
@@ -30,6 +33,11 @@ from phaseflip.engine.progress import BootProgress
 from phaseflip.layouts.messages import RankBoot, RankFailure, RankProgress, Shutdown
 from phaseflip.layouts.runtime import RankRuntime
 from phaseflip.layouts.worker import failure, handle, serve
+
+
+# Seconds the surviving ranks of a failed or dead one get to exit before they are killed: they may be
+# stuck in a collective with it, which only the kill (or a 600 s collective timeout) would end.
+DEAD_GRACE_S = 2.0
 
 
 def _set_threads(boot: RankBoot, world_size: int) -> None:
@@ -57,12 +65,17 @@ def load_checkpoint(model_dir: str, dtype: torch.dtype):
 
 
 class LocalRanks:
-    """World size 1: the rank runtime lives in the controller's process."""
+    """World size 1: the rank runtime lives in the controller's process. A failed command leaves
+    nothing behind that the next one depends on (the step's sequences are aborted, a flip rolls
+    back), so the engine goes on serving after a RankError."""
     world_size = 1
 
     def __init__(self, boot: RankBoot):
-        with BootProgress(boot, 1) as bar:
-            self.runtime = RankRuntime(boot, 0, NoComm(), load_checkpoint, bar.update_from(0))
+        try:
+            with BootProgress(boot, 1) as bar:
+                self.runtime = RankRuntime(boot, 0, NoComm(), load_checkpoint, bar.update_from(0))
+        except Exception as e:  # noqa: BLE001 — the same shape as a rank process's boot failure
+            raise RankError(0, f"{type(e).__name__}: {e}", failure(0, e).traceback) from e
         self.ready = [self.runtime.ready()]
         self.pids = [os.getpid()]
         self.dead = None
@@ -83,9 +96,12 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _die_with_parent(parent_pid: int) -> None:
+def _die_with_parent(parent_pid: int, pdeathsig: bool) -> None:
+    """pdeathsig: the kernel kills this process when the THREAD that started it ends, so it is only
+    asked for when that thread is the controller's main thread; the watchdog covers the rest."""
     try:  # Linux: the kernel kills this process when the controller dies
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        if pdeathsig:
+            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     except OSError:
         pass
 
@@ -97,9 +113,9 @@ def _die_with_parent(parent_pid: int) -> None:
 
 
 def _rank_main(rank: int, world_size: int, init_method: str, control: str, authkey: str,
-               parent_pid: int) -> None:
+               parent_pid: int, pdeathsig: bool) -> None:
     """Entry point of a rank process (`python -m phaseflip.engine.ranks ...`)."""
-    _die_with_parent(parent_pid)
+    _die_with_parent(parent_pid, pdeathsig)
     faulthandler.register(signal.SIGUSR1)  # `kill -USR1 <pid>` prints every thread's stack
     host, port = control.rsplit(":", 1)
     conn = mp.connection.Client((host, int(port)), authkey=bytes.fromhex(authkey))
@@ -131,7 +147,8 @@ class ProcessRanks:
             # the ranks in lockstep), not the ranks. They still die with the controller (PDEATHSIG).
             self.procs = [subprocess.Popen(
                 [sys.executable, "-m", "phaseflip.engine.ranks", str(rank), str(world_size), init_method,
-                 f"{host}:{port}", authkey.hex(), str(os.getpid())], start_new_session=True)
+                 f"{host}:{port}", authkey.hex(), str(os.getpid()), str(int(_on_main_thread()))],
+                start_new_session=True)
                 for rank in range(world_size)]
             self.pids = [p.pid for p in self.procs]
             self.conns = self._accept(listener)
@@ -176,13 +193,24 @@ class ProcessRanks:
                         progress.update(reply)
                     continue
                 if isinstance(reply, RankFailure):
-                    self.dead = f"rank {rank} failed: {reply.error}"
-                    self.shutdown()
-                    raise RankError(reply.rank, reply.error, reply.traceback)
+                    self._fail(reply)
             for r, p in enumerate(self.procs):
                 if r not in replies and p.poll() is not None:
                     self._die(self._death(r))
         return [replies[r] for r in range(self.world_size)]
+
+    def _fail(self, reply: RankFailure, echo_s: float = 0.25):
+        """A rank raised. When a peer died, the failure is usually its echo (a collective with it broke):
+        the death is the cause to report, so dying peers get echo_s to show up first."""
+        end = time.monotonic() + echo_s
+        while time.monotonic() < end:
+            dead = [r for r, p in enumerate(self.procs) if p.poll() is not None]
+            if dead:
+                self._die(self._death(dead[0]))
+            time.sleep(0.02)
+        self.dead = f"rank {reply.rank} failed: {reply.error}"
+        self.shutdown(DEAD_GRACE_S)
+        raise RankError(reply.rank, reply.error, reply.traceback)
 
     def _death(self, rank: int) -> str:
         p = self.procs[rank]
@@ -195,19 +223,27 @@ class ProcessRanks:
 
     def _die(self, reason: str):
         self.dead = reason
-        self.shutdown()
+        self.shutdown(DEAD_GRACE_S)
         raise EngineDeadError(f"engine is dead: {reason}")
 
     def call(self, msg) -> list:
         if self.dead:
             raise EngineDeadError(f"engine is dead: {self.dead}")
-        for conn in self.conns:
-            conn.send(msg)
         replies: dict[int, object] = {}
         try:
+            with _interrupts_deferred():  # every rank gets the command, or none does
+                for rank, conn in enumerate(self.conns):
+                    try:
+                        conn.send(msg)
+                    except OSError:
+                        self._die(self._death(rank))
             return self._collect(replies)
         except KeyboardInterrupt:
-            self._collect(replies)  # keep lockstep: the next call must not read this call's replies
+            try:  # keep lockstep: the next call must not read this call's replies
+                self._collect(replies)
+            except KeyboardInterrupt:
+                self.dead = "interrupted twice while collecting a command's replies: ranks out of step"
+                self.shutdown(DEAD_GRACE_S)
             raise
 
     def shutdown(self, timeout_s: float = 5.0) -> None:
@@ -215,7 +251,7 @@ class ProcessRanks:
             if p.poll() is None:
                 try:
                     conn.send(Shutdown())
-                except (OSError, BrokenPipeError):
+                except Exception:  # noqa: BLE001 — best effort (even at interpreter exit): waited and killed below
                     pass
         self.shutdown_procs(timeout_s)
         for conn in self.conns:
@@ -229,6 +265,29 @@ class ProcessRanks:
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait(1.0)
+
+
+def _on_main_thread() -> bool:
+    return threading.current_thread() is threading.main_thread()
+
+
+@contextmanager
+def _interrupts_deferred():
+    """Hold a SIGINT that arrives inside the block and raise it as KeyboardInterrupt at its end."""
+    if not _on_main_thread():
+        yield
+        return
+    caught = []
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: caught.append(frame))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    if caught:
+        if callable(previous):
+            previous(signal.SIGINT, caught[0])
+        elif previous != signal.SIG_IGN:
+            raise KeyboardInterrupt
 
 
 class _DistChannel:
@@ -318,4 +377,5 @@ class TorchrunRanks:
 
 
 if __name__ == "__main__":
-    _rank_main(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4], sys.argv[5], int(sys.argv[6]))
+    _rank_main(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4], sys.argv[5], int(sys.argv[6]),
+               sys.argv[7] == "1")
