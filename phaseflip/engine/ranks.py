@@ -194,17 +194,18 @@ class ProcessRanks:
                     continue
                 if isinstance(reply, RankFailure):
                     self._fail(reply)
-            for r, p in enumerate(self.procs):
-                if r not in replies and p.poll() is not None:
+            for r, p in enumerate(self.procs):  # an exited rank's last words are read first
+                if r not in replies and p.poll() is not None and not self.conns[r].poll():
                     self._die(self._death(r))
         return [replies[r] for r in range(self.world_size)]
 
     def _fail(self, reply: RankFailure, echo_s: float = 0.25):
-        """A rank raised. When a peer died, the failure is usually its echo (a collective with it broke):
-        the death is the cause to report, so dying peers get echo_s to show up first."""
+        """A rank raised. When a peer crashed, the failure is usually its echo (a collective with it
+        broke): the crash is the cause to report, so crashing peers get echo_s to show up first. (A
+        rank that exits 0 does so on purpose, after reporting its own failure.)"""
         end = time.monotonic() + echo_s
         while time.monotonic() < end:
-            dead = [r for r, p in enumerate(self.procs) if p.poll() is not None]
+            dead = [r for r, p in enumerate(self.procs) if p.poll() not in (None, 0)]
             if dead:
                 self._die(self._death(dead[0]))
             time.sleep(0.02)

@@ -76,6 +76,8 @@ class RankRuntime:
         with self._timed("kv_alloc"):
             self.kv = KVRegion({name: self._kv_shape(name, boot) for name in boot.layouts}, dtype, self.device)
         self.faults = Faults(rank)
+        for fault in boot.faults:
+            self.faults.arm(fault)
         self.sampler = Sampler(boot.seed)
         self.registry = GraphRegistry()
         self.runners = self._make_runners(boot, dtype)
@@ -125,6 +127,7 @@ class RankRuntime:
             with self._timed(f"compile:{name}"):
                 runner.prepare_compiled(boot.compile, cuda)
             with self._timed(f"capture:{name}"):
+                self.faults.check("capture")
                 if boot.capture:
                     runner.capture_all(self.pool, stream)
             log.info("rank %d: layout %s compiled (%s) and captured %d steps in %.0f ms", self.rank, name,
