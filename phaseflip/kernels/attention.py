@@ -13,13 +13,15 @@ Batch metadata (all int64, static shapes so a captured step can be replayed):
 Tokens of padding sequences (and tokens past query_start_loc[-1]) produce zeros.
 
 On CUDA tensors the op runs the Triton kernels (kernels/triton_kv_store.py, kernels/triton_attention.py:
-no host sync, so it can be captured); elsewhere the torch reference below, which is also their oracle.
+no host sync, so it can be captured); on the CPU the batched path of kernels/cpu_attention.py. The torch
+reference below, written plainly, is the oracle both are tested against.
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
+from phaseflip.kernels.cpu_attention import paged_attention_cpu
 from phaseflip.kernels.dispatch import triton_available
 
 
@@ -99,6 +101,29 @@ def paged_attention_ref(q, k, v, k_cache, v_cache, slot_mapping, block_tables, s
     return out
 
 
+def paged_attention_impl(q, k, v, kv_cache, layer: int, slot_mapping, block_tables, seq_lens, query_start_loc,
+                         scale: float) -> torch.Tensor:
+    """The body of the op: the Triton kernels on CUDA, kernels/cpu_attention.py elsewhere."""
+    k_cache, v_cache = kv_cache[0, layer], kv_cache[1, layer]
+    if q.is_cuda and triton_available():
+        from phaseflip.kernels.triton_attention import store_and_attend
+        return store_and_attend(q, k, v, k_cache, v_cache, slot_mapping, block_tables, seq_lens,
+                                query_start_loc, scale)
+    if q.is_cuda:  # no triton: the reference (eager only; it synchronises with the host)
+        return paged_attention_ref(q, k, v, k_cache, v_cache, slot_mapping, block_tables, seq_lens,
+                                   query_start_loc, scale)
+    return paged_attention_cpu(q, k, v, k_cache, v_cache, slot_mapping, block_tables, seq_lens,
+                               query_start_loc, scale)
+
+
+def attend(q, k, v, kv_cache, layer: int, slot_mapping, block_tables, seq_lens, query_start_loc,
+           scale: float) -> torch.Tensor:
+    """What the model calls: the custom op while torch.compile traces (it must stay one opaque call),
+    the body directly otherwise (the op's Python dispatch costs tens of microseconds per layer)."""
+    fn = torch.ops.phaseflip.paged_attention if torch.compiler.is_compiling() else paged_attention_impl
+    return fn(q, k, v, kv_cache, layer, slot_mapping, block_tables, seq_lens, query_start_loc, scale)
+
+
 # The op takes a layout's WHOLE KV view ([2, layers, blocks, block_size, heads, D]) and a layer index,
 # not the layer's K/V sub-views: inductor hands a custom op that mutates an offset sub-view of a
 # closed-over tensor a fresh buffer instead of the cache (seen with torch 2.13), so the compiled step
@@ -107,13 +132,8 @@ def paged_attention_ref(q, k, v, k_cache, v_cache, slot_mapping, block_tables, s
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, layer: int,
                     slot_mapping: torch.Tensor, block_tables: torch.Tensor,
                     seq_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float) -> torch.Tensor:
-    k_cache, v_cache = kv_cache[0, layer], kv_cache[1, layer]
-    if q.is_cuda and triton_available():
-        from phaseflip.kernels.triton_attention import store_and_attend
-        return store_and_attend(q, k, v, k_cache, v_cache, slot_mapping, block_tables, seq_lens,
+    return paged_attention_impl(q, k, v, kv_cache, layer, slot_mapping, block_tables, seq_lens,
                                 query_start_loc, scale)
-    return paged_attention_ref(q, k, v, k_cache, v_cache, slot_mapping, block_tables, seq_lens,
-                               query_start_loc, scale)
 
 
 @paged_attention.register_fake

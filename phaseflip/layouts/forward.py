@@ -13,7 +13,7 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
-from phaseflip.kernels import attention as _attention  # noqa: F401  (registers phaseflip::paged_attention)
+from phaseflip.kernels.attention import attend
 from phaseflip.kernels.dispatch import add_rms_norm, apply_rotary, rms_norm, silu_and_mul
 from phaseflip.layouts.kvcache import KVView
 from phaseflip.layouts.model_config import ModelConfig
@@ -46,7 +46,7 @@ def attention_block(lw: LayerWeights, cfg: ModelConfig, shard: RankShard, h: tor
     if cfg.qk_norm:
         q, k = rms_norm(q, lw.q_norm, cfg.rms_norm_eps), rms_norm(k, lw.k_norm, cfg.rms_norm_eps)
     q, k = apply_rotary(q, cos_sin), apply_rotary(k, cos_sin)
-    o = torch.ops.phaseflip.paged_attention(
+    o = attend(
         q.contiguous(), k.contiguous(), v.contiguous(), kv.tensor, layer, meta["slot_mapping"],
         meta["block_tables"], meta["seq_lens"], meta["query_start_loc"], d ** -0.5)  # [T, hq, D]
     return comm.all_reduce(F.linear(o.view(-1, hq * d), lw.o_proj))  # [T, H]

@@ -1,10 +1,19 @@
-"""paged_attention (the custom op) against a naive per-token attention written independently."""
+"""paged_attention (the custom op, whose CPU body is kernels/cpu_attention.py) and the plain torch
+reference, both against a naive per-token attention written independently."""
 import math
 
 import pytest
 import torch
 
-from phaseflip.kernels.attention import paged_attention_ref  # noqa: F401 (registers the op)
+from phaseflip.kernels import cpu_attention
+from phaseflip.kernels.attention import paged_attention_ref
+
+
+def run_ref(kv_cache, layer, **args):
+    return paged_attention_ref(k_cache=kv_cache[0, layer], v_cache=kv_cache[1, layer], **args)
+
+
+IMPLS = {"op": lambda **a: torch.ops.phaseflip.paged_attention(**a), "ref": run_ref}
 
 
 def naive(q, keys, values, scale):
@@ -58,11 +67,17 @@ def build(seqs, hq=4, hkv=2, d=8, block_size=4, num_blocks=40, pad_tokens=0, pad
     [(0, 9)],                              # a prompt chunk without prefix
     [(6, 7)],                              # a chunk over a cached prefix, crossing blocks
     [(10, 1), (0, 5), (8, 1), (4, 6)],     # mixed batch
+    [(n, 1) for n in (2, 90, 7, 40, 3, 60, 11, 25)],  # ragged decodes: several length groups
 ])
 @pytest.mark.parametrize("pad", [(0, 0), (3, 2)])
-def test_matches_naive(seqs, pad):
-    args, hist = build(seqs, pad_tokens=pad[0], pad_seqs=pad[1])
-    out = torch.ops.phaseflip.paged_attention(**args)
+@pytest.mark.parametrize("impl", sorted(IMPLS))
+def test_matches_naive(seqs, pad, impl):
+    args, hist = build(seqs, pad_tokens=pad[0], pad_seqs=pad[1], num_blocks=120)
+    out = IMPLS[impl](**args)
+    check(out, args, seqs, hist)
+
+
+def check(out, args, seqs, hist):
     t = 0
     for (cached, new), (kh, vh, _) in zip(seqs, hist):
         for i in range(new):
@@ -85,3 +100,23 @@ def test_store_writes_exactly_the_slots():
     untouched = torch.ones(flat.shape[0], dtype=torch.bool)
     untouched[real] = False
     assert torch.equal(flat[untouched], before_k.view(-1, *before_k.shape[2:])[untouched])
+
+
+def test_ragged_decodes_are_grouped_by_length():
+    args, _ = build([(n, 1) for n in (2, 90, 7, 40, 3, 60, 11, 25)], num_blocks=120)
+    plan = cpu_attention.build_plan(args["slot_mapping"], args["block_tables"], args["seq_lens"],
+                                    args["query_start_loc"], block_size=4, hkv=2)
+    assert 1 < len(plan.decode) <= cpu_attention.MAX_GROUPS
+    assert sorted(t for g in plan.decode for t in g.tokens.tolist()) == list(range(8))
+
+
+def test_a_reused_buffer_with_new_contents_gets_a_new_plan():
+    """The plan is remembered by value: refilling the same metadata tensors must not replay the old plan."""
+    first, _ = build([(5, 1), (17, 1)], seed=1)
+    torch.ops.phaseflip.paged_attention(**first)
+    second, hist = build([(9, 1), (18, 1)], seed=2)
+    for name in ("slot_mapping", "block_tables", "seq_lens", "query_start_loc"):
+        first[name].copy_(second[name])  # same tensors, same shapes, new contents
+    second.update({name: first[name] for name in ("slot_mapping", "block_tables", "seq_lens", "query_start_loc")})
+    out = torch.ops.phaseflip.paged_attention(**second)
+    check(out, second, [(9, 1), (18, 1)], hist)

@@ -1,0 +1,178 @@
+"""Paged attention with the KV store on the CPU: one index plan per step, batched matmuls.
+
+Owns: `paged_attention_cpu`, the body `phaseflip::paged_attention` runs on CPU tensors. Its contract
+is kernels/attention.py's (that module's `paged_attention_ref` stays the simple oracle it is tested
+against); what differs is how the work is laid out:
+
+- Every layer of a step sees the same metadata, so the index arithmetic (which tokens are stored where,
+  which rows are decodes, which cache rows each decode reads, its padding mask) is done ONCE per step
+  in an `AttentionPlan` and reused by all layers. The plan is remembered by value: the metadata it was
+  built from is kept and compared (torch.equal, a few microseconds), never trusted by identity, so a
+  reused buffer with new contents gets a new plan.
+- Decode rows gather their context straight into the layout a batched matmul wants ([rows * Hkv, L, D],
+  one row of D per (sequence, kv head, position)), so each layer moves its KV once into place and runs
+  two bmm calls for all rows: no per-row Python, no GQA head expansion, no permute copies.
+- Rows are grouped by context length (sorted, a new group when padding would exceed a quarter of the
+  real work), so a short row does not pay for the longest one.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+PAD_WASTE = 1.25      # a decode group's padded cells may exceed its real cells by this factor
+MAX_GROUPS = 8
+
+
+@dataclass(frozen=True)
+class DecodeGroup:
+    tokens: torch.Tensor          # [n] token index (in the flat batch) of each row
+    gather: torch.Tensor          # [n * Hkv * L] rows of the cache viewed as [slots * Hkv, D]
+    bias: torch.Tensor | None     # [n, 1, 1, L] 0 / -inf; None when no row is padded
+    length: int                   # L, the group's longest context
+
+
+@dataclass(frozen=True)
+class PrefillRow:
+    start: int                    # first token in the flat batch
+    stop: int                     # one past the last
+    seq_len: int                  # context length after this step
+    gather: torch.Tensor | None   # [Hkv * seq_len] context rows; None when the chunk is its whole context
+
+
+@dataclass(frozen=True)
+class AttentionPlan:
+    key: tuple                    # the metadata (cloned) and cache geometry it was built from
+    store_rows: torch.Tensor | None  # tokens written to the cache (None: all of them)
+    store_slots: torch.Tensor
+    decode: tuple[DecodeGroup, ...]
+    prefill: tuple[PrefillRow, ...]
+    covers_all: bool              # one decode group holding tokens 0..T-1 in order: no scatter needed
+
+
+_last: AttentionPlan | None = None
+
+
+def _same(key: tuple, meta: tuple) -> bool:
+    return all(a.shape == b.shape and torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b
+               for a, b in zip(key, meta))
+
+
+def _slots(block_row: torch.Tensor, length: int, block_size: int, pad_to: int) -> torch.Tensor:
+    """Flat cache slots of positions 0..pad_to-1 of one sequence (positions >= length repeat the last)."""
+    pos = torch.arange(pad_to).clamp_(max=length - 1)
+    return block_row[pos // block_size] * block_size + pos % block_size
+
+
+def _rows(slots: torch.Tensor, hkv: int) -> torch.Tensor:
+    # slots [..., L] -> rows of the [slots * Hkv, D] view ordered [..., Hkv, L]
+    return (slots.unsqueeze(-2) * hkv + torch.arange(hkv)[:, None]).reshape(-1)
+
+
+def _group(order: list[int], lens: list[int]) -> list[list[int]]:
+    groups: list[list[int]] = []
+    for i in order:  # ascending length
+        g = groups[-1] if groups else None
+        if g is not None and (len(groups) >= MAX_GROUPS or
+                              (len(g) + 1) * lens[i] <= PAD_WASTE * (sum(lens[j] for j in g) + lens[i])):
+            g.append(i)
+        else:
+            groups.append([i])
+    return groups
+
+
+def _decode_group(rows: list[int], starts, lens, block_tables, block_size, hkv) -> DecodeGroup:
+    length = max(lens[i] for i in rows)
+    slots = torch.stack([_slots(block_tables[i], lens[i], block_size, length) for i in rows])
+    bias = None
+    if any(lens[i] < length for i in rows):
+        real = torch.tensor([lens[i] for i in rows])
+        bias = torch.zeros(len(rows), 1, 1, length)
+        bias.masked_fill_((torch.arange(length)[None, :] >= real[:, None])[:, None, None, :], float("-inf"))
+    return DecodeGroup(torch.tensor([starts[i] for i in rows]), _rows(slots, hkv), bias, length)
+
+
+def build_plan(slot_mapping, block_tables, seq_lens, query_start_loc, block_size: int, hkv: int) -> AttentionPlan:
+    key = (slot_mapping.clone(), block_tables.clone(), seq_lens.clone(), query_start_loc.clone(), block_size, hkv)
+    valid = slot_mapping >= 0
+    store_rows = None if bool(valid.all()) else valid.nonzero().flatten()
+    starts, lens = query_start_loc.tolist(), seq_lens.tolist()
+    decode = [i for i, n in enumerate(lens) if n > 0 and starts[i + 1] - starts[i] == 1]
+    groups = tuple(_decode_group(g, starts, lens, block_tables, block_size, hkv)
+                   for g in _group(sorted(decode, key=lens.__getitem__), lens))
+    prefill = tuple(
+        PrefillRow(starts[i], starts[i + 1], n,
+                   None if n == starts[i + 1] - starts[i] else _rows(_slots(block_tables[i], n, block_size, n), hkv))
+        for i, n in enumerate(lens) if n > 0 and starts[i + 1] - starts[i] > 1)
+    t = slot_mapping.shape[0]
+    covers_all = (len(groups) == 1 and len(decode) == t
+                  and torch.equal(groups[0].tokens, torch.arange(t)))
+    return AttentionPlan(key, store_rows, slot_mapping if store_rows is None else slot_mapping[store_rows],
+                         groups, prefill, covers_all)
+
+
+def plan_for(slot_mapping, block_tables, seq_lens, query_start_loc, block_size: int, hkv: int) -> AttentionPlan:
+    """The step's plan: the last one built when the metadata is unchanged, else a new one."""
+    global _last
+    meta = (slot_mapping, block_tables, seq_lens, query_start_loc, block_size, hkv)
+    if _last is None or not _same(_last.key, meta):
+        _last = build_plan(*meta)
+    return _last
+
+
+def _attend_decode(q, k_rows, v_rows, g: DecodeGroup, scale: float) -> torch.Tensor:
+    # q: [n, Hq, D]; k_rows / v_rows: the caches viewed as [slots * Hkv, D]
+    n, hq, d = q.shape
+    hkv = g.gather.numel() // (n * g.length)
+    k = k_rows.index_select(0, g.gather).view(n * hkv, g.length, d)
+    v = v_rows.index_select(0, g.gather).view(n * hkv, g.length, d)
+    s = torch.bmm(q.reshape(n * hkv, hq // hkv, d), k.transpose(1, 2)).mul_(scale)  # [n*Hkv, G, L]
+    if g.bias is not None:
+        s.view(n, hkv, -1, g.length).add_(g.bias)
+    return torch.bmm(s.softmax(-1), v).view(n, hq, d)
+
+
+def _attend_prefill(q, k, v, k_rows, v_rows, row: PrefillRow, scale: float) -> torch.Tensor:
+    # q, k, v: this chunk's [n, H, D]; the last n positions of a causal context of row.seq_len tokens
+    n, hq, d = q.shape
+    hkv = k.shape[1]
+    group = hq // hkv
+    if row.gather is None:  # the chunk is the whole context: its own K/V, plain causal
+        kc, vc = k.transpose(0, 1), v.transpose(0, 1)
+        if group > 1:
+            kc, vc = kc.repeat_interleave(group, dim=0), vc.repeat_interleave(group, dim=0)
+        out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], kc[None], vc[None], is_causal=True, scale=scale)
+        return out[0].transpose(0, 1)
+    kc = k_rows.index_select(0, row.gather).view(1, hkv, row.seq_len, d)
+    vc = v_rows.index_select(0, row.gather).view(1, hkv, row.seq_len, d)
+    # queries of one kv head side by side ([Hkv, G * n, D]); the causal mask repeated per group
+    qg = q.transpose(0, 1).reshape(1, hkv, group * n, d)
+    pos = torch.arange(row.seq_len)
+    mask = (pos[None, :] <= (row.seq_len - n + torch.arange(n))[:, None]).repeat(group, 1)
+    out = F.scaled_dot_product_attention(qg, kc, vc, attn_mask=mask, scale=scale)  # [1, Hkv, G*n, D]
+    return out.view(hq, n, d).transpose(0, 1)
+
+
+def paged_attention_cpu(q, k, v, k_cache, v_cache, slot_mapping, block_tables, seq_lens, query_start_loc,
+                        scale: float) -> torch.Tensor:
+    """Store this step's K/V, then attend; the contract of kernels/attention.py. Returns [T, Hq, D]."""
+    t, hkv, d = k.shape
+    plan = plan_for(slot_mapping, block_tables, seq_lens, query_start_loc, k_cache.shape[1], hkv)
+    k_flat, v_flat = k_cache.view(-1, hkv * d), v_cache.view(-1, hkv * d)
+    new_k, new_v = k.reshape(t, -1), v.reshape(t, -1)
+    if plan.store_rows is not None:
+        new_k, new_v = new_k.index_select(0, plan.store_rows), new_v.index_select(0, plan.store_rows)
+    k_flat.index_copy_(0, plan.store_slots, new_k)
+    v_flat.index_copy_(0, plan.store_slots, new_v)
+    k_rows, v_rows = k_cache.view(-1, d), v_cache.view(-1, d)
+    if plan.covers_all:
+        return _attend_decode(q, k_rows, v_rows, plan.decode[0], scale)
+    out = torch.zeros_like(q)
+    for g in plan.decode:
+        out.index_copy_(0, g.tokens, _attend_decode(q.index_select(0, g.tokens), k_rows, v_rows, g, scale))
+    for row in plan.prefill:
+        a, b = row.start, row.stop
+        out[a:b] = _attend_prefill(q[a:b], k[a:b], v[a:b], k_rows, v_rows, row, scale)
+    return out
