@@ -22,12 +22,13 @@ class Hang(AssertionError):
 
 
 @contextmanager
-def deadline(seconds: float, what: str):
-    """Fail with Hang if the block runs longer than `seconds` (SIGALRM; main thread only)."""
+def deadline(seconds: float, what: str, again_s: float = 5.0):
+    """Fail with Hang if the block runs longer than `seconds` (SIGALRM; main thread only). The alarm
+    repeats every again_s seconds until the block is left, so cleanup that hangs too is cut short."""
     def expire(signum, frame):
         raise Hang(f"{what} did not finish within {seconds} s")
     previous = signal.signal(signal.SIGALRM, expire)
-    signal.setitimer(signal.ITIMER_REAL, seconds)
+    signal.setitimer(signal.ITIMER_REAL, seconds, again_s)
     try:
         yield
     finally:
