@@ -18,8 +18,29 @@ class StopDecision:
     stop_reason: int | str | None    # the stop token id or stop string; None for EOS and length
 
 
+# A stop string of m characters is made by at most BYTES_PER_CHAR * m tokens (byte-level BPE can spend
+# one token per UTF-8 byte); the window adds TAIL_MARGIN tokens so the few characters a decode of a
+# suffix can get wrong at its start (a partial UTF-8 sequence, a stripped leading space) lie before it.
+BYTES_PER_CHAR = 4
+TAIL_MARGIN = 16
+
+
+def _tail_has_stop(seq: Sequence, tokenizer) -> bool:
+    """Whether a stop string can have been completed by the newest token: only a suffix of the output
+    is decoded each step (decoding all of it made every step cost O(output length))."""
+    p = seq.params
+    window = BYTES_PER_CHAR * max(len(s) for s in p.stop) + TAIL_MARGIN
+    ids = seq.output_token_ids
+    if len(ids) <= window:
+        return True  # short output: the full decode below is as cheap
+    tail = tokenizer.decode(ids[-window:], skip_special_tokens=p.skip_special_tokens)
+    return any(s in tail for s in p.stop)
+
+
 def _stop_string(seq: Sequence, tokenizer) -> StopDecision | None:
     p = seq.params
+    if not _tail_has_stop(seq, tokenizer):
+        return None
     text = tokenizer.decode(seq.output_token_ids, skip_special_tokens=p.skip_special_tokens)
     hits = [(text.find(s), s) for s in p.stop if s in text]
     if not hits:

@@ -2,7 +2,7 @@
 
 Owns: StepKey and CapturedStep, and the backends that record a step:
   - "eager" / "compiled" (CPU): the recorded step is the (compiled) callable bound to the bucket's
-    buffer views; replay calls it.
+    buffer views; replay calls it. An eager step may instead be replayed on exact-size inputs.
   - "cuda": a torch.cuda.CUDAGraph captured over the same views after a warm-up, on a side stream, in
     the memory pool the caller passes (one per rank, shared by every layout's graphs).
 Replay = copy inputs into the views (the caller) + replay. Knows nothing of models or layouts beyond
@@ -38,9 +38,20 @@ class CapturedStep:
     pool_bytes: int | None = None          # graph pool bytes this capture added; None where not measured
     replays: int = field(default=0)
     graph: object | None = None            # the torch.cuda.CUDAGraph (cuda backend)
+    fn: StepFn | None = None               # the step itself, for an eager step (shape-polymorphic)
 
-    def replay(self) -> torch.Tensor:
+    @property
+    def exact_size(self) -> bool:
+        """Whether replay may be handed exact-size inputs instead of the padded bucket: an eager step
+        has no recorded shape, and on the CPU every padding row is wasted arithmetic."""
+        return self.backend == "eager" and self.fn is not None
+
+    def replay(self, exact: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
         self.replays += 1
+        if exact is not None:
+            if not self.exact_size:
+                raise ValueError(f"{self.key}: a {self.backend} step replays its bucket's views only")
+            return self.fn(exact)
         return self.run()
 
     def buffer_shapes(self) -> dict[str, tuple[int, ...]]:
@@ -57,7 +68,7 @@ def capture_eager(key: StepKey, fn: StepFn, buffers: StaticBuffers, sizes: dict[
     if warmup:
         fn(views)
     return CapturedStep(key=key, backend=backend, views=views, run=lambda: fn(views),
-                        capture_ms=(time.perf_counter() - t0) * 1e3)
+                        capture_ms=(time.perf_counter() - t0) * 1e3, fn=fn if backend == "eager" else None)
 
 
 def capture_cuda(key: StepKey, fn: StepFn, buffers: StaticBuffers, sizes: dict[str, int], pool,

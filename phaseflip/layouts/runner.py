@@ -108,16 +108,21 @@ class LayoutRunner:
                 self.registry.add(step)
 
     def _run(self, plan: StepPlan, meta: dict[str, torch.Tensor]) -> torch.Tensor:
-        """This stage's hidden states: a replay when a bucket fits, else an eager run."""
+        """This stage's hidden states: a replay when a bucket fits, else an eager run. An eager replay
+        runs at the exact size; a compiled or CUDA-graph one over its padded bucket. Between PP stages
+        only the real rows travel (padding rows of a padded receiver keep stale, never-read values)."""
         size = plan.num_seqs if plan.phase is Phase.DECODE else plan.num_tokens
         step = self.registry.lookup(self.layout, plan.phase.value, size)
-        rows = plan.num_tokens if step is None else step.views["input_ids"].shape[0]
+        padded = step is not None and not step.exact_size
+        rows = plan.num_tokens
+        device = self.kv.tensor.device
         if self.is_pp and not self.shard.has_embed:
-            hidden_in = self.buffers.tensors["hidden_in"][:rows]
-            self.comm.recv(hidden_in, self.rank - 1)
-            meta["hidden_in"] = hidden_in
-        if step is None:
-            hidden = self.step_fn({k: v.to(self.kv.tensor.device) for k, v in meta.items()})
+            hidden_in = self.buffers.tensors["hidden_in"]
+            self.comm.recv(hidden_in[:rows], self.rank - 1)
+            meta["hidden_in"] = hidden_in[:step.views["input_ids"].shape[0] if padded else rows]
+        if not padded:
+            exact = {k: v.to(device) for k, v in meta.items()}
+            hidden = self.step_fn(exact) if step is None else step.replay(exact)
         else:
             for name, view in step.views.items():
                 if name != "hidden_in":

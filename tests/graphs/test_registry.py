@@ -108,3 +108,17 @@ def test_capture_eager_warmup_runs_the_step_once():
     step = capture_eager(StepKey("single", "prefill", 8), lambda v: calls.append(1) or v["x"],
                          _buffers(), {"x": 8, "seq": 4}, warmup=True)
     assert calls == [1] and step.replays == 0 and step.capture_ms >= 0
+
+
+def test_an_eager_step_replays_exact_size_inputs_and_a_compiled_one_refuses_them():
+    """On the CPU an eager step runs at the batch's exact size (padding rows are wasted arithmetic);
+    a compiled step is bound to its bucket's shapes and must say so rather than run on other shapes."""
+    fn = lambda v: v["x"] * 2  # noqa: E731
+    eager = capture_eager(StepKey("single", "decode", 4), fn, _buffers(), {"x": 4, "seq": 2})
+    assert eager.exact_size
+    assert eager.replay({"x": torch.tensor([1, 2, 3])}).tolist() == [2, 4, 6] and eager.replays == 1
+    compiled = capture_eager(StepKey("single", "decode", 4), fn, _buffers(), {"x": 4, "seq": 2},
+                             backend="compiled")
+    assert not compiled.exact_size
+    with pytest.raises(ValueError, match="compiled step replays its bucket's views only"):
+        compiled.replay({"x": torch.tensor([1, 2, 3])})

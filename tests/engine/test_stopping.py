@@ -1,0 +1,41 @@
+"""Stop strings are found by decoding a suffix of the output each step: the result must be exactly what
+decoding the whole output each step gives, for stop strings spanning tokens, multi-byte characters and
+outputs far longer than the window."""
+import random
+
+import pytest
+
+from phaseflip.engine import stopping
+from phaseflip.engine.requests import Sequence
+from phaseflip.engine.sampling_params import SamplingParams
+from phaseflip.engine.tokenizer import load_tokenizer
+
+TEXT = ("Le café était fermé, so we walked on — past the 東京 station — until the rain stopped. "
+        "Then, at last: halt here? No: the story goes on and on, the end. ") * 6
+
+
+def first_stop_step(tok, ids, params, full_decode: bool):
+    seq = Sequence(seq_id=0, request_id="0", prompt_token_ids=[1], params=params)
+    for step, t in enumerate(ids):
+        seq.output_token_ids.append(t)
+        if full_decode:
+            text = tok.decode(seq.output_token_ids)
+            if any(s in text for s in params.stop):
+                return step
+        elif stopping.check_stop(seq, tok, frozenset(), 10**6) is not None:
+            return step
+    return None
+
+
+@pytest.mark.parametrize("stop", ["STOP", "京 st!", "é, s.", "the end!", "rain stopped; then"])
+def test_suffix_decode_stops_where_a_full_decode_does(default_model_dir, stop):
+    tok = load_tokenizer(default_model_dir)
+    rng = random.Random(0)
+    words = TEXT.split(" ")
+    for trial in range(4):
+        text = " ".join(rng.choice(words) for _ in range(300)) + " " + stop + " tail"
+        ids = tok.encode(text, add_special_tokens=False)
+        params = SamplingParams(max_tokens=None, stop=[stop], ignore_eos=True)
+        expected = first_stop_step(tok, ids, params, full_decode=True)
+        assert expected is not None and expected > 4 * len(stop) + stopping.TAIL_MARGIN
+        assert first_stop_step(tok, ids, params, full_decode=False) == expected, (trial, stop)
