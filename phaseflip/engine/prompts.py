@@ -5,6 +5,7 @@ every up-front check, so a bad request raises (naming its index and the bad valu
 """
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass
 
 from phaseflip.engine.sampling_params import SamplingParams
@@ -27,21 +28,45 @@ def _as_list(prompts) -> list:
     raise TypeError(f"prompts must be a str, a list of str or a list of token-id lists; got {type(prompts).__name__}")
 
 
+def _short(value, limit: int = 60) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
 def _tokens(i: int, p, tokenizer) -> tuple[str | None, list[int]]:
     if isinstance(p, dict):
         if "prompt_token_ids" in p:
-            p = list(p["prompt_token_ids"])
-        elif "prompt" in p:
-            p = p["prompt"]
-        else:
+            return None, _token_ids(i, p["prompt_token_ids"])
+        if "prompt" not in p:
             raise ValueError(f"prompt {i}: a dict prompt needs 'prompt' or 'prompt_token_ids'; got keys {sorted(p)}")
+        p = p["prompt"]
     if isinstance(p, str):
-        if not p:
-            raise ValueError(f"prompt {i} is empty: give at least one character or token")
-        return p, tokenizer.encode(p)
-    if isinstance(p, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in p):
-        return None, list(p)
-    raise TypeError(f"prompt {i} must be a str or a list of int token ids; got {type(p).__name__}")
+        return p, tokenizer.encode(_text(i, p))
+    if isinstance(p, (list, tuple)):
+        return None, _token_ids(i, p)
+    raise TypeError(f"prompt {i} must be a str or a list of int token ids; got {type(p).__name__} {_short(p)}")
+
+
+def _text(i: int, p: str) -> str:
+    if not p:
+        raise ValueError(f"prompt {i} is empty: give at least one character or token")
+    try:
+        p.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"prompt {i} is not valid Unicode: character {e.start} is {p[e.start]!r} "
+                         f"(a lone surrogate cannot be encoded as UTF-8)") from None
+    return p
+
+
+def _token_ids(i: int, ids) -> list[int]:
+    """ids as plain ints; any integer type but bool (numpy's included) is a token id."""
+    if not isinstance(ids, (list, tuple)):
+        raise TypeError(f"prompt {i}: prompt_token_ids must be a list of int token ids; got "
+                        f"{type(ids).__name__} {_short(ids)}")
+    for j, t in enumerate(ids):
+        if isinstance(t, bool) or not isinstance(t, numbers.Integral):
+            raise TypeError(f"prompt {i}: token {j} is {_short(t)} ({type(t).__name__}), not an int token id")
+    return [int(t) for t in ids]
 
 
 def _params_list(n: int, sampling_params) -> list[SamplingParams]:
