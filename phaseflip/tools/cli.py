@@ -1,4 +1,4 @@
-"""The `phaseflip` command line: boot, generate, convert.
+"""The `phaseflip` command line: boot, generate, bench, convert, inspect, simulate.
 
 Owns: argument parsing and printing for people. Everything it runs goes through the offline API
 (engine/llm.py); nothing imports this module.
@@ -12,6 +12,7 @@ import time
 
 import click
 
+from phaseflip.tools.bench import bench
 from phaseflip.tools.convert import convert
 from phaseflip.tools.inspect_cmd import default_manifest_path, inspect
 from phaseflip.tools.simulate import simulate
@@ -200,6 +201,7 @@ def _print_summary(llm, results, boot_s: float, gen_s: float) -> None:
                + (f"; median TTFT {ttfts[len(ttfts) // 2] * 1e3:.0f} ms" if ttfts else ""))
 
 
+main.add_command(bench)
 main.add_command(convert)
 main.add_command(inspect)
 main.add_command(simulate)

@@ -1,0 +1,124 @@
+"""`phaseflip bench`: the engine against HuggingFace transformers, measured side by side in one run.
+
+Owns: building the workloads once, running the engine (in this process) and HF transformers (in a
+subprocess, same model, fp32, same thread count) on them, and printing the ratios as a table (or JSON).
+The timing itself lives in bench_engine.py and bench_hf.py; the workloads in bench_workload.py.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+import click
+import torch
+
+from phaseflip.tools import bench_engine
+from phaseflip.tools.bench_workload import offline_workload, single_stream_workload
+
+PARTS = ("offline", "single", "flips")
+FLIP_PROMPTS = [f"Tell me a short story about the number {i}." for i in range(8)]
+
+
+def _run_hf(model_dir: str, work: dict, threads: int, batch_size: int) -> dict:
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+        json.dump(work, f)
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
+    try:
+        proc = subprocess.run([sys.executable, "-m", "phaseflip.tools.bench_hf", model_dir, f.name,
+                               "--threads", str(threads), "--batch-size", str(batch_size)],
+                              capture_output=True, text=True, env=env)
+    finally:
+        os.unlink(f.name)
+    if proc.returncode != 0:
+        raise click.ClickException(f"the HF transformers run failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
+    return json.loads(proc.stdout)
+
+
+def _ratio(a, b):
+    return None if a is None or b is None or b == 0 else a / b
+
+
+def _compare(engine: dict, hf: dict | None) -> dict:
+    out: dict = {}
+    if "offline" in engine:
+        e, h = engine["offline"], (hf or {}).get("offline")
+        same = (sum(a == b for a, b in zip(e["token_ids"], h["token_ids"])) if h else None)
+        out["offline"] = {"engine_tok_s": e["tokens_per_s"], "hf_tok_s": h and h["tokens_per_s"],
+                          "ratio": _ratio(e["tokens_per_s"], h and h["tokens_per_s"]),
+                          "output_tokens": e["output_tokens"], "equal_to_hf": same,
+                          "requests": len(e["token_ids"]), "hf_batch_size": h and h["batch_size"]}
+    if "single" in engine:
+        e, h = engine["single"], (hf or {}).get("single")
+        out["single"] = {"engine": e, "hf": h,
+                         "decode_ratio": _ratio(e["tokens_per_s"], h and h["tokens_per_s"]),
+                         "ttft_ratio": _ratio(e["ttft_ms"], h and h["ttft_ms"])}
+    return out
+
+
+def _print_table(threads: int, cmp: dict, flips: dict | None, boot_ms: dict) -> None:
+    def f(x, spec=".1f"):
+        return "n/a" if x is None else format(x, spec)
+    click.echo(f"== phaseflip bench: fp32, {threads} threads ==")
+    if "offline" in cmp:
+        o = cmp["offline"]
+        click.echo(f"offline {o['requests']} prompts, {o['output_tokens']} output tokens: engine "
+                   f"{f(o['engine_tok_s'])} tok/s, HF {f(o['hf_tok_s'])} tok/s (batch {o['hf_batch_size']}, "
+                   f"left padding) -> {f(o['ratio'], '.2f')}x; greedy outputs equal to HF's: "
+                   f"{o['equal_to_hf']}/{o['requests']}")
+    if "single" in cmp:
+        s = cmp["single"]
+        e, h = s["engine"], s["hf"] or {}
+        click.echo(f"single stream: decode engine {f(e['ms_per_token'])} ms/tok ({f(e['tokens_per_s'])} tok/s), "
+                   f"HF {f(h.get('ms_per_token'))} ms/tok -> {f(s['decode_ratio'], '.2f')}x; TTFT engine "
+                   f"{f(e['ttft_ms'])} ms, HF {f(h.get('ttft_ms'))} ms -> {f(s['ttft_ratio'], '.2f')} of HF's")
+    click.echo("boot (1 rank): " + ", ".join(f"{k} {v:.0f} ms" for k, v in boot_ms.items()))
+    if flips:
+        click.echo(f"flips ({flips['world_size']} ranks, park always; memcpy {flips['memcpy_gbps']:.2f} GB/s "
+                   f"this run); boot: " + ", ".join(f"{k} {v:.0f} ms" for k, v in flips["boot_ms"].items()))
+        click.echo(f"  {'dir':7} {'total':>7} " + " ".join(f"{c:>8}" for c in bench_engine.FLIP_PARTS)
+                   + f" {'MB':>7} {'floor':>7} {'ratio':>6}")
+        for r in flips["flips"]:
+            click.echo(f"  {r['direction']:7} {r['total_ms']:7.1f} "
+                       + " ".join(f"{f(r[c + '_ms']):>8}" for c in bench_engine.FLIP_PARTS)
+                       + f" {r['bytes_moved'] / 1e6:7.1f} {r['floor_ms']:7.1f} {f(r['ratio'], '.2f'):>6}")
+
+
+@click.command()
+@click.option("--model", default=None, help="HF-format model directory (default: the embedded SmolLM2-135M-Instruct).")
+@click.option("--threads", type=int, default=None, help="Threads for both engines (default: torch's).")
+@click.option("--num-prompts", type=int, default=64, show_default=True)
+@click.option("--hf-batch-size", type=int, default=16, show_default=True,
+              help="HF's batch (its best measured on 2 cores; see the README).")
+@click.option("--parts", default=",".join(PARTS), show_default=True, help="Which parts to run.")
+@click.option("--no-hf", is_flag=True, help="Skip HF transformers (engine figures only).")
+@click.option("--flip-world-size", type=int, default=2, show_default=True)
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of the table.")
+def bench(model, threads, num_prompts, hf_batch_size, parts, no_hf, flip_world_size, as_json):
+    """Offline throughput, single-stream decode and TTFT against HF transformers; flips against their copy floor."""
+    chosen = tuple(p for p in parts.split(",") if p)
+    bad = [p for p in chosen if p not in PARTS]
+    if bad:
+        raise click.BadParameter(f"unknown part(s) {bad}; allowed: {','.join(PARTS)}", param_hint="--parts")
+    threads = threads or torch.get_num_threads()
+    from phaseflip.engine.default_model import ensure_default_model
+    from phaseflip.engine.tokenizer import load_tokenizer
+    model_dir = str(model or ensure_default_model())
+    tok = load_tokenizer(model_dir)
+    off = offline_workload(tok, num_prompts) if "offline" in chosen else None
+    single = single_stream_workload(tok) if "single" in chosen else None
+    max_len = max([len(p) + m for w in (off, single) if w for p, m in zip(w.prompts, w.max_tokens)] + [256])
+    engine = bench_engine.run_single_rank(model_dir, threads, off, single, max_len)
+    hf = None
+    if not no_hf and (off or single):
+        work = {"pad_id": tok.eos_token_id or 0, "offline": off and off.to_json(), "single": single and single.to_json()}
+        hf = _run_hf(model_dir, work, threads, hf_batch_size)
+    flips = (bench_engine.run_flips(model_dir, flip_world_size, 4, FLIP_PROMPTS) if "flips" in chosen else None)
+    cmp = _compare(engine, hf)
+    if as_json:
+        click.echo(json.dumps({"threads": threads, "compare": cmp, "engine_boot_ms": engine["boot_ms"],
+                               "flips": flips, "hf_transformers": hf and hf.get("transformers")}, indent=1))
+    else:
+        _print_table(threads, cmp, flips, engine["boot_ms"])

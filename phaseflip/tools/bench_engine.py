@@ -1,0 +1,92 @@
+"""The engine side of `phaseflip bench`: the same workloads, timed the same way as bench_hf.py.
+
+Owns: offline throughput and single-stream figures on one rank, and the two-rank flip figures (each
+flip's components against its copy floor: the bytes its busiest rank moves over the memcpy bandwidth
+measured in this same run) with the boot phases.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+
+from phaseflip.engine.llm import LLM
+from phaseflip.engine.sampling_params import SamplingParams
+from phaseflip.tools.bench_workload import Workload
+
+FLIP_PARTS = ("read", "exchange", "refill", "write", "cutover")
+
+
+def _greedy(n: int) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+
+
+def offline(llm: LLM, work: Workload) -> dict:
+    prompts = [{"prompt_token_ids": p} for p in work.prompts]
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, [_greedy(m) for m in work.max_tokens], use_tqdm=False)
+    seconds = time.perf_counter() - t0
+    got = sum(len(o.outputs[0].token_ids) for o in outs)
+    return {"seconds": seconds, "output_tokens": got, "tokens_per_s": got / seconds,
+            "token_ids": [o.outputs[0].token_ids for o in outs]}
+
+
+def single_stream(llm: LLM, work: Workload, repeats: int = 3) -> dict:
+    prompt, n = {"prompt_token_ids": work.prompts[0]}, work.max_tokens[0]
+
+    def timed(k: int) -> float:
+        t0 = time.perf_counter()
+        llm.generate(prompt, _greedy(k), use_tqdm=False)
+        return time.perf_counter() - t0
+    ttft = statistics.median(timed(1) for _ in range(repeats))
+    full = statistics.median(timed(n) for _ in range(repeats))
+    return {"ttft_ms": ttft * 1e3, "ms_per_token": (full - ttft) / (n - 1) * 1e3,
+            "tokens_per_s": (n - 1) / (full - ttft)}
+
+
+def run_single_rank(model: str | None, threads: int, offline_work: Workload | None,
+                    single_work: Workload | None, max_model_len: int) -> dict:
+    result: dict = {}
+    with LLM(model=model, dtype="float32", num_threads=threads, max_model_len=max_model_len) as llm:
+        result["boot_ms"] = dict(llm.stats()["boot_ms"])
+        llm.generate("Hello there", _greedy(4), use_tqdm=False)  # warm-up
+        if single_work is not None:
+            result["single"] = single_stream(llm, single_work)
+        if offline_work is not None:
+            result["offline"] = offline(llm, offline_work)
+    return result
+
+
+def memcpy_gbps(num_bytes: int = 256 * 2**20, repeats: int = 5) -> float:
+    src = torch.ones(num_bytes, dtype=torch.uint8)
+    dst = torch.empty_like(src)
+    dst.copy_(src)  # first touch
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        best = min(best, time.perf_counter() - t0)
+    return num_bytes / best / 1e9
+
+
+def flip_rows(flip_log: list[dict], gbps: float) -> list[dict]:
+    rows = []
+    for e in flip_log:
+        moved = max(r["weight_bytes"] + r["kv_bytes"] for r in e["per_rank"])
+        floor_ms = moved / (gbps * 1e9) * 1e3
+        rows.append({"direction": e["direction"], "ok": e["ok"], "total_ms": e["total_ms"],
+                     **{f"{c}_ms": e.get(f"{c}_ms") for c in FLIP_PARTS},
+                     "bytes_moved": moved, "floor_ms": floor_ms,
+                     "ratio": e["total_ms"] / floor_ms if floor_ms else None})
+    return rows
+
+
+def run_flips(model: str | None, world_size: int, flip_every: int, prompts: list[str]) -> dict:
+    gbps = memcpy_gbps()
+    with LLM(model=model, dtype="float32", world_size=world_size, park="always", max_model_len=1024,
+             flip_every_steps=flip_every) as llm:
+        llm.generate(prompts, _greedy(48), use_tqdm=False)
+        stats = llm.stats()
+    return {"memcpy_gbps": gbps, "world_size": world_size, "boot_ms": stats["boot_ms"],
+            "rank_boot_ms": stats["rank_boot_ms"], "flips": flip_rows(stats["flip_log"], gbps)}
