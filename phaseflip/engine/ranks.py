@@ -30,7 +30,7 @@ import torch.distributed as dist
 from phaseflip.engine.loader import load_model_config, load_weights
 from phaseflip.layouts.comm import NoComm, RankComm, init_group
 from phaseflip.engine.progress import BootProgress
-from phaseflip.layouts.messages import RankBoot, RankFailure, RankProgress, Shutdown
+from phaseflip.layouts.messages import FlipCommand, RankBoot, RankFailure, RankProgress, Shutdown
 from phaseflip.layouts.runtime import RankRuntime
 from phaseflip.layouts.worker import failure, handle, serve
 
@@ -67,7 +67,8 @@ def load_checkpoint(model_dir: str, dtype: torch.dtype):
 class LocalRanks:
     """World size 1: the rank runtime lives in the controller's process. A failed command leaves
     nothing behind that the next one depends on (the step's sequences are aborted, a flip rolls
-    back), so the engine goes on serving after a RankError."""
+    back), so the engine goes on serving after a RankError. A Ctrl-C waits for a flip to finish or
+    roll back: half a flip (weights refilled, layout not switched) would break every later step."""
     world_size = 1
 
     def __init__(self, boot: RankBoot):
@@ -82,6 +83,9 @@ class LocalRanks:
 
     def call(self, msg) -> list:
         try:
+            if isinstance(msg, FlipCommand):
+                with _interrupts_deferred():
+                    return [handle(self.runtime, msg)]
             return [handle(self.runtime, msg)]
         except Exception as e:  # noqa: BLE001 — same shape as a remote rank's failure
             raise RankError(0, f"{type(e).__name__}: {e}", failure(0, e).traceback) from e

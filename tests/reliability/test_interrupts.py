@@ -110,3 +110,23 @@ def test_second_interrupt_while_cleaning_up_declares_the_engine_dead(model):
     with pytest.raises(EngineDeadError, match=r"engine is dead: interrupted twice .*ranks out of step"):
         llm.generate(PROMPTS, greedy(NEW), use_tqdm=False)
     llm.shutdown()
+
+
+def test_real_sigint_inside_an_in_process_flip(model, reference, monkeypatch):
+    """World size 1 with both layouts: the flip runs in the controller's process, so a Ctrl-C can land
+    inside it (here: while it writes the KV into the target view, after the weights were refilled).
+    The flip must finish or roll back before the interrupt is raised."""
+    import phaseflip.layouts.reshard as reshard
+    write, fired = reshard.write, []
+
+    def write_then_interrupt(*args, **kwargs):
+        if not fired:
+            fired.append(1)
+            os.kill(os.getpid(), signal.SIGINT)
+        return write(*args, **kwargs)
+    monkeypatch.setattr(reshard, "write", write_then_interrupt)
+    with LLM(model=model, **ENGINE, layouts=("pp", "tp"), flip_every_steps=2) as llm:
+        with deadline(60, "an in-process flip hit by SIGINT"), pytest.raises(KeyboardInterrupt):
+            llm.generate(PROMPTS, greedy(NEW), use_tqdm=False)
+        assert fired
+        assert_usable(llm, reference)
