@@ -35,9 +35,10 @@ test: setup
 test-slow: setup
 	$(PY) -m pytest -q --runslow $(PYTEST_ARGS)
 
-# Flip components against their copy floor (a benchmark, not a test).
+# The engine against HF transformers (same model, fp32, same threads) and the flips against their copy
+# floor, in one run (a benchmark, not a test; about 5 minutes on 2 cores).
 bench: setup
-	$(PY) benchmarks/flips.py
+	$(VENV)/bin/phaseflip bench
 
 # The GPU check runs on a machine with CUDA from a source checkout, with the image's own python (no
 # venv, no network there): kernels on CUDA, CUDA-graph capture, park/restore, decode tokens/s vs HF.

@@ -1,10 +1,11 @@
-"""The flip on one rank: quiesce is the caller's; read -> exchange (+ refill overlapped) -> write ->
-cutover, every component timed, every stage agreed by all ranks, rollback before cutover.
+"""The flip on one rank: quiesce is the caller's; read -> exchange (the weight refill overlapped with
+both) -> write -> cutover, every component timed, every stage agreed by all ranks, rollback before
+cutover.
 
 Owns: `run_flip`. It copies and only copies: no arena allocation, no weight packing, no capture
 (restore, never rebuild). A stage that fails on any rank makes every rank roll back from what is
-still on the host side: the staged KV (restored into the source view) and the source layout's host
-image (refilled when the target's was already copied in). The engine stays in the source layout.
+still on the host side: the send buffer, which holds every live KV byte of the rank (restored into
+the source view), and the source layout's host image (refilled when the target's was already copied in). The engine stays in the source layout.
 """
 from __future__ import annotations
 
@@ -29,7 +30,7 @@ class InjectedFault(RuntimeError):
 
 
 class _Refill(threading.Thread):
-    """The weight refill, run beside the KV exchange (LESSONS 3: overlap is the cheapest saving)."""
+    """The weight refill, run beside the KV read and exchange (LESSONS 3: overlap is the cheapest saving)."""
     def __init__(self, arena, layout: str):
         super().__init__(daemon=True)
         self.arena, self.layout = arena, layout
@@ -56,7 +57,8 @@ class _Flip:
         self.src, self.dst = rt.active, cmd.target
         self.blocks = torch.tensor(cmd.live_blocks, dtype=torch.int64, device=rt.kv.buffer.device)
         self.ms: dict[str, float] = {}
-        self.staged = self.flat = self.received = None
+        self.flat = self.received = None
+        self.refill: _Refill | None = None
         self.splits: list[int] = []
         self.in_splits: list[int] = []
         self.kv_bytes = self.weight_bytes = 0
@@ -72,31 +74,40 @@ class _Flip:
             self.ms[name] = (time.perf_counter() - t0) * 1e3
         self.rt.faults.check(name)
 
+    def start_refill(self):
+        """The weight refill starts first and runs beside the read and the exchange (it touches only
+        the weight arena); it is joined before the write."""
+        self.refill = _Refill(self.rt.arena, self.dst)
+        self.refill.start()
+        self.refilled = True
+
+    def join_refill(self):
+        if self.refill is not None and self.refill.is_alive():
+            self.refill.join()
+        if self.refill is not None:
+            self.ms["refill"] = self.refill.ms
+            self.weight_bytes = self.refill.bytes
+
     def read(self):
-        """Stage the live blocks and prepare the exchange (buffers, splits), so that anything that can
-        fail locally fails here, before the ranks enter the all_to_all together."""
+        """Copy the live blocks into the send buffer and prepare the exchange, so that anything that
+        can fail locally fails here, before the ranks enter the all_to_all together."""
         rt, plan = self.rt, self.rt.layout_plan
-        self.staged = reshard.read(rt.kv.view(self.src), self.blocks)
         src_shards, dst_shards = plan.spec(self.src).shards, plan.spec(self.dst).shards
-        self.flat, self.in_splits = reshard.send_buffer(self.staged, src_shards[rt.rank], dst_shards)
+        self.start_refill()
+        self.flat, self.in_splits = reshard.read(rt.kv.view(self.src), self.blocks, src_shards[rt.rank], dst_shards)
         self.splits = reshard.recv_splits(src_shards, dst_shards[rt.rank], self.blocks.numel(),
                                           rt.kv_block_size, rt.cfg.head_dim)
         self.received = self.flat.new_empty(sum(self.splits))
         _sync(rt)
 
     def exchange_and_refill(self):
-        refill = _Refill(self.rt.arena, self.dst)
-        refill.start()
-        self.refilled = True
         try:
             self._timed("exchange", self._exchange)
         finally:
-            refill.join()
-            self.ms["refill"] = refill.ms
-            self.weight_bytes = refill.bytes
+            self.join_refill()
         self.stage = "refill"
-        if refill.error is not None:
-            raise refill.error
+        if self.refill.error is not None:
+            raise self.refill.error
         self.rt.faults.check("refill")
 
     def _exchange(self):
@@ -116,8 +127,11 @@ class _Flip:
         self.rt.active = self.dst
 
     def rollback(self):
-        if self.wrote and self.staged is not None:
-            reshard.restore(self.rt.kv.view(self.src), self.staged, self.blocks)
+        self.join_refill()
+        if self.wrote:
+            plan = self.rt.layout_plan
+            reshard.restore(self.rt.kv.view(self.src), self.flat, self.in_splits,
+                            plan.spec(self.src).shards[self.rt.rank], plan.spec(self.dst).shards, self.blocks)
         if self.refilled:
             self.rt.arena.refill(self.src)
         self.rt.active = self.src

@@ -8,9 +8,9 @@ mean the same thing in both. The block allocator hands out ids; this module maps
 """
 from __future__ import annotations
 
+import mmap
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 
@@ -43,12 +43,15 @@ class KVShape:
 
 
 def zeros(numel: int, dtype: torch.dtype, device) -> torch.Tensor:
-    """A zeroed buffer. On the CPU it comes from calloc (numpy), so untouched pages cost nothing until
-    a block is first written: a large pool boots in milliseconds instead of a multi-GB memset."""
+    """A zeroed buffer. On the CPU it is an anonymous mapping: the kernel hands out zero pages lazily,
+    4 KiB at a time, so a large pool boots in milliseconds instead of a multi-GB memset and a first
+    write costs a small page fault. (numpy's zeros, used before, asks for transparent huge pages: the
+    first write into each 2 MiB zeroed all of it, and a flip writing a few MB of scattered blocks
+    stalled for hundreds of ms; 256 scattered first writes measured 1281 ms there, 0.9 ms here.)"""
     if torch.device(device).type != "cpu":
         return torch.zeros(numel, dtype=dtype, device=device)
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    return torch.from_numpy(np.zeros(numel * itemsize, dtype=np.uint8)).view(dtype)
+    nbytes = numel * torch.empty((), dtype=dtype).element_size()
+    return torch.frombuffer(mmap.mmap(-1, max(nbytes, 1)), dtype=torch.uint8)[:nbytes].view(dtype)
 
 
 class KVView:

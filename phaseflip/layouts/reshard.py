@@ -3,8 +3,8 @@
 Owns: which slice of every live block each rank sends to each other rank, and the three legs.
 Rank r holds (layers A_r) x (kv heads A_r) in the source layout and must end with (layers B_s) x
 (kv heads B_s) in the target: r sends s the intersection, over one all_to_all. The read copies the
-live blocks out (staging on the host side of the wire) BEFORE any write, because the two views alias
-the same bytes; the staged copy is also what a rollback restores from.
+live blocks straight into the send buffer BEFORE any write, because the two views alias the same
+bytes; that buffer is also what a rollback restores from.
 """
 from __future__ import annotations
 
@@ -42,24 +42,30 @@ def _local(view_owner: RankShard, p: Piece) -> tuple[slice, slice]:
     return slice(l0, l0 + p.layers.count), slice(h0, h0 + p.heads.count)
 
 
-def read(view: KVView, blocks: torch.Tensor) -> torch.Tensor:
-    """Copy the live blocks out of a view: [2, layers, n_live, block_size, heads, D]."""
-    return view.tensor[:, :, blocks].clone()
+def _pieces(me: RankShard, others: tuple[RankShard, ...]):
+    """(local layer slice, local head slice, piece) of my intersection with each other rank (None: empty)."""
+    for other in others:
+        p = piece(me, other)
+        yield None if p.empty else (*_local(me, p), p)
 
 
-def send_buffer(staged: torch.Tensor, me_src: RankShard, dst_shards: tuple[RankShard, ...]):
-    """Flatten, per destination rank, the slice it needs; returns (flat buffer, split sizes)."""
-    parts, splits = [], []
-    for dst in dst_shards:
-        p = piece(me_src, dst)
-        if p.empty:
-            splits.append(0)
-            continue
-        ls, hs = _local(me_src, p)
-        part = staged[:, ls, :, :, hs, :].reshape(-1)
-        parts.append(part)
-        splits.append(part.numel())
-    flat = torch.cat(parts) if parts else staged.new_empty(0)
+def read(view: KVView, blocks: torch.Tensor, me_src: RankShard, dst_shards: tuple[RankShard, ...]):
+    """Copy, per destination rank, its slice of the live blocks straight into one flat send buffer
+    (one copy: no staging clone, no concatenation). Returns (flat buffer, split sizes). The buffer
+    holds every live byte this rank has (the target shards cover all layers and heads), so it is also
+    what a rollback restores the source view from."""
+    n_live = blocks.numel()
+    _, _, _, bs, _, d = view.tensor.shape
+    shapes = [None if x is None else (2, x[2].layers.count, n_live, bs, x[2].heads.count, d)
+              for x in _pieces(me_src, dst_shards)]
+    splits = [0 if sh is None else 2 * sh[1] * n_live * bs * sh[4] * d for sh in shapes]
+    flat = view.tensor.new_empty(sum(splits))
+    offset = 0
+    for x, sh, size in zip(_pieces(me_src, dst_shards), shapes, splits):
+        if x is not None:
+            ls, hs, _ = x
+            torch.index_select(view.tensor[:, ls, :, :, hs, :], 2, blocks, out=flat[offset: offset + size].view(sh))
+            offset += size
     return flat, splits
 
 
@@ -88,6 +94,9 @@ def write(view: KVView, received: torch.Tensor, splits: list[int], src_shards: t
         offset += size
 
 
-def restore(view: KVView, staged: torch.Tensor, blocks: torch.Tensor) -> None:
-    """Rollback: put the staged source blocks back (a partial write may have touched them)."""
-    view.tensor.index_copy_(2, blocks, staged)
+def restore(view: KVView, flat: torch.Tensor, splits: list[int], me_src: RankShard,
+            dst_shards: tuple[RankShard, ...], blocks: torch.Tensor) -> None:
+    """Rollback: put this rank's live source blocks back from its send buffer (a partial write may
+    have touched them: the two views alias the same bytes). The inverse of read: intersections are
+    symmetric, so it is `write` with the roles of source and target swapped."""
+    write(view, flat, splits, dst_shards, me_src, blocks)

@@ -79,11 +79,17 @@ def _print_table(threads: int, cmp: dict, flips: dict | None, boot_ms: dict) -> 
         click.echo(f"flips ({flips['world_size']} ranks, park always; memcpy {flips['memcpy_gbps']:.2f} GB/s "
                    f"this run); boot: " + ", ".join(f"{k} {v:.0f} ms" for k, v in flips["boot_ms"].items()))
         click.echo(f"  {'dir':7} {'total':>7} " + " ".join(f"{c:>8}" for c in bench_engine.FLIP_PARTS)
-                   + f" {'MB':>7} {'floor':>7} {'ratio':>6}")
+                   + f" {'MB':>7} {'floor':>7} {'ratio':>6} {'<=1.5x+10ms':>11} {'busiest':>8}")
         for r in flips["flips"]:
             click.echo(f"  {r['direction']:7} {r['total_ms']:7.1f} "
                        + " ".join(f"{f(r[c + '_ms']):>8}" for c in bench_engine.FLIP_PARTS)
-                       + f" {r['bytes_moved'] / 1e6:7.1f} {r['floor_ms']:7.1f} {f(r['ratio'], '.2f'):>6}")
+                       + f" {r['bytes_moved'] / 1e6:7.1f} {r['floor_ms']:7.1f} {f(r['ratio'], '.2f'):>6}"
+                       + f" {'yes' if r['within_target'] else 'NO':>11} {r['busiest_rank_floor_ms']:8.1f}")
+        ratios = sorted(r["ratio"] for r in flips["flips"] if r["ratio"] is not None)
+        if ratios:
+            click.echo(f"  median ratio {ratios[len(ratios) // 2]:.2f}; within 1.5x floor + 10 ms: "
+                       f"{sum(r['within_target'] for r in flips['flips'])}/{len(flips['flips'])} "
+                       "(floor: all ranks' bytes over the host memcpy bandwidth; 'busiest': one rank's alone)")
 
 
 @click.command()
