@@ -165,15 +165,21 @@ class ProcessRanks:
             self.shutdown()
             raise
 
-    def _accept(self, listener) -> list:
+    def _accept(self, listener, timeout_s: float = 60.0) -> list:
+        """Each rank connects back and names itself; one that dies first is noticed within poll_s."""
         conns: dict[int, object] = {}
-        listener._listener._socket.settimeout(60.0)
+        listener._listener._socket.settimeout(self.poll_s)
+        end = time.monotonic() + timeout_s
         while len(conns) < self.world_size:
+            dead = [r for r, p in enumerate(self.procs) if p.poll() is not None]
+            if dead or time.monotonic() > end:
+                reason = self._death(dead[0]) if dead else f"rank processes did not connect in {timeout_s:.0f} s"
+                self.shutdown_procs(0.0)  # the others wait for a boot that will never come
+                raise EngineDeadError(f"engine is dead: {reason}")
             try:
                 conn = listener.accept()
-            except OSError as e:
-                self.shutdown_procs()
-                raise EngineDeadError(f"engine is dead: rank processes did not connect ({e})") from e
+            except socket.timeout:
+                continue
             conns[conn.recv()] = conn
         return [conns[r] for r in range(self.world_size)]
 

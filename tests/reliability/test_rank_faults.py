@@ -151,3 +151,38 @@ def test_an_engine_built_in_a_short_lived_thread_outlives_the_thread(model, refe
         assert all(alive(p) for p in llm.stats()["rank_pids"])
         assert ids(llm.generate(PROMPTS, greedy(8), use_tqdm=False)) == reference(PROMPTS, 8)
     assert rank_processes() == []
+
+
+def kill_a_new_rank(before: set[int], killed: list) -> None:
+    new = sorted(set(rank_processes()) - before)
+    if new and not killed:
+        os.kill(new[-1], signal.SIGKILL)
+        killed.append(time.monotonic())
+
+
+@pytest.mark.parametrize("when", ["starting", "booting"])
+def test_rank_killed_during_boot(model, monkeypatch, when):
+    """'starting': 0.3 s after the spawn, while the interpreter imports torch (before it connects back);
+    'booting': when the first rank reports its first boot phase (loaded, not yet packed or captured)."""
+    before, killed = set(rank_processes()), []
+    if when == "starting":
+        def kill_soon():
+            end = time.monotonic() + 30
+            while time.monotonic() < end and len(set(rank_processes()) - before) < 2:
+                time.sleep(0.01)
+            time.sleep(0.3)
+            kill_a_new_rank(before, killed)
+        threading.Thread(target=kill_soon, daemon=True).start()
+    else:
+        import phaseflip.engine.ranks as ranks
+
+        class KillingProgress(ranks.BootProgress):
+            def update(self, msg):
+                super().update(msg)
+                kill_a_new_rank(before, killed)
+        monkeypatch.setattr(ranks, "BootProgress", KillingProgress)
+    with deadline(60, "a boot with a killed rank"), \
+            pytest.raises(EngineDeadError, match=r"engine is dead: rank \d \(pid \d+\) died \(signal SIGKILL\)"):
+        LLM(model=model, **ENGINE, world_size=2)
+    assert killed and wait_gone(set(rank_processes()) - before, GONE_S) == []
+    print(f"\n[kill a rank while {when}] EngineDeadError {time.monotonic() - killed[0]:.2f} s after the kill")
