@@ -131,8 +131,10 @@ class LLM:
     def _agree_on_layout(self) -> None:
         """After a failure: take the ranks' active layout, which an interrupted flip may have changed."""
         active = {r.active_layout for r in self.ranks.call(StatsQuery())}
-        if len(active) != 1:
-            raise EngineDeadError(f"engine is dead: the ranks disagree on the active layout ({sorted(active)})")
+        if len(active) != 1:  # a flip's stages are agreed by every rank: this is an engine bug
+            self.ranks.dead = f"the ranks disagree on the active layout ({sorted(active)})"
+            self.ranks.shutdown()
+            raise EngineDeadError(f"engine is dead: {self.ranks.dead}")
         self.control.active = active.pop()
 
     def _forget_finished(self) -> None:
