@@ -41,11 +41,14 @@ def attention_block(lw: LayerWeights, cfg: ModelConfig, shard: RankShard, h: tor
                     cos_sin: torch.Tensor, comm: Comm) -> torch.Tensor:
     d, hq, hkv = cfg.head_dim, shard.q_heads(cfg).count, shard.kv_heads.count
     qkv = F.linear(h, lw.qkv_proj, lw.qkv_bias)                   # [T, (hq + 2 hkv) * D]
-    q, k, v = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
-    q, k, v = q.view(-1, hq, d), k.view(-1, hkv, d), v.reshape(-1, hkv, d)
+    qk, v = qkv.split([(hq + hkv) * d, hkv * d], dim=-1)
+    v = v.reshape(-1, hkv, d)
     if cfg.qk_norm:
+        q, k = qk.view(-1, hq + hkv, d).split([hq, hkv], dim=1)
         q, k = rms_norm(q, lw.q_norm, cfg.rms_norm_eps), rms_norm(k, lw.k_norm, cfg.rms_norm_eps)
-    q, k = apply_rotary(q, cos_sin), apply_rotary(k, cos_sin)
+        q, k = apply_rotary(q, cos_sin), apply_rotary(k, cos_sin)
+    else:  # one rotary over the q and k heads together: half the small ops per layer
+        q, k = apply_rotary(qk.view(-1, hq + hkv, d), cos_sin).split([hq, hkv], dim=1)
     o = attend(
         q.contiguous(), k.contiguous(), v.contiguous(), kv.tensor, layer, meta["slot_mapping"],
         meta["block_tables"], meta["seq_lens"], meta["query_start_loc"], d ** -0.5)  # [T, hq, D]
