@@ -25,7 +25,8 @@ from phaseflip.engine.core import EngineCore
 from phaseflip.engine.layout_control import LayoutControl
 from phaseflip.engine.loader import load_model_config
 from phaseflip.engine.tokenizer import load_tokenizer
-from phaseflip.engine.ranks import EngineDeadError, LocalRanks, ProcessRanks, TorchrunRanks
+from phaseflip.engine.ranks import EngineDeadError, LocalRanks, ProcessRanks
+from phaseflip.engine.torchrun_ranks import TorchrunRanks
 from phaseflip.layouts.comm import env_rank
 from phaseflip.engine.prompts import prepare_prompts
 from phaseflip.engine.requests import CompletionOutput, RequestMetrics, RequestOutput, Sequence

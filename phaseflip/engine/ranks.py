@@ -1,8 +1,9 @@
 """Rank processes: spawning them, sending commands, collecting replies, propagating failures.
 
 Owns: the controller's side of the rank group. `LocalRanks` runs the single rank in-process (world
-size 1); `ProcessRanks` spawns world_size processes that form a torch.distributed group (gloo on CPU,
-NCCL on CUDA). A rank's exception reaches the caller as RankError naming the rank with its traceback;
+size 1); `ProcessRanks` spawns world_size processes (engine/rank_process.py) that form a
+torch.distributed group (gloo on CPU, NCCL on CUDA); under torchrun, engine/torchrun_ranks.py.
+A rank's exception reaches the caller as RankError naming the rank with its traceback;
 a dead rank raises EngineDeadError naming it (polled every 0.1 s: never a hang); ranks exit when the
 controller dies (PR_SET_PDEATHSIG plus a parent watchdog); shutdown() leaves no process behind.
 A Ctrl-C never leaves the ranks out of step: a command reaches every rank or none, and an interrupted
@@ -10,9 +11,6 @@ call still collects its replies (a second interrupt while it does declares the e
 """
 from __future__ import annotations
 
-import ctypes
-import datetime
-import faulthandler
 import multiprocessing as mp
 import multiprocessing.connection
 import os
@@ -24,29 +22,17 @@ import threading
 import time
 from contextlib import contextmanager
 
-import torch
-import torch.distributed as dist
-
-from phaseflip.engine.loader import load_model_config, load_weights
-from phaseflip.layouts.comm import NoComm, RankComm, init_group
 from phaseflip.engine.progress import BootProgress
+from phaseflip.engine.rank_process import load_checkpoint
+from phaseflip.layouts.comm import NoComm
 from phaseflip.layouts.messages import FlipCommand, RankBoot, RankFailure, RankProgress, Shutdown
 from phaseflip.layouts.runtime import RankRuntime
-from phaseflip.layouts.worker import failure, handle, serve
+from phaseflip.layouts.worker import failure, handle
 
 
 # Seconds the surviving ranks of a failed or dead one get to exit before they are killed: they may be
 # stuck in a collective with it, which only the kill (or a 600 s collective timeout) would end.
 DEAD_GRACE_S = 2.0
-
-
-def _set_threads(boot: RankBoot, world_size: int) -> None:
-    """Ranks share the machine's cores: oversubscribed OpenMP threads spin against each other."""
-    torch.set_num_threads(boot.num_threads or max(1, (os.cpu_count() or 1) // world_size))
-
-
-def _comm_device(boot: RankBoot, rank: int) -> str:
-    return "cpu" if boot.device == "cpu" else f"cuda:{int(os.environ.get('LOCAL_RANK', rank))}"
 
 
 class RankError(RuntimeError):
@@ -57,11 +43,6 @@ class RankError(RuntimeError):
 
 class EngineDeadError(RuntimeError):
     """The engine cannot serve any more (a rank died or failed mid-step); create a new LLM."""
-
-
-def load_checkpoint(model_dir: str, dtype: torch.dtype):
-    cfg = load_model_config(model_dir)
-    return cfg, load_weights(model_dir, cfg, dtype)
 
 
 class LocalRanks:
@@ -100,42 +81,6 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _die_with_parent(parent_pid: int, pdeathsig: bool) -> None:
-    """pdeathsig: the kernel kills this process when the THREAD that started it ends, so it is only
-    asked for when that thread is the controller's main thread; the watchdog covers the rest."""
-    try:  # Linux: the kernel kills this process when the controller dies
-        if pdeathsig:
-            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
-
-    def watch():
-        while os.getppid() == parent_pid:
-            time.sleep(0.5)
-        os._exit(1)
-    threading.Thread(target=watch, daemon=True).start()
-
-
-def _rank_main(rank: int, world_size: int, init_method: str, control: str, authkey: str,
-               parent_pid: int, pdeathsig: bool) -> None:
-    """Entry point of a rank process (`python -m phaseflip.engine.ranks ...`)."""
-    _die_with_parent(parent_pid, pdeathsig)
-    faulthandler.register(signal.SIGUSR1)  # `kill -USR1 <pid>` prints every thread's stack
-    host, port = control.rsplit(":", 1)
-    conn = mp.connection.Client((host, int(port)), authkey=bytes.fromhex(authkey))
-    conn.send(rank)
-    boot: RankBoot = conn.recv()
-    _set_threads(boot, world_size)
-    try:
-        init_group(rank, world_size, boot.device, init_method)
-    except Exception as e:  # noqa: BLE001
-        conn.send(failure(rank, e))
-        return
-    comm = RankComm(rank, world_size, _comm_device(boot, rank))
-    serve(rank, lambda progress: RankRuntime(boot, rank, comm, load_checkpoint, progress), conn)
-    os._exit(0)  # skip interpreter teardown: no hang in a half-closed process group
-
-
 class ProcessRanks:
     """Rank processes started as fresh interpreters (not multiprocessing's spawn, which re-imports
     the user's __main__ module): each connects back to a local listener with an auth key."""
@@ -150,8 +95,8 @@ class ProcessRanks:
             # A session of their own: a Ctrl-C at the terminal interrupts the controller (which keeps
             # the ranks in lockstep), not the ranks. They still die with the controller (PDEATHSIG).
             self.procs = [subprocess.Popen(
-                [sys.executable, "-m", "phaseflip.engine.ranks", str(rank), str(world_size), init_method,
-                 f"{host}:{port}", authkey.hex(), str(os.getpid()), str(int(_on_main_thread()))],
+                [sys.executable, "-m", "phaseflip.engine.rank_process", str(rank), str(world_size),
+                 init_method, f"{host}:{port}", authkey.hex(), str(os.getpid()), str(int(_on_main_thread()))],
                 start_new_session=True)
                 for rank in range(world_size)]
             self.pids = [p.pid for p in self.procs]
@@ -299,94 +244,3 @@ def _interrupts_deferred():
             previous(signal.SIGINT, caught[0])
         elif previous != signal.SIG_IGN:
             raise KeyboardInterrupt
-
-
-class _DistChannel:
-    """A rank's channel under torchrun: commands broadcast from rank 0, replies gathered to it."""
-    def __init__(self, group):
-        self.group = group
-
-    def recv(self):
-        box = [None]
-        dist.broadcast_object_list(box, src=0, group=self.group)
-        return box[0]
-
-    def send(self, reply) -> None:
-        dist.gather_object(reply, None, dst=0, group=self.group)
-
-
-def _torchrun_group(world_size: int, device: str):
-    rank = int(os.environ["RANK"])
-    init_group(rank, world_size, device, None)
-    # Control messages travel over gloo, and a worker may wait for the next command indefinitely.
-    return rank, dist.new_group(backend="gloo", timeout=datetime.timedelta(days=365))
-
-
-def serve_torchrun_rank(device: str = "auto") -> None:
-    """Ranks > 0 under torchrun: receive the boot and the commands from rank 0 (the controller)."""
-    world_size = int(os.environ["WORLD_SIZE"])
-    if device == "auto":  # the same rule as the controller's device="auto"
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    rank, group = _torchrun_group(world_size, device)
-    channel = _DistChannel(group)
-    boot: RankBoot = channel.recv()
-    torch.set_num_threads(boot.num_threads or max(1, (os.cpu_count() or 1) // world_size))
-    comm = RankComm(rank, world_size, _comm_device(boot, rank))
-    serve(rank, lambda progress: RankRuntime(boot, rank, comm, load_checkpoint), channel, progress=False)
-    dist.destroy_process_group()
-
-
-class TorchrunRanks:
-    """Rank 0 under torchrun: the controller and rank 0's runtime share this process; the other
-    ranks were started by torchrun (env:// rendezvous, possibly on other nodes)."""
-
-    def __init__(self, boot: RankBoot, world_size: int):
-        self.world_size = world_size
-        self.dead: str | None = None
-        rank, self.group = _torchrun_group(world_size, boot.device)
-        if rank != 0:
-            raise RuntimeError(f"LLM() runs on torchrun rank 0 only; rank {rank} serves (serve_torchrun_rank)")
-        _set_threads(boot, world_size)
-        self._broadcast(boot)
-        try:
-            runtime = RankRuntime(boot, 0, RankComm(0, world_size, _comm_device(boot, 0)), load_checkpoint)
-            mine = runtime.ready()
-        except Exception as e:  # noqa: BLE001
-            runtime, mine = None, failure(0, e)
-        self.runtime = runtime
-        self.ready = self._gather(mine)
-        self.pids = [None] * world_size  # other nodes' processes are torchrun's to manage
-
-    def _broadcast(self, msg) -> None:
-        dist.broadcast_object_list([msg], src=0, group=self.group)
-
-    def _gather(self, mine) -> list:
-        replies = [None] * self.world_size
-        dist.gather_object(mine, replies, dst=0, group=self.group)
-        for reply in replies:
-            if isinstance(reply, RankFailure):
-                self.dead = f"rank {reply.rank} failed: {reply.error}"
-                raise RankError(reply.rank, reply.error, reply.traceback)
-        return replies
-
-    def call(self, msg) -> list:
-        if self.dead:
-            raise EngineDeadError(f"engine is dead: {self.dead}")
-        self._broadcast(msg)
-        try:
-            mine = handle(self.runtime, msg)
-        except Exception as e:  # noqa: BLE001
-            mine = failure(0, e)
-        return self._gather(mine)
-
-    def shutdown(self) -> None:
-        if self.dead is None:
-            self.dead = "shut down"
-            self._broadcast(Shutdown())
-            self._gather(Shutdown())
-            dist.destroy_process_group()
-
-
-if __name__ == "__main__":
-    _rank_main(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4], sys.argv[5], int(sys.argv[6]),
-               sys.argv[7] == "1")

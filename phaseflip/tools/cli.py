@@ -64,7 +64,7 @@ def _serve_if_worker() -> bool:
     from phaseflip.layouts.comm import env_rank
     if env_rank() is None or env_rank()[0] == 0:
         return False
-    from phaseflip.engine.ranks import serve_torchrun_rank
+    from phaseflip.engine.torchrun_ranks import serve_torchrun_rank
     serve_torchrun_rank()
     return True
 

@@ -74,7 +74,7 @@ def rank_processes() -> list[int]:
                 cmdline = f.read()
         except (FileNotFoundError, ProcessLookupError, IndexError):
             continue
-        if ppid == me and b"phaseflip.engine.ranks" in cmdline and alive(int(entry)):
+        if ppid == me and b"phaseflip.engine.rank_process" in cmdline and alive(int(entry)):
             found.append(int(entry))
     return found
 
