@@ -30,7 +30,7 @@ def run(model, prompts, params, **kw):
         stats = llm.stats()
     tokens = sum(len(o.outputs[0].token_ids) for o in outs)
     return {"tok_s": tokens / seconds, "seconds": seconds, "flips": stats["flips"],
-            "ids": [o.outputs[0].token_ids for o in outs], "decisions": len(stats["decisions"])}
+            "ids": [o.outputs[0].token_ids for o in outs], "decisions": stats["num_decisions"]}
 
 
 def main() -> None:

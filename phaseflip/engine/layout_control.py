@@ -1,8 +1,9 @@
 """Which captured layout runs next, and the flips that switch it.
 
 Owns: the active layout as the controller sees it, the phases it may run, forced flips
-(flip_every_steps, llm.flip) and the flip log. Two rules decide: the policy (engine/policy.py through
-engine/policy_rule.py; policy="throughput" | "latency") or the plain drain rule (policy="drain":
+(flip_every_steps, llm.flip), the flip counts (exact) and the flip log (the last MAX_FLIP_LOG flips:
+a long-running engine must not grow with every flip). Two rules decide: the policy (engine/policy.py
+through engine/policy_rule.py; policy="throughput" | "latency") or the plain drain rule (policy="drain":
 prefill in PP until no admissible prompt waits, flip, decode in TP until the running batch is empty,
 flip back). A failed flip leaves the engine in the old layout and opens both phases there, so work
 never waits on a flip that cannot happen (LESSONS 10).
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 
 from phaseflip.layouts.messages import FlipCommand
 
@@ -18,6 +20,7 @@ log = logging.getLogger("phaseflip")
 
 COMPONENTS = ("read", "exchange", "refill", "write", "cutover")
 FALLBACK_STEPS = 32  # steps a failed flip's fallback lasts before the rule may flip again
+MAX_FLIP_LOG = 256  # flip log entries kept (~2 KB each); num_flips and num_failed_flips count them all
 
 
 class LayoutControl:
@@ -27,7 +30,7 @@ class LayoutControl:
         self.layouts = layouts
         self.flip_every_steps = flip_every_steps
         self.active = layouts[0]
-        self.flip_log: list[dict] = []
+        self.flip_log: deque[dict] = deque(maxlen=MAX_FLIP_LOG)
         self.num_flips = 0
         self.num_failed_flips = 0
         self.fallback_until = -1  # after a failed flip, both phases run here until this step count
@@ -52,7 +55,7 @@ class LayoutControl:
         return (True, False) if self.active == "pp" else (False, True)
 
     def last_decisions(self, n: int = 3) -> list:
-        return self.rule.decisions[-n:] if self.rule is not None else ["the drain rule"]
+        return list(self.rule.decisions)[-n:] if self.rule is not None else ["the drain rule"]
 
     def other(self) -> str:
         return next(name for name in self.layouts if name != self.active)

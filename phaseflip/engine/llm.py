@@ -200,6 +200,7 @@ class LLM:
             "failed_flips": self.control.num_failed_flips,
             "flip_log": list(self.control.flip_log),
             "decisions": list(self.control.rule.decisions) if self.control.rule else [],
+            "num_decisions": self.control.rule.num_decisions if self.control.rule else 0,
             "rank_pids": list(self.ranks.pids),
             "request_state": {**self.core.scheduler.live_state(), "core_seqs": len(self.core.seqs)},
             "rank_sampler_seqs": [r.num_sampler_seqs for r in self.ranks.call(LiveStateQuery())],

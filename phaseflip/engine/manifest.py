@@ -2,7 +2,8 @@
 
 Owns: assembling the manifest from the controller's plan and boot phases and every rank's report
 (RankManifest): model and dtype, both layouts per rank, the memory ledger per rank and layout, every
-captured step, compile choices, boot phases, flips with their components and eager-fallback counts.
+captured step, compile choices, boot phases, the last flips with their components (the flip log keeps
+the last MAX_FLIP_LOG; num_flips and num_failed_flips count them all) and eager-fallback counts.
 `llm.inspect()` returns it live; `phaseflip boot --manifest FILE` writes it; `phaseflip inspect` reads it.
 """
 from __future__ import annotations
@@ -46,6 +47,7 @@ def build_manifest(llm, ranks: list) -> dict:
         "steps": steps,
         "boot_ms": dict(llm.boot_ms),
         "flips": list(llm.control.flip_log),
+        "num_flips": llm.control.num_flips, "num_failed_flips": llm.control.num_failed_flips,
         "decisions": list(llm.control.rule.decisions) if llm.control.rule else [],
         "eager_fallbacks": fallbacks,
         "captures_at_boot": len(steps),

@@ -4,17 +4,22 @@ step, and the decision log.
 Owns: PolicyRule — the ProgressTracker, one RateEstimator per layout, one FlipCostEstimator per
 direction (unseeded: unpriced until measured, and then the policy follows the drain rule), the
 OutputLengthEstimator, and `decisions` (every change of action/reason/phases with the numbers used;
-a repeat only bumps the last record's count). The decisions themselves are engine/policy.py's.
+a repeat only bumps the last record's count; the last MAX_DECISIONS records are kept, so a long-running
+engine does not grow with every change, and num_decisions counts them all). The decisions themselves are
+engine/policy.py's.
 """
 from __future__ import annotations
 
 import time
+from collections import deque
 from dataclasses import dataclass
 
 from phaseflip.engine.estimators import (FlipCostEstimator, OutputLengthEstimator, ProgressTracker,
                                          RateEstimator, direction)
 from phaseflip.engine.policy import Decision, PolicyConfig, decide
 from phaseflip.engine.policy_inputs import measure
+
+MAX_DECISIONS = 256  # decision records kept, the newest
 
 
 @dataclass(frozen=True)
@@ -32,7 +37,8 @@ class PolicyRule:
         self.rates = {name: RateEstimator(name) for name in layouts}
         self.legs = {direction(a, b): FlipCostEstimator(direction(a, b)) for a in layouts for b in layouts if a != b}
         self.outputs = OutputLengthEstimator()
-        self.decisions: list[dict] = []
+        self.decisions: deque[dict] = deque(maxlen=MAX_DECISIONS)
+        self.num_decisions = 0  # records ever logged, including those the log has dropped
 
     def _inputs(self, active: str):
         return measure(self.scheduler, active, time.perf_counter(), self.max_model_len, self.tracker,
@@ -49,6 +55,7 @@ class PolicyRule:
             last["last_time_s"] = record["time_s"]
         else:
             self.decisions.append({**record, "count": 1})
+            self.num_decisions += 1
         return d
 
     def observe_step(self, active: str, s: StepSummary) -> None:

@@ -72,7 +72,9 @@ def boot_table(m: dict) -> list[str]:
 def flips_table(m: dict) -> list[str]:
     if not m["flips"]:
         return ["flips: none yet"]
-    lines = [f"flips ({len(m['flips'])}):", f"  {'direction':10}{'total':>9}{'read':>8}{'exch':>8}{'refill':>8}"
+    total = m.get("num_flips", 0) + m.get("num_failed_flips", 0)  # absent from older manifests
+    shown = f"{len(m['flips'])}" if total <= len(m["flips"]) else f"the last {len(m['flips'])} of {total}"
+    lines = [f"flips ({shown}):", f"  {'direction':10}{'total':>9}{'read':>8}{'exch':>8}{'refill':>8}"
              f"{'write':>8}{'cut':>7}{'kv MiB':>9}{'w MiB':>9}  result"]
     for e in m["flips"]:
         def f(k):
