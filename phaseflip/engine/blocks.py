@@ -4,9 +4,11 @@ Owns: the pool of block ids [0, num_total_blocks) and the accounting of free vs.
 capacity number it reports (num_free_blocks, can_allocate) is exactly what `allocate` will deliver
 (LESSONS item 4): there is no reserve, no rounding and no other claimant.
 
-Allocation order is deterministic: ids are handed out from the front of a FIFO of free ids and freed
-ids go to its BACK, so a just-freed block is the last to be reused (a freed block's KV stays readable
-for as long as possible, which helps debugging and a future prefix cache).
+Allocation order is deterministic: ids are handed out from the front of the free list and freed ids
+go back to its FRONT, so a just-freed block is the first to be reused. The working set of KV memory
+stays as small as the load: on the CPU, a FIFO (used before) cycled through the whole pool, so every
+new block landed on never-touched pages (a page fault per 4 KiB, cold caches) until the whole pool
+was resident.
 
 Must never: import torch, touch KV memory, or allocate part of a request (all or nothing).
 """
@@ -49,7 +51,7 @@ class BlockAllocator:
         return 0 <= num_blocks <= len(self._free)
 
     def allocate(self, num_blocks: int) -> list[int]:
-        """Take num_blocks free ids, oldest-freed first. Raises (allocating nothing) if too few are free."""
+        """Take num_blocks free ids, most recently freed first. Raises (allocating nothing) if too few are free."""
         if num_blocks < 0:
             raise ValueError(f"num_blocks must be >= 0, got {num_blocks}")
         if num_blocks > len(self._free):
@@ -60,7 +62,8 @@ class BlockAllocator:
         return block_ids
 
     def free(self, block_ids: Iterable[int]) -> None:
-        """Return ids to the back of the free list. A double free or a foreign id frees nothing."""
+        """Return ids to the front of the free list (the next allocate takes them first, in this order).
+        A double free or a foreign id frees nothing."""
         block_ids = list(block_ids)
         if len(set(block_ids)) != len(block_ids):
             raise ValueError(f"block ids freed twice in one call: {block_ids}")
@@ -69,7 +72,7 @@ class BlockAllocator:
             raise ValueError(f"cannot free KV blocks {not_held}: not allocated (double free or an id "
                              f"outside [0, {self._num_total_blocks}))")
         self._allocated.difference_update(block_ids)
-        self._free.extend(block_ids)
+        self._free.extendleft(reversed(block_ids))
 
     def ensure_capacity(self, seq: Sequence, num_tokens: int) -> bool:
         """Grow seq.block_ids to hold num_tokens tokens: all the missing blocks, or none (returns False)."""

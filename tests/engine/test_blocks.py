@@ -46,11 +46,11 @@ def test_allocate_and_free_accounting():
     assert alloc.num_free_blocks == 8 and alloc.num_used_blocks == 0
 
 
-def test_allocation_order_is_deterministic_and_freed_ids_go_to_the_back():
+def test_allocation_order_is_deterministic_and_freed_ids_are_reused_first():
     alloc = BlockAllocator(num_blocks=4, block_size=4)
     assert alloc.allocate(3) == [0, 1, 2]
     alloc.free([1, 0])
-    assert alloc.allocate(3) == [3, 1, 0]
+    assert alloc.allocate(3) == [1, 0, 3]
 
 
 def test_allocate_zero_returns_nothing():
