@@ -15,6 +15,7 @@ import torch.nn.functional as F
 
 from phaseflip.kernels.attention import attend
 from phaseflip.kernels.dispatch import add_rms_norm, apply_rotary, rms_norm, silu_and_mul
+from phaseflip.kernels.linear import linear
 from phaseflip.layouts.kvcache import KVView
 from phaseflip.layouts.model_config import ModelConfig
 from phaseflip.layouts.shard import LayerWeights, RankWeights
@@ -40,7 +41,7 @@ def attention_block(lw: LayerWeights, cfg: ModelConfig, shard: RankShard, h: tor
                     meta: dict[str, torch.Tensor], kv: KVView, layer: int,
                     cos_sin: torch.Tensor, comm: Comm) -> torch.Tensor:
     d, hq, hkv = cfg.head_dim, shard.q_heads(cfg).count, shard.kv_heads.count
-    qkv = F.linear(h, lw.qkv_proj, lw.qkv_bias)                   # [T, (hq + 2 hkv) * D]
+    qkv = linear(h, lw.qkv_proj, lw.qkv_bias)                   # [T, (hq + 2 hkv) * D]
     qk, v = qkv.split([(hq + hkv) * d, hkv * d], dim=-1)
     v = v.reshape(-1, hkv, d)
     if cfg.qk_norm:
@@ -52,11 +53,11 @@ def attention_block(lw: LayerWeights, cfg: ModelConfig, shard: RankShard, h: tor
     o = attend(
         q.contiguous(), k.contiguous(), v.contiguous(), kv.tensor, layer, meta["slot_mapping"],
         meta["block_tables"], meta["seq_lens"], meta["query_start_loc"], d ** -0.5)  # [T, hq, D]
-    return comm.all_reduce(F.linear(o.view(-1, hq * d), lw.o_proj))  # [T, H]
+    return comm.all_reduce(linear(o.view(-1, hq * d), lw.o_proj))  # [T, H]
 
 
 def mlp_block(lw: LayerWeights, h: torch.Tensor, comm: Comm) -> torch.Tensor:
-    return comm.all_reduce(F.linear(silu_and_mul(F.linear(h, lw.gate_up_proj)), lw.down_proj))
+    return comm.all_reduce(linear(silu_and_mul(linear(h, lw.gate_up_proj)), lw.down_proj))
 
 
 def forward(w: RankWeights, cfg: ModelConfig, shard: RankShard, meta: dict[str, torch.Tensor],
@@ -88,4 +89,4 @@ def _add_norm(delta, residual, weight, eps):
 
 def compute_logits(w: RankWeights, hidden: torch.Tensor) -> torch.Tensor:
     # hidden: [N, H] (final-normed rows to sample) -> [N, V_rank] in float32
-    return F.linear(hidden, w.lm_head).float()
+    return linear(hidden, w.lm_head).float()
