@@ -40,6 +40,7 @@ class PrefillRow:
     stop: int                     # one past the last
     seq_len: int                  # context length after this step
     gather: torch.Tensor | None   # [Hkv * seq_len] context rows; None when the chunk is its whole context
+    bias: torch.Tensor | None     # [G * n, seq_len] 0 / -inf causal bias over the context (with gather)
 
 
 @dataclass(frozen=True)
@@ -94,18 +95,29 @@ def _decode_group(rows: list[int], starts, lens, block_tables, block_size, hkv) 
     return DecodeGroup(torch.tensor([starts[i] for i in rows]), _rows(slots, hkv), bias, length)
 
 
-def build_plan(slot_mapping, block_tables, seq_lens, query_start_loc, block_size: int, hkv: int) -> AttentionPlan:
-    key = (slot_mapping.clone(), block_tables.clone(), seq_lens.clone(), query_start_loc.clone(), block_size, hkv)
+def _prefill_row(start: int, stop: int, seq_len: int, block_row, block_size: int, hkv: int, group: int) -> PrefillRow:
+    n = stop - start
+    if n == seq_len:  # the chunk is its whole context: its own K/V, plain causal
+        return PrefillRow(start, stop, seq_len, None, None)
+    # queries of one kv head side by side ([Hkv, G * n, D]): the causal bias repeated per group
+    pos = torch.arange(seq_len)
+    hidden = pos[None, :] > (seq_len - n + torch.arange(n))[:, None]            # [n, seq_len]
+    bias = torch.zeros(n, seq_len).masked_fill_(hidden, float("-inf")).repeat(group, 1)
+    return PrefillRow(start, stop, seq_len, _rows(_slots(block_row, seq_len, block_size, seq_len), hkv), bias)
+
+
+def build_plan(slot_mapping, block_tables, seq_lens, query_start_loc, block_size: int, hkv: int,
+               group: int) -> AttentionPlan:
+    key = (slot_mapping.clone(), block_tables.clone(), seq_lens.clone(), query_start_loc.clone(), block_size,
+           hkv, group)
     valid = slot_mapping >= 0
     store_rows = None if bool(valid.all()) else valid.nonzero().flatten()
     starts, lens = query_start_loc.tolist(), seq_lens.tolist()
     decode = [i for i, n in enumerate(lens) if n > 0 and starts[i + 1] - starts[i] == 1]
     groups = tuple(_decode_group(g, starts, lens, block_tables, block_size, hkv)
                    for g in _group(sorted(decode, key=lens.__getitem__), lens))
-    prefill = tuple(
-        PrefillRow(starts[i], starts[i + 1], n,
-                   None if n == starts[i + 1] - starts[i] else _rows(_slots(block_tables[i], n, block_size, n), hkv))
-        for i, n in enumerate(lens) if n > 0 and starts[i + 1] - starts[i] > 1)
+    prefill = tuple(_prefill_row(starts[i], starts[i + 1], n, block_tables[i], block_size, hkv, group)
+                    for i, n in enumerate(lens) if n > 0 and starts[i + 1] - starts[i] > 1)
     t = slot_mapping.shape[0]
     covers_all = (len(groups) == 1 and len(decode) == t
                   and torch.equal(groups[0].tokens, torch.arange(t)))
@@ -113,10 +125,11 @@ def build_plan(slot_mapping, block_tables, seq_lens, query_start_loc, block_size
                          groups, prefill, covers_all)
 
 
-def plan_for(slot_mapping, block_tables, seq_lens, query_start_loc, block_size: int, hkv: int) -> AttentionPlan:
+def plan_for(slot_mapping, block_tables, seq_lens, query_start_loc, block_size: int, hkv: int,
+             group: int) -> AttentionPlan:
     """The step's plan: the last one built when the metadata is unchanged, else a new one."""
     global _last
-    meta = (slot_mapping, block_tables, seq_lens, query_start_loc, block_size, hkv)
+    meta = (slot_mapping, block_tables, seq_lens, query_start_loc, block_size, hkv, group)
     if _last is None or not _same(_last.key, meta):
         _last = build_plan(*meta)
     return _last
@@ -147,11 +160,8 @@ def _attend_prefill(q, k, v, k_rows, v_rows, row: PrefillRow, scale: float) -> t
         return out[0].transpose(0, 1)
     kc = k_rows.index_select(0, row.gather).view(1, hkv, row.seq_len, d)
     vc = v_rows.index_select(0, row.gather).view(1, hkv, row.seq_len, d)
-    # queries of one kv head side by side ([Hkv, G * n, D]); the causal mask repeated per group
     qg = q.transpose(0, 1).reshape(1, hkv, group * n, d)
-    pos = torch.arange(row.seq_len)
-    mask = (pos[None, :] <= (row.seq_len - n + torch.arange(n))[:, None]).repeat(group, 1)
-    out = F.scaled_dot_product_attention(qg, kc, vc, attn_mask=mask, scale=scale)  # [1, Hkv, G*n, D]
+    out = F.scaled_dot_product_attention(qg, kc, vc, attn_mask=row.bias.to(q.dtype), scale=scale)  # [1, Hkv, G*n, D]
     return out.view(hq, n, d).transpose(0, 1)
 
 
@@ -159,7 +169,7 @@ def paged_attention_cpu(q, k, v, k_cache, v_cache, slot_mapping, block_tables, s
                         scale: float) -> torch.Tensor:
     """Store this step's K/V, then attend; the contract of kernels/attention.py. Returns [T, Hq, D]."""
     t, hkv, d = k.shape
-    plan = plan_for(slot_mapping, block_tables, seq_lens, query_start_loc, k_cache.shape[1], hkv)
+    plan = plan_for(slot_mapping, block_tables, seq_lens, query_start_loc, k_cache.shape[1], hkv, q.shape[1] // hkv)
     k_flat, v_flat = k_cache.view(-1, hkv * d), v_cache.view(-1, hkv * d)
     new_k, new_v = k.reshape(t, -1), v.reshape(t, -1)
     if plan.store_rows is not None:

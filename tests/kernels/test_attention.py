@@ -105,7 +105,7 @@ def test_store_writes_exactly_the_slots():
 def test_ragged_decodes_are_grouped_by_length():
     args, _ = build([(n, 1) for n in (2, 90, 7, 40, 3, 60, 11, 25)], num_blocks=120)
     plan = cpu_attention.build_plan(args["slot_mapping"], args["block_tables"], args["seq_lens"],
-                                    args["query_start_loc"], block_size=4, hkv=2)
+                                    args["query_start_loc"], block_size=4, hkv=2, group=2)
     assert 1 < len(plan.decode) <= cpu_attention.MAX_GROUPS
     assert sorted(t for g in plan.decode for t in g.tokens.tolist()) == list(range(8))
 
