@@ -37,6 +37,18 @@ def _run_hf(model_dir: str, work: dict, threads: int, batch_size: int) -> dict:
     return json.loads(proc.stdout)
 
 
+def _pair(hint: str, text: str, ordered: bool = True) -> tuple[int, int]:
+    """Two positive integers 'A,B' (A <= B when ordered), or a clear error naming the option."""
+    try:
+        a, b = (int(v) for v in text.split(","))
+    except ValueError:
+        raise click.BadParameter(f"{text!r} is not two integers A,B", param_hint=hint) from None
+    if a < 1 or b < 1 or (ordered and a > b):
+        raise click.BadParameter(f"{text!r} is invalid: need two integers >= 1" + (", low first" if ordered else ""),
+                                 param_hint=hint)
+    return a, b
+
+
 def _ratio(a, b):
     return None if a is None or b is None or b == 0 else a / b
 
@@ -96,14 +108,23 @@ def _print_table(threads: int, cmp: dict, flips: dict | None, boot_ms: dict) -> 
 @click.option("--model", default=None, help="HF-format model directory (default: the embedded SmolLM2-135M-Instruct).")
 @click.option("--threads", type=int, default=None, help="Threads for both engines (default: torch's).")
 @click.option("--num-prompts", type=int, default=64, show_default=True)
+@click.option("--prompt-len", default="16,512", show_default=True, help="Offline prompt lengths: LOW,HIGH tokens.")
+@click.option("--output-len", default="16,128", show_default=True, help="Offline output lengths: LOW,HIGH tokens.")
+@click.option("--single-len", default="128,64", show_default=True,
+              help="Single stream: PROMPT,OUTPUT tokens (OUTPUT >= 2).")
 @click.option("--hf-batch-size", type=int, default=16, show_default=True,
               help="HF's batch (its best measured on 2 cores; see the README).")
 @click.option("--parts", default=",".join(PARTS), show_default=True, help="Which parts to run.")
 @click.option("--no-hf", is_flag=True, help="Skip HF transformers (engine figures only).")
 @click.option("--flip-world-size", type=int, default=2, show_default=True)
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of the table.")
-def bench(model, threads, num_prompts, hf_batch_size, parts, no_hf, flip_world_size, as_json):
+def bench(model, threads, num_prompts, prompt_len, output_len, single_len, hf_batch_size, parts, no_hf,
+          flip_world_size, as_json):
     """Offline throughput, single-stream decode and TTFT against HF transformers; flips against their copy floor."""
+    prompt_len, output_len = _pair("--prompt-len", prompt_len), _pair("--output-len", output_len)
+    single_prompt, single_out = _pair("--single-len", single_len, ordered=False)
+    if single_out < 2:
+        raise click.BadParameter(f"output {single_out} is too short: ms per token needs >= 2", param_hint="--single-len")
     chosen = tuple(p for p in parts.split(",") if p)
     bad = [p for p in chosen if p not in PARTS]
     if bad:
@@ -113,15 +134,15 @@ def bench(model, threads, num_prompts, hf_batch_size, parts, no_hf, flip_world_s
     from phaseflip.engine.tokenizer import load_tokenizer
     model_dir = str(model or ensure_default_model())
     tok = load_tokenizer(model_dir)
-    off = offline_workload(tok, num_prompts) if "offline" in chosen else None
-    single = single_stream_workload(tok) if "single" in chosen else None
+    off = offline_workload(tok, num_prompts, prompt_len, output_len) if "offline" in chosen else None
+    single = single_stream_workload(tok, single_prompt, single_out) if "single" in chosen else None
     max_len = max([len(p) + m for w in (off, single) if w for p, m in zip(w.prompts, w.max_tokens)] + [256])
     engine = bench_engine.run_single_rank(model_dir, threads, off, single, max_len)
     hf = None
     if not no_hf and (off or single):
         work = {"pad_id": tok.eos_token_id or 0, "offline": off and off.to_json(), "single": single and single.to_json()}
         hf = _run_hf(model_dir, work, threads, hf_batch_size)
-    flips = (bench_engine.run_flips(model_dir, flip_world_size, 4, FLIP_PROMPTS) if "flips" in chosen else None)
+    flips = (bench_engine.run_flips(model_dir, flip_world_size, 4, FLIP_PROMPTS, max_len) if "flips" in chosen else None)
     cmp = _compare(engine, hf)
     if as_json:
         click.echo(json.dumps({"threads": threads, "compare": cmp, "engine_boot_ms": engine["boot_ms"],

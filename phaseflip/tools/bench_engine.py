@@ -87,9 +87,9 @@ def flip_rows(flip_log: list[dict], gbps: float) -> list[dict]:
     return rows
 
 
-def run_flips(model: str | None, world_size: int, flip_every: int, prompts: list[str]) -> dict:
+def run_flips(model: str | None, world_size: int, flip_every: int, prompts: list[str], max_model_len: int) -> dict:
     gbps = memcpy_gbps()
-    with LLM(model=model, dtype="float32", world_size=world_size, park="always", max_model_len=1024,
+    with LLM(model=model, dtype="float32", world_size=world_size, park="always", max_model_len=max_model_len,
              flip_every_steps=flip_every) as llm:
         llm.generate(prompts, _greedy(48), use_tqdm=False)
         stats = llm.stats()

@@ -161,3 +161,29 @@ def test_boot_without_arguments_runs_the_demo_on_smollm2(default_model_dir):
     for q in DEMO_PROMPTS:
         assert f">>> {q}\n" in out
     _check_summary(out, len(DEMO_PROMPTS))
+
+
+# -- bench ---------------------------------------------------------------------------------------
+def test_bench_compares_with_hf_on_the_same_tokens(tiny):
+    """A small `phaseflip bench --json` on the tiny model: both engines run the same token ids, their
+    greedy fp32 outputs agree, and every ratio is a measured number (flips: two ranks, both layouts)."""
+    out = _ok(_invoke("bench", "--model", tiny, "--num-prompts", 3, "--prompt-len", "8,40",
+                      "--output-len", "4,12", "--single-len", "16,6", "--json"))
+    report = json.loads(out)
+    off, single = report["compare"]["offline"], report["compare"]["single"]
+    assert off["requests"] == 3 and off["equal_to_hf"] == 3
+    assert off["engine_tok_s"] > 0 and off["hf_tok_s"] > 0 and off["ratio"] > 0
+    assert single["decode_ratio"] > 0 and single["ttft_ratio"] > 0
+    flips = report["flips"]["flips"]
+    assert flips and all(f["ok"] and f["floor_ms"] > 0 and f["ratio"] > 0 for f in flips)
+
+
+@pytest.mark.parametrize("args,message", [
+    (("--prompt-len", "40,8"), "need two integers >= 1, low first"),
+    (("--output-len", "x"), "is not two integers"),
+    (("--single-len", "16,1"), "ms per token needs >= 2"),
+    (("--parts", "offline,warp"), "unknown part(s) ['warp']"),
+])
+def test_bench_rejects_bad_options_before_running(tiny, args, message):
+    result = _invoke("bench", "--model", tiny, *args)
+    assert result.exit_code != 0 and message in result.output
