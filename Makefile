@@ -29,8 +29,10 @@ model: $(VENV)/.installed
 demo: setup
 	$(VENV)/bin/phaseflip boot --world-size 2 --layouts pp,tp --park always
 
+# The soak (marked slow) fits the CI budget (about 20 s on 2 cores), so `make test` runs it too.
 test: setup
 	$(PY) -m pytest -q $(PYTEST_ARGS)
+	$(PY) -m pytest -q --runslow tests/reliability/test_soak.py
 
 test-slow: setup
 	$(PY) -m pytest -q --runslow $(PYTEST_ARGS)
