@@ -86,7 +86,8 @@ def _print_table(threads: int, cmp: dict, flips: dict | None, boot_ms: dict) -> 
         click.echo(f"single stream: decode engine {f(e['ms_per_token'])} ms/tok ({f(e['tokens_per_s'])} tok/s), "
                    f"HF {f(h.get('ms_per_token'))} ms/tok -> {f(s['decode_ratio'], '.2f')}x; TTFT engine "
                    f"{f(e['ttft_ms'])} ms, HF {f(h.get('ttft_ms'))} ms -> {f(s['ttft_ratio'], '.2f')} of HF's")
-    click.echo("boot (1 rank): " + ", ".join(f"{k} {v:.0f} ms" for k, v in boot_ms.items()))
+    if boot_ms:
+        click.echo("boot (1 rank): " + ", ".join(f"{k} {v:.0f} ms" for k, v in boot_ms.items()))
     if flips:
         click.echo(f"flips ({flips['world_size']} ranks, park always; memcpy {flips['memcpy_gbps']:.2f} GB/s "
                    f"this run); boot: " + ", ".join(f"{k} {v:.0f} ms" for k, v in flips["boot_ms"].items()))
@@ -137,7 +138,7 @@ def bench(model, threads, num_prompts, prompt_len, output_len, single_len, hf_ba
     off = offline_workload(tok, num_prompts, prompt_len, output_len) if "offline" in chosen else None
     single = single_stream_workload(tok, single_prompt, single_out) if "single" in chosen else None
     max_len = max([len(p) + m for w in (off, single) if w for p, m in zip(w.prompts, w.max_tokens)] + [256])
-    engine = bench_engine.run_single_rank(model_dir, threads, off, single, max_len)
+    engine = bench_engine.run_single_rank(model_dir, threads, off, single, max_len) if off or single else {}
     hf = None
     if not no_hf and (off or single):
         work = {"pad_id": tok.eos_token_id or 0, "offline": off and off.to_json(), "single": single and single.to_json()}
@@ -145,7 +146,7 @@ def bench(model, threads, num_prompts, prompt_len, output_len, single_len, hf_ba
     flips = (bench_engine.run_flips(model_dir, flip_world_size, 4, FLIP_PROMPTS, max_len) if "flips" in chosen else None)
     cmp = _compare(engine, hf)
     if as_json:
-        click.echo(json.dumps({"threads": threads, "compare": cmp, "engine_boot_ms": engine["boot_ms"],
+        click.echo(json.dumps({"threads": threads, "compare": cmp, "engine_boot_ms": engine.get("boot_ms"),
                                "flips": flips, "hf_transformers": hf and hf.get("transformers")}, indent=1))
     else:
-        _print_table(threads, cmp, flips, engine["boot_ms"])
+        _print_table(threads, cmp, flips, engine.get("boot_ms"))
