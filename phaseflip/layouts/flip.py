@@ -5,7 +5,8 @@ cutover.
 Owns: `run_flip`. It copies and only copies: no arena allocation, no weight packing, no capture
 (restore, never rebuild). A stage that fails on any rank makes every rank roll back from what is
 still on the host side: the send buffer, which holds every live KV byte of the rank (restored into
-the source view), and the source layout's host image (refilled when the target's was already copied in). The engine stays in the source layout.
+the source view), and the source layout's host image (refilled when the target's was already copied
+in). The engine stays in the source layout.
 """
 from __future__ import annotations
 
@@ -94,7 +95,8 @@ class _Flip:
         rt, plan = self.rt, self.rt.layout_plan
         src_shards, dst_shards = plan.spec(self.src).shards, plan.spec(self.dst).shards
         self.start_refill()
-        self.flat, self.in_splits = reshard.read(rt.kv.view(self.src), self.blocks, src_shards[rt.rank], dst_shards)
+        self.flat, self.in_splits = reshard.read(rt.kv.view(self.src), self.blocks, src_shards[rt.rank],
+                                                 dst_shards)
         self.splits = reshard.recv_splits(src_shards, dst_shards[rt.rank], self.blocks.numel(),
                                           rt.kv_block_size, rt.cfg.head_dim)
         self.received = self.flat.new_empty(sum(self.splits))
