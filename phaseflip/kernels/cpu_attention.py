@@ -95,7 +95,8 @@ def _decode_group(rows: list[int], starts, lens, block_tables, block_size, hkv) 
     return DecodeGroup(torch.tensor([starts[i] for i in rows]), _rows(slots, hkv), bias, length)
 
 
-def _prefill_row(start: int, stop: int, seq_len: int, block_row, block_size: int, hkv: int, group: int) -> PrefillRow:
+def _prefill_row(start: int, stop: int, seq_len: int, block_row, block_size: int, hkv: int,
+                 group: int) -> PrefillRow:
     n = stop - start
     if n == seq_len:  # the chunk is its whole context: its own K/V, plain causal
         return PrefillRow(start, stop, seq_len, None, None)
@@ -156,12 +157,13 @@ def _attend_prefill(q, k, v, k_rows, v_rows, row: PrefillRow, scale: float) -> t
         kc, vc = k.transpose(0, 1), v.transpose(0, 1)
         if group > 1:
             kc, vc = kc.repeat_interleave(group, dim=0), vc.repeat_interleave(group, dim=0)
-        out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], kc[None], vc[None], is_causal=True, scale=scale)
+        out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], kc[None], vc[None], is_causal=True,
+                                             scale=scale)
         return out[0].transpose(0, 1)
     kc = k_rows.index_select(0, row.gather).view(1, hkv, row.seq_len, d)
     vc = v_rows.index_select(0, row.gather).view(1, hkv, row.seq_len, d)
     qg = q.transpose(0, 1).reshape(1, hkv, group * n, d)
-    out = F.scaled_dot_product_attention(qg, kc, vc, attn_mask=row.bias.to(q.dtype), scale=scale)  # [1, Hkv, G*n, D]
+    out = F.scaled_dot_product_attention(qg, kc, vc, attn_mask=row.bias.to(q.dtype), scale=scale)  # [1,Hkv,G*n,D]
     return out.view(hq, n, d).transpose(0, 1)
 
 
@@ -169,7 +171,8 @@ def paged_attention_cpu(q, k, v, k_cache, v_cache, slot_mapping, block_tables, s
                         scale: float) -> torch.Tensor:
     """Store this step's K/V, then attend; the contract of kernels/attention.py. Returns [T, Hq, D]."""
     t, hkv, d = k.shape
-    plan = plan_for(slot_mapping, block_tables, seq_lens, query_start_loc, k_cache.shape[1], hkv, q.shape[1] // hkv)
+    plan = plan_for(slot_mapping, block_tables, seq_lens, query_start_loc, k_cache.shape[1], hkv,
+                    q.shape[1] // hkv)
     k_flat, v_flat = k_cache.view(-1, hkv * d), v_cache.view(-1, hkv * d)
     new_k, new_v = k.reshape(t, -1), v.reshape(t, -1)
     if plan.store_rows is not None:
