@@ -127,29 +127,18 @@ def test_boot_jsonl_prompts_and_messages(tiny, tmp_path):
         assert 1 <= len(row["token_ids"]) <= 8
 
 
-def test_boot_jsonl_line_without_a_prompt_is_a_clear_error(tiny, tmp_path):
+@pytest.mark.parametrize("bad_line,message", [
+    ('{"text": "no prompt field"}', "needs a 'prompt' or 'messages' field"),
+    ("not json at all", "is not JSON"),
+    ('"a prompt without its object"', "expected a JSON object, got str"),
+])
+def test_boot_jsonl_bad_line_is_a_clear_error(tiny, tmp_path, bad_line, message):
     prompts = tmp_path / "bad.jsonl"
-    prompts.write_text('{"prompt": "fine"}\n{"text": "no prompt field"}\n')
+    prompts.write_text('{"prompt": "fine"}\n' + bad_line + "\n")
     result = _invoke("boot", "--model", tiny, "--prompts", prompts)
-    assert result.exit_code == 2, result.output
-    assert "line 2" in result.output and "needs a 'prompt' or 'messages' field" in result.output
+    assert result.exit_code == 2, f"{result.exit_code}: {result.exception!r}\n{result.output}"
+    assert "line 2" in result.output and message in result.output
     assert "== summary ==" not in result.output
-
-
-def test_boot_jsonl_line_that_is_not_json_is_a_clear_error(tiny, tmp_path):
-    prompts = tmp_path / "bad.jsonl"
-    prompts.write_text('{"prompt": "fine"}\nnot json at all\n')
-    result = _invoke("boot", "--model", tiny, "--prompts", prompts)
-    assert result.exit_code == 2, f"{result.exit_code}: {result.exception!r}"
-    assert "line 2" in result.output
-
-
-def test_boot_jsonl_line_that_is_not_an_object_is_a_clear_error(tiny, tmp_path):
-    prompts = tmp_path / "bad.jsonl"
-    prompts.write_text('{"prompt": "fine"}\n"a prompt without its object"\n')
-    result = _invoke("boot", "--model", tiny, "--prompts", prompts)
-    assert result.exit_code == 2, f"{result.exit_code}: {result.exception!r}"
-    assert "line 2" in result.output
 
 
 # -- the acceptance: `phaseflip boot` with no arguments -----------------------------------------
