@@ -2,7 +2,7 @@
 
 Owns: `measure_memory` (what the process holds at the end of boot: RSS on the CPU, allocator and
 device totals on CUDA) and `rank_ledger`, which attributes the budget to arena, KV region (usable and
-unusable blocks of each view), graph pool, static buffers, staging reserve, host images (CPU: the host
+unusable blocks of each view), graph pool (CPU: the RSS the boot's GEMM warm-up added), static buffers, staging reserve, host images (CPU: the host
 is the device), framework overhead and free. `free` is the remainder, so the terms sum to the budget
 exactly; an unmeasured term is None and then `free` is None too, with the reason in `unmeasured`.
 """
@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 
-def _rss_bytes() -> int | None:
+def rss_bytes() -> int | None:
     try:
         with open("/proc/self/status") as f:
             for line in f:
@@ -24,7 +24,7 @@ def _rss_bytes() -> int | None:
 
 def measure_memory(rt) -> dict:
     if rt.device == "cpu":
-        return {"kind": "cpu", "rss_bytes": _rss_bytes()}
+        return {"kind": "cpu", "rss_bytes": rss_bytes()}
     free, total = torch.cuda.mem_get_info(rt.device)
     return {"kind": "cuda", "device_total": total, "device_free": free,
             "reserved": torch.cuda.memory_reserved(rt.device), "allocated": torch.cuda.memory_allocated(rt.device)}
@@ -33,7 +33,7 @@ def measure_memory(rt) -> dict:
 def _pool_bytes(rt) -> int | None:
     steps = rt.registry.steps()
     if rt.device == "cpu":
-        return 0  # recorded CPU steps own no graph pool
+        return rt.gemm_bytes  # recorded CPU steps own no pool; their GEMMs (kernels/linear.py) do
     sizes = [s.pool_bytes for s in steps]
     return None if any(v is None for v in sizes) else sum(sizes)
 
@@ -45,7 +45,7 @@ def _framework(rt, known: int, pool: int | None) -> int | None:
         # Resident at boot: arena, buffers and host images are touched; the KV region is calloc'd
         # and mostly untouched, so it is not in the RSS yet.
         touched = rt.arena.num_bytes + rt.buffers.num_bytes + rt.host_image_bytes
-        return None if m["rss_bytes"] is None else m["rss_bytes"] - touched
+        return None if m["rss_bytes"] is None or pool is None else m["rss_bytes"] - touched - pool
     if pool is None:
         return None
     used = m["device_total"] - m["device_free"]

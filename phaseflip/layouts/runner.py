@@ -93,6 +93,16 @@ class LayoutRunner:
             self.compile_report[phase.value] = {"choice": choice, "compile_ms": compile_ms,
                                                 "compiled_ms": compiled_ms, "eager_ms": eager_ms}
 
+    def projections(self):
+        """(weight, bias, most rows it multiplies) of every projection this layout runs: the step's up
+        to max_tokens rows, the head's one row per sampled sequence."""
+        rows = self.shapes.max_tokens
+        for lw in self.weights.layers:
+            yield from ((lw.qkv_proj, lw.qkv_bias, rows), (lw.o_proj, None, rows),
+                        (lw.gate_up_proj, None, rows), (lw.down_proj, None, rows))
+        if self.shard.has_head:
+            yield self.weights.lm_head, None, self.shapes.max_num_seqs
+
     def capture_all(self, pool=None, stream=None) -> None:
         """Record one step per bucket of both phases (boot only): CUDA graphs when a pool is given."""
         for phase in Phase:

@@ -16,6 +16,7 @@ import torch
 
 from phaseflip.graphs.buffers import BufferSpec, StaticBuffers
 from phaseflip.graphs.registry import GraphRegistry
+from phaseflip.kernels import linear
 from phaseflip.kernels.rotary import cos_sin_table
 from phaseflip.layouts.arena import WeightArena, pack_image
 from phaseflip.layouts.flip import InjectedFault, run_flip
@@ -27,7 +28,7 @@ from phaseflip.layouts.runner import LayoutRunner
 from phaseflip.layouts.sampler import Sampler
 from phaseflip.layouts.shard import shard_weights
 from phaseflip.layouts.step_inputs import buffer_specs
-from phaseflip.layouts.ledger import measure_memory, rank_ledger
+from phaseflip.layouts.ledger import rss_bytes, measure_memory, rank_ledger
 from phaseflip.layouts.timing import timed
 
 log = logging.getLogger("phaseflip")
@@ -82,6 +83,7 @@ class RankRuntime:
         self.registry = GraphRegistry()
         self.runners = self._make_runners(boot, dtype)
         self.host_image_bytes = sum(img.num_bytes for img in images.values())
+        self.gemm_bytes: int | None = 0 if self.device == "cpu" else None  # RSS the CPU GEMM warm-up added
         self._capture(boot)
         self.active = boot.layouts[0]
         self.arena.refill(self.active)
@@ -124,13 +126,20 @@ class RankRuntime:
         for name in boot.layouts:
             self.arena.refill(name)
             runner = self.runners[name]
+            rss = rss_bytes()
+            with self._timed(f"gemm_warm:{name}"):
+                gemms = linear.warm(runner.projections())
+            if self.gemm_bytes is not None:
+                grew = None if rss is None else rss_bytes() - rss
+                self.gemm_bytes = None if grew is None else self.gemm_bytes + grew
             with self._timed(f"compile:{name}"):
                 runner.prepare_compiled(boot.compile, cuda)
             with self._timed(f"capture:{name}"):
                 self.faults.check("capture")
                 if boot.capture:
                     runner.capture_all(self.pool, stream)
-            log.info("rank %d: layout %s compiled (%s) and captured %d steps in %.0f ms", self.rank, name,
+            log.info("rank %d: layout %s: %d GEMMs warmed, compiled (%s), captured %d steps in %.0f ms",
+                     self.rank, name, gemms,
                      ", ".join(f"{k}: {v['choice']}" for k, v in runner.compile_report.items()),
                      sum(1 for st in self.registry.steps() if st.key.layout == name),
                      self.boot_ms[f"capture:{name}"])

@@ -35,7 +35,7 @@ def steps_table(m: dict) -> list[str]:
         buckets = ",".join(str(s["bucket"]) for s in sorted(steps, key=lambda s: s["bucket"]))
         ms = sum(s["capture_ms"] for s in steps)
         pool = [s["pool_bytes"] for s in steps]
-        pool_txt = ("none (no graph pool off CUDA)" if backend != "cuda" else
+        pool_txt = ("none (off CUDA: the ledger's graph_pool is the GEMM warm-up)" if backend != "cuda" else
                     "null" if any(p is None for p in pool) else _mib(sum(pool)) + " MiB")
         lines.append(f"  {layout:3} {phase:8} {backend:9} {len(steps):3} steps  buckets {buckets}  "
                      f"capture {ms:.1f} ms  pool {pool_txt}")
