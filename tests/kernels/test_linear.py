@@ -60,3 +60,10 @@ def test_no_gemm_is_built_after_boot(tiny_model_dir, monkeypatch):
     served = set(rows[booted:])
     assert served, "the generate never reached oneDNN: the test proves nothing"
     assert served <= at_boot, f"GEMMs built after boot: {sorted(served - at_boot)}"
+
+
+def test_without_onednn_every_product_takes_the_mkl_paths(monkeypatch):
+    monkeypatch.setattr(lin, "_onednn", False)   # as where the build lacks it or its self-check failed
+    x, w = torch.randn(40, 16), torch.randn(24, 16)
+    torch.testing.assert_close(lin.linear(x, w), F.linear(x, w))
+    assert lin.warm([(w, None, 40)]) == 0
