@@ -1,17 +1,17 @@
 """Dense projections (x @ W^T) for the model maths on the CPU: oneDNN's GEMM on a ladder of row counts,
 and the weight-stationary form for a few rows.
 
-Owns: `linear`, the row ladder (`row_bucket`) and `warm`, which creates the GEMM of every ladder size at
-boot.
+Owns: `linear`, the row ladder (`row_bucket`) and `warm`, which builds every ladder GEMM at boot.
 - torch's CPU F.linear calls MKL's sgemm, which on the project's AMD CPUs (Zen, AVX-512) runs its AVX2
   code: ~210 GFLOPS on 2 cores at 512 rows. oneDNN, which torch also ships (the op inductor's CPU
   fusions call, `mkldnn::_linear_pointwise`), picks its kernel by the CPU's features and reaches ~460 on
   the same shapes (SmolLM2-135M's projections, torch 2.13; at 64 rows 260-350 against 150-180).
-- oneDNN builds (JIT-compiles) one GEMM per row count and keeps it: ~0.75 MB each, measured. Fed every
-  row count a server meets, a process grew by 200 MB in 200 calls. So rows are padded up to a ladder
-  (multiples of 8 to 64, then 8 steps per doubling: padding <= 12.5%; a full 512-token chunk is on it
-  and pays no copy) and `warm` creates every ladder GEMM a rank can meet at boot, like a graph capture:
-  nothing is built later, and what the GEMMs hold is measured then.
+- oneDNN builds (JIT-compiles) one GEMM per row count and keeps it; with the heap the allocator keeps
+  for its scratch, each costs ~0.5 MB plus ~4 bytes per output element (measured: 0.7 MB at 64 x 3072,
+  4.7 MB at ~400 x 3072). Fed every row count a server meets, a rank grew by 200 MB in 200 calls. So
+  rows are padded up to a ladder (multiples of 8 to 64, then 8 steps per doubling: padding <= 12.5%; a
+  full 512-token chunk is on it and pays no copy) and `warm` builds every ladder GEMM a rank can meet
+  at boot, like a graph capture: nothing is built later, and what the GEMMs hold is measured then.
 - For a handful of rows (decode) GEMMs stream the weight at well below the memory bandwidth, while the
   product written W @ x^T takes MKL's skinny GEMM path and streams it near the bandwidth (every
   projection of a step, weights out of cache: 1 row 33.7 -> 16.2 ms, 2 rows 59.0 -> 16.6). One row is
@@ -37,13 +37,15 @@ def _onednn_op():
     global _onednn
     if _onednn is None:
         _onednn = False
-        op = getattr(torch.ops.mkldnn, "_linear_pointwise", None) if torch.backends.mkldnn.is_available() else None
-        if op is not None:
-            x, w, b = torch.linspace(-1, 1, 48).view(6, 8), torch.linspace(1, -1, 40).view(5, 8), torch.ones(5)
+        op = getattr(torch.ops.mkldnn, "_linear_pointwise", None)
+        if op is not None and torch.backends.mkldnn.is_available():
+            x, w = torch.linspace(-1, 1, 48).view(6, 8), torch.linspace(1, -1, 40).view(5, 8)
+            b = torch.ones(5)
             try:
-                _onednn = op if torch.allclose(op(x, w, b, "none", [], ""), F.linear(x, w, b), atol=1e-5) else False
+                same = torch.allclose(op(x, w, b, "none", [], ""), F.linear(x, w, b), atol=1e-5)
             except RuntimeError:
-                pass
+                same = False
+            _onednn = op if same else False
     return _onednn
 
 
@@ -55,22 +57,25 @@ def row_bucket(m: int) -> int:
     return -(-m // step) * step
 
 
-def _uses_onednn(x: torch.Tensor) -> bool:
-    return (not x.is_cuda and x.dim() == 2 and x.dtype == torch.float32 and x.shape[0] > SMALL_BATCH
-            and not torch.compiler.is_compiling() and _onednn_op() is not False)
+def _onednn_for(x: torch.Tensor):
+    """The oneDNN op where it runs this product (CPU, float32, eager, > SMALL_BATCH rows), else None."""
+    if x.is_cuda or x.dim() != 2 or x.dtype != torch.float32 or x.shape[0] <= SMALL_BATCH:
+        return None
+    return None if torch.compiler.is_compiling() else (_onednn_op() or None)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     # x: [M, K], weight: [N, K] -> [M, N]
     m = x.shape[0]
-    if _uses_onednn(x):
+    op = _onednn_for(x)
+    if op is not None:
         rows = row_bucket(m)
         if rows != m:
             padded = x.new_empty(rows, x.shape[1])
             padded[:m] = x
             padded[m:].zero_()
             x = padded
-        return _onednn(x.contiguous(), weight, bias, "none", [], "")[:m]
+        return op(x.contiguous(), weight, bias, "none", [], "")[:m]
     if x.is_cuda or x.dim() != 2 or not 1 <= m <= SMALL_BATCH:
         return F.linear(x, weight, bias)
     cols = x.repeat(2, 1) if m == 1 else x                   # [M', K]
@@ -89,9 +94,10 @@ def warm(projections: Iterable[tuple[torch.Tensor, torch.Tensor | None, int]]) -
             seen[key] = (w, b, max_rows)
     runs = 0
     for w, b, max_rows in seen.values():
-        x = torch.zeros(row_bucket(max_rows), w.shape[1], dtype=w.dtype, device=w.device)
-        if not _uses_onednn(x):
+        probe = torch.empty(SMALL_BATCH + 1, w.shape[1], dtype=w.dtype)
+        if w.device.type != "cpu" or _onednn_for(probe) is None:
             continue
+        x = torch.zeros(row_bucket(max_rows), w.shape[1], dtype=w.dtype)
         for rows in sorted({row_bucket(m) for m in range(SMALL_BATCH + 1, max_rows + 1)}):
             linear(x[:rows], w, b)
             runs += 1

@@ -2,9 +2,10 @@
 
 Owns: `measure_memory` (what the process holds at the end of boot: RSS on the CPU, allocator and
 device totals on CUDA) and `rank_ledger`, which attributes the budget to arena, KV region (usable and
-unusable blocks of each view), graph pool (CPU: the RSS the boot's GEMM warm-up added), static buffers, staging reserve, host images (CPU: the host
-is the device), framework overhead and free. `free` is the remainder, so the terms sum to the budget
-exactly; an unmeasured term is None and then `free` is None too, with the reason in `unmeasured`.
+unusable blocks of each view), graph pool (CPU: the RSS the boot's GEMM warm-up added), static
+buffers, staging reserve, host images (CPU: the host is the device), framework overhead and free.
+`free` is the remainder, so the terms sum to the budget exactly; an unmeasured term is None and then
+`free` is None too, with the reason in `unmeasured`.
 """
 from __future__ import annotations
 

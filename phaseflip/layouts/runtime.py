@@ -28,7 +28,7 @@ from phaseflip.layouts.runner import LayoutRunner
 from phaseflip.layouts.sampler import Sampler
 from phaseflip.layouts.shard import shard_weights
 from phaseflip.layouts.step_inputs import buffer_specs
-from phaseflip.layouts.ledger import rss_bytes, measure_memory, rank_ledger
+from phaseflip.layouts.ledger import measure_memory, rank_ledger, rss_bytes
 from phaseflip.layouts.timing import timed
 
 log = logging.getLogger("phaseflip")
@@ -129,9 +129,9 @@ class RankRuntime:
             rss = rss_bytes()
             with self._timed(f"gemm_warm:{name}"):
                 gemms = linear.warm(runner.projections())
+            after = rss_bytes()
             if self.gemm_bytes is not None:
-                grew = None if rss is None else rss_bytes() - rss
-                self.gemm_bytes = None if grew is None else self.gemm_bytes + grew
+                self.gemm_bytes = None if rss is None or after is None else self.gemm_bytes + after - rss
             with self._timed(f"compile:{name}"):
                 runner.prepare_compiled(boot.compile, cuda)
             with self._timed(f"capture:{name}"):
