@@ -132,7 +132,7 @@ def plan_layouts(cfg: ModelConfig, budgets: Sequence[float], *, pp_split: Sequen
     if mismatch:
         notes.append(f"layer fraction != kv-head fraction on {'; '.join(mismatch)}: the usable KV block "
                      f"count will be the minimum over ranks and views (see usable_blocks)")
-    return LayoutPlan(pp=_pp_layout(cfg, layers), tp=_tp_layout(cfg, kv, weights), kv_heads=kv, layers=layers,
+    return LayoutPlan(pp=_pp_layout(cfg, layers), tp=_tp_layout(cfg, kv), kv_heads=kv, layers=layers,
                       balanced=not mismatch, notes=tuple(notes))
 
 
@@ -241,12 +241,9 @@ def _pp_layout(cfg: ModelConfig, layers: tuple[int, ...]) -> LayoutSpec:
     return LayoutSpec("pp", shards)
 
 
-def _tp_layout(cfg: ModelConfig, kv: tuple[int, ...], weights: Sequence) -> LayoutSpec:
-    # KV heads come in a few indivisible units (SmolLM2: 3 over 2 ranks is [2, 1]); the MLP columns and
-    # vocab rows are fine-grained, so they follow the budgets themselves, not the rounded head split:
-    # on equal budgets each rank does half the MLP and head work, and refills half of those bytes.
-    mlp = _spans(proportional_split(cfg.intermediate_size, weights, "MLP intermediate columns"))
-    vocab = _spans(proportional_split(cfg.vocab_size, weights, "vocab rows"))
+def _tp_layout(cfg: ModelConfig, kv: tuple[int, ...]) -> LayoutSpec:
+    mlp = _spans(proportional_split(cfg.intermediate_size, kv, "MLP intermediate columns"))
+    vocab = _spans(proportional_split(cfg.vocab_size, kv, "vocab rows"))
     shards = tuple(RankShard(layers=Span(0, cfg.num_layers), kv_heads=h, mlp=m, vocab=v,
                              has_embed=True, has_head=True, tp_size=len(kv))
                    for h, m, v in zip(_spans(kv), mlp, vocab))

@@ -63,10 +63,9 @@ def test_smollm2_over_two_equal_ranks_is_kv_2_1_and_layers_20_10():
     assert spans(plan.pp.shards, "layers") == [(0, 20), (20, 10)]
     assert spans(plan.tp.shards, "kv_heads") == [(0, 2), (2, 1)]
     assert [s.q_heads(SMOL) for s in plan.tp.shards] == [Span(0, 6), Span(6, 3)]
-    # MLP columns and vocab rows follow the (equal) budgets, not the rounded head split
-    assert spans(plan.tp.shards, "mlp") == [(0, 768), (768, 768)]
-    assert spans(plan.tp.shards, "vocab") == [(0, 24576), (24576, 24576)]
-    assert any("rounded to [2, 1]" in note for note in plan.notes)  # why rank 0 holds more heads
+    assert spans(plan.tp.shards, "mlp") == [(0, 1024), (1024, 512)]
+    assert spans(plan.tp.shards, "vocab") == [(0, 32768), (32768, 16384)]
+    assert any("rounded to [2, 1]" in note for note in plan.notes)  # why rank 0 holds more than half
     assert_well_formed(plan, SMOL)
 
 
@@ -90,8 +89,7 @@ def test_five_layers_two_kv_heads_cannot_balance_and_the_tie_goes_to_rank_0():
 def test_heterogeneous_budgets_split_by_largest_remainder():
     plan = plan_layouts(LLAMA8, HETERO)  # quotas 3.61, 2.14, 2.25 -> floors 3,2,2, the spare head to rank 0
     assert (plan.kv_heads, plan.layers, plan.balanced) == ((4, 2, 2), (16, 8, 8), True)
-    # heads are indivisible units (rounded); MLP columns follow the budgets: 14336 * 31.8/70.4 = 6475.6 ...
-    assert spans(plan.tp.shards, "mlp") == [(0, 6476), (6476, 3828), (10304, 4032)]
+    assert spans(plan.tp.shards, "mlp") == [(0, 7168), (7168, 3584), (10752, 3584)]
     assert_well_formed(plan, LLAMA8)
     assert plan_layouts(SMOL, HETERO).kv_heads == (1, 1, 1)
 
