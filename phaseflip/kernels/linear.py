@@ -70,11 +70,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     op = _onednn_for(x)
     if op is not None:
         rows = row_bucket(m)
-        if rows != m:
-            padded = x.new_empty(rows, x.shape[1])
-            padded[:m] = x
-            padded[m:].zero_()
-            x = padded
+        if rows != m:  # zero rows up to the ladder size (F.pad copies even when it adds nothing)
+            x = F.pad(x, (0, 0, 0, rows - m))
         return op(x.contiguous(), weight, bias, "none", [], "")[:m]
     if x.is_cuda or x.dim() != 2 or not 1 <= m <= SMALL_BATCH:
         return F.linear(x, weight, bias)
