@@ -9,6 +9,19 @@ import pytest
 from tests.models import make_tiny_model, make_tokenizer
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _eager_by_default():
+    """Engines the tests build run eager unless a test asks for compile: inductor compiles for seconds
+    per layout on 2 cores (tests of the compiled path pass compile= themselves)."""
+    old = os.environ.get("PHASEFLIP_COMPILE")
+    os.environ["PHASEFLIP_COMPILE"] = "off"
+    yield
+    if old is None:
+        os.environ.pop("PHASEFLIP_COMPILE", None)
+    else:
+        os.environ["PHASEFLIP_COMPILE"] = old
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory):
     """Factory: tiny_model_dir("qwen2", tie=True, sharded=True) -> Path, built once per argument set.

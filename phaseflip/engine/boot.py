@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 from dataclasses import dataclass
 
 import torch
 
 from phaseflip.engine.config import EngineConfig
+from phaseflip.engine.default_model import cache_dir
 from phaseflip.engine.loader import resolve_dtype
 from phaseflip.layouts.messages import RankBoot
 from phaseflip.layouts.model_config import ModelConfig
@@ -42,6 +44,16 @@ def resolve_device(device: str) -> str:
     if device == "cuda" and not torch.cuda.is_available():
         raise ValueError("device='cuda' was asked for but torch sees no CUDA device; use device='cpu'")
     return device
+
+
+def resolve_compile(option: str | None) -> str:
+    """The compile option a boot runs with: the one given, else $PHASEFLIP_COMPILE, else auto."""
+    if option is not None:
+        return option
+    value = os.environ.get("PHASEFLIP_COMPILE", "auto")
+    if value not in ("auto", "on", "off"):
+        raise ValueError(f"PHASEFLIP_COMPILE={value!r} is invalid: allowed are auto, on, off")
+    return value
 
 
 def default_decode_buckets(max_num_seqs: int) -> tuple[int, ...]:
@@ -152,5 +164,6 @@ def rank_boot(cfg: EngineConfig, plan: BootPlan) -> RankBoot:
                     device=plan.device, layout_plan=plan.layout_plan, layouts=cfg.layouts,
                     shapes=plan.shapes, num_kv_blocks=plan.num_kv_blocks,
                     max_model_len=plan.max_model_len, park=cfg.park, seed=cfg.seed,
-                    capture=not cfg.enforce_eager, num_threads=cfg.num_threads, compile=cfg.compile,
+                    capture=not cfg.enforce_eager, num_threads=cfg.num_threads, compile=resolve_compile(cfg.compile),
+                    compile_cache_dir=str(cache_dir() / "compile"),
                     budgets_bytes=plan.budgets_bytes)

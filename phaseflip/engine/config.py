@@ -48,7 +48,7 @@ class EngineConfig:
     rank_budgets: tuple[float, ...] | None = None  # relative capacity per rank (CPU simulation)
     rank_memory_gib: tuple[float, ...] | None = None  # memory budget per rank for the ledger (CPU);
                                                       # None = RAM / world_size (CPU), the device (CUDA)
-    compile: str = "auto"               # auto (CUDA: compile; CPU: eager) | on | off
+    compile: str | None = None          # auto | on | off; None = $PHASEFLIP_COMPILE, else auto
     policy: str = "throughput"          # which layout runs next: throughput | latency | drain
     ttft_budget_s: float | None = None  # policy="latency": the time-to-first-token budget
     def __post_init__(self):
@@ -79,8 +79,8 @@ class EngineConfig:
         _check((self.policy == "latency") == (self.ttft_budget_s is not None),
                f"ttft_budget_s={self.ttft_budget_s!r} is invalid with policy={self.policy!r}: "
                f"policy='latency' needs a ttft_budget_s > 0, the others take none")
-        _check(self.compile in ("auto", "on", "off"),
-               f"compile={self.compile!r} is invalid: allowed are auto, on, off")
+        _check(self.compile in (None, "auto", "on", "off"),
+               f"compile={self.compile!r} is invalid: allowed are auto, on, off (or None)")
         for name in ("pp_split", "tp_kv_split", "rank_budgets", "rank_memory_gib"):
             value = getattr(self, name)
             if value is not None:

@@ -1,18 +1,35 @@
-"""Compiling a step function with inductor, and measuring whether it pays (CPU).
+"""Compiling a step's repeated unit with inductor, and measuring whether it pays (CPU).
 
-Owns: `compile_step` (torch.compile with a dynamic token dimension: one compile serves every bucket of
-a role) and `time_step` (the median wall time of a step, for the eager-vs-compiled choice on the CPU,
-where MEASURED.md found compiled steps no faster than eager)."""
+Owns: `compile_region` (torch.compile with a dynamic token dimension, applied to one decoder layer so
+that identical layers and every bucket share one compiled graph), `use_cache_dir` (inductor's and
+Triton's on-disk caches under a directory the caller names, so a second boot loads what the first
+compiled) and `time_step` (the median wall time of a step, for the eager-vs-compiled choice)."""
 from __future__ import annotations
 
+import os
 import statistics
 import time
 
 import torch
 
 
-def compile_step(fn):
-    return torch.compile(fn, dynamic=True)
+def compile_region(fn):
+    """fn compiled once for every call site with the same guards: a dynamic token dimension (0/1
+    still specialise), tensors that differ only in contents or address (each layer's weights) share
+    one compiled graph."""
+    return torch.compile(fn, dynamic=None)
+
+
+def use_cache_dir(root: str) -> dict[str, str]:
+    """Point inductor's and Triton's caches below root unless the user set them; returns where they
+    are. Boot calls this before anything compiles (never at import)."""
+    paths = {"TORCHINDUCTOR_CACHE_DIR": os.path.join(root, "inductor"),
+             "TRITON_CACHE_DIR": os.path.join(root, "triton")}
+    for name, path in paths.items():
+        os.environ.setdefault(name, path)
+    limit = max(64, getattr(torch._dynamo.config, "cache_size_limit", 8))
+    torch._dynamo.config.cache_size_limit = limit  # guard sets of one layer fn: per layout x role
+    return {name: os.environ[name] for name in paths}
 
 
 def time_step(fn, views: dict[str, torch.Tensor], repeats: int = 3) -> float:

@@ -140,12 +140,13 @@ def _attend_decode(q, k_rows, v_rows, g: DecodeGroup, scale: float) -> torch.Ten
     # q: [n, Hq, D]; k_rows / v_rows: the caches viewed as [slots * Hkv, D]
     n, hq, d = q.shape
     hkv = g.gather.numel() // (n * g.length)
-    k = k_rows.index_select(0, g.gather).view(n * hkv, g.length, d)
-    v = v_rows.index_select(0, g.gather).view(n * hkv, g.length, d)
-    s = torch.bmm(q.reshape(n * hkv, hq // hkv, d), k.transpose(1, 2)).mul_(scale)  # [n*Hkv, G, L]
+    # bf16/fp16 caches are read into float32 (CPU bmm and softmax on half types are many times slower)
+    k = k_rows.index_select(0, g.gather).view(n * hkv, g.length, d).float()
+    v = v_rows.index_select(0, g.gather).view(n * hkv, g.length, d).float()
+    s = torch.bmm(q.reshape(n * hkv, hq // hkv, d).float(), k.transpose(1, 2)).mul_(scale)  # [n*Hkv, G, L]
     if g.bias is not None:
         s.view(n, hkv, -1, g.length).add_(g.bias)
-    return torch.bmm(s.softmax(-1), v).view(n, hq, d)
+    return torch.bmm(s.softmax(-1), v).view(n, hq, d).to(q.dtype)
 
 
 def _attend_prefill(q, k, v, k_rows, v_rows, row: PrefillRow, scale: float) -> torch.Tensor:

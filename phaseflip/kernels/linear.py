@@ -26,6 +26,7 @@ from typing import Iterable
 import torch
 import torch.nn.functional as F
 
+GEMV_ROWS = 1     # rows a compiled CPU step multiplies with inductor's own reduction (measured)
 SMALL_BATCH = 4   # rows up to which the weight-stationary form is used on the CPU
 
 _onednn = None    # the oneDNN op, resolved on first use (no import-time work); False: not in this build
@@ -66,6 +67,22 @@ def _onednn_for(x: torch.Tensor):
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     # x: [M, K], weight: [N, K] -> [M, N]
+    if torch.compiler.is_compiling() and not x.is_cuda:
+        return _traced_cpu_linear(x, weight, bias)
+    return _eager_linear(x, weight, bias)
+
+
+def _traced_cpu_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """What a compiled CPU step runs: up to GEMV_ROWS rows as a reduction inductor writes itself (one
+    pass over the weight, which a GEMM library does not stream at the bandwidth for so few rows), more
+    as one opaque call to the eager GEMM paths below (oneDNN's ladder is built for them at boot)."""
+    if x.shape[0] <= GEMV_ROWS:
+        out = (weight[None] * x[:, None, :]).sum(-1, dtype=torch.float32).to(x.dtype)  # [M, N]
+        return out if bias is None else out + bias
+    return torch.ops.phaseflip.cpu_linear(x, weight, bias)
+
+
+def _eager_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     m = x.shape[0]
     op = _onednn_for(x)
     if op is not None:
@@ -78,6 +95,16 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     cols = x.repeat(2, 1) if m == 1 else x                   # [M', K]
     out = torch.mm(weight, cols.t())[:, :m].t().contiguous()   # [M, N]
     return out if bias is None else out.add_(bias)
+
+
+@torch.library.custom_op("phaseflip::cpu_linear", mutates_args=())
+def _cpu_linear_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return _eager_linear(x.contiguous(), weight, bias)
+
+
+@_cpu_linear_op.register_fake
+def _(x, weight, bias):
+    return x.new_empty((x.shape[0], weight.shape[0]))
 
 
 def warm(projections: Iterable[tuple[torch.Tensor, torch.Tensor | None, int]]) -> int:

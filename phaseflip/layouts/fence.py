@@ -24,7 +24,7 @@ ENTRY_POINTS = (
     ("phaseflip.graphs.capture", "capture_cuda"),
     ("phaseflip.layouts.runner", "capture_eager"),
     ("phaseflip.layouts.runner", "capture_cuda"),
-    ("phaseflip.layouts.runner", "compile_step"),
+    ("phaseflip.layouts.runner", "compile_region"),
 )
 
 

@@ -60,23 +60,32 @@ def mlp_block(lw: LayerWeights, h: torch.Tensor, comm: Comm) -> torch.Tensor:
     return comm.all_reduce(linear(silu_and_mul(linear(h, lw.gate_up_proj)), lw.down_proj))
 
 
+def decoder_layer(lw: LayerWeights, cfg: ModelConfig, shard: RankShard, delta: torch.Tensor | None,
+                  residual: torch.Tensor, meta: dict[str, torch.Tensor], kv: KVView, layer: int,
+                  cos_sin: torch.Tensor, comm: Comm) -> tuple[torch.Tensor, torch.Tensor]:
+    """One decoder layer: (the previous block's output, the residual stream) in, the same out. The
+    unit a compiled step compiles once and reuses for every layer of the model."""
+    eps = cfg.rms_norm_eps
+    h, residual = _add_norm(delta, residual, lw.input_layernorm, eps)
+    delta = attention_block(lw, cfg, shard, h, meta, kv, layer, cos_sin, comm)
+    h, residual = add_rms_norm(delta, residual, lw.post_attention_layernorm, eps)
+    return mlp_block(lw, h, comm), residual
+
+
 def forward(w: RankWeights, cfg: ModelConfig, shard: RankShard, meta: dict[str, torch.Tensor],
             kv: KVView, rope_table: torch.Tensor, comm: Comm,
-            hidden_in: torch.Tensor | None = None) -> torch.Tensor:
+            hidden_in: torch.Tensor | None = None, layer_fn=decoder_layer) -> torch.Tensor:
     """Run this rank's layers. meta: input_ids [T], positions [T] and the attention metadata of
     kernels/attention.py. The first stage embeds input_ids; a later stage takes hidden_in [T, H].
-    Returns [T, H]: final-normed on the stage that holds the head, the raw residual stream otherwise."""
+    Returns [T, H]: final-normed on the stage that holds the head, the raw residual stream otherwise.
+    layer_fn: decoder_layer itself, or a compiled version of it."""
     residual = embed(w, shard, meta["input_ids"], comm) if shard.has_embed else hidden_in  # [T, H]
     cos_sin = rope_table[meta["positions"]]                          # [T, D]
-    eps = cfg.rms_norm_eps
     delta = None  # the last block's output, not yet added to the residual stream (fused add + norm)
     for i, lw in enumerate(w.layers):
-        h, residual = _add_norm(delta, residual, lw.input_layernorm, eps)
-        delta = attention_block(lw, cfg, shard, h, meta, kv, i, cos_sin, comm)
-        h, residual = add_rms_norm(delta, residual, lw.post_attention_layernorm, eps)
-        delta = mlp_block(lw, h, comm)
+        delta, residual = layer_fn(lw, cfg, shard, delta, residual, meta, kv, i, cos_sin, comm)
     if shard.has_head:
-        return _add_norm(delta, residual, w.norm, eps)[0]
+        return _add_norm(delta, residual, w.norm, cfg.rms_norm_eps)[0]
     return residual if delta is None else residual + delta
 
 

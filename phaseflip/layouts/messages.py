@@ -30,6 +30,7 @@ class RankBoot:
     capture: bool
     num_threads: int | None = None
     compile: str = "auto"                                # auto | on | off (engine/config.py)
+    compile_cache_dir: str | None = None                 # inductor's and Triton's caches live below
     budgets_bytes: tuple[int, ...] | None = None         # memory budget per rank, for the ledger
     faults: tuple["ArmFault", ...] = ()                  # test hook: faults armed before boot starts
 

@@ -8,6 +8,7 @@ fits; an uncaptured size runs eagerly and is counted.
 """
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import dataclass
 
@@ -15,10 +16,10 @@ import torch
 
 from phaseflip.graphs.buffers import StaticBuffers
 from phaseflip.graphs.capture import StepKey, capture_cuda, capture_eager
-from phaseflip.graphs.compile import compile_step, time_step
+from phaseflip.graphs.compile import compile_region, time_step
 from phaseflip.graphs.registry import GraphRegistry
 from phaseflip.layouts.comm import NoComm
-from phaseflip.layouts.forward import compute_logits, forward
+from phaseflip.layouts.forward import compute_logits, decoder_layer, forward
 from phaseflip.layouts.kvcache import KVView
 from phaseflip.layouts.model_config import ModelConfig
 from phaseflip.layouts.plan import Phase, SampledToken, StepPlan
@@ -56,12 +57,13 @@ class LayoutRunner:
         self.output_rank = output_rank  # the layout spec's: where logits are sampled
         # The maths reduces partial sums over the ranks sharing a layer: nobody in PP.
         self.tp_comm = comm if self.shard.tp_size > 1 else NoComm()
-        self.fns = {phase.value: self.step_fn for phase in Phase}   # per role: eager or compiled
+        self.fns = {phase.value: self.step_fn for phase in Phase}   # per role: the compiled step, if any
+        self.choices: dict[tuple[str, int], str] = {}              # (role, bucket) -> "compiled" | "eager"
         self.compile_report: dict[str, dict] = {}
 
-    def step_fn(self, meta: dict[str, torch.Tensor]) -> torch.Tensor:
+    def step_fn(self, meta: dict[str, torch.Tensor], layer_fn=decoder_layer) -> torch.Tensor:
         return forward(self.weights, self.cfg, self.shard, meta, self.kv, self.rope_table, self.tp_comm,
-                       hidden_in=meta.get("hidden_in"))
+                       hidden_in=meta.get("hidden_in"), layer_fn=layer_fn)
 
     def _phase_sizes(self, phase: Phase) -> list[tuple[int, dict[str, int]]]:
         s = self.shapes
@@ -70,28 +72,44 @@ class LayoutRunner:
         return [(t, bucket_sizes(t, s.max_num_seqs)) for t in s.prefill_buckets]
 
     def prepare_compiled(self, mode: str, cuda: bool) -> None:
-        """Compile each role once (boot only). mode "on": compile; on the CPU keep the compiled step
-        only where it is measured faster than eager on the largest bucket. Every choice is reported."""
+        """Compile the decoder layer once for this layout (boot only; every layer and every bucket
+        reuse it). compile="on", and CUDA: every step runs compiled. "auto" on the CPU: each decode
+        bucket, and the prefill role at its largest bucket, keeps the compiled step only where it is
+        measured faster than eager. Every choice is reported with the numbers it was made from."""
+        if mode == "off":
+            for phase in Phase:
+                self.compile_report[phase.value] = {"choice": "eager", "reason": "compile='off'"}
+            return
+        compiled = functools.partial(self.step_fn, layer_fn=compile_region(decoder_layer))
+        measure = mode == "auto" and not cuda
         for phase in Phase:
-            if mode == "off" or (mode == "auto" and not cuda):
-                self.compile_report[phase.value] = {"choice": "eager", "reason": f"compile={mode!r} on "
-                                                    f"{'cuda' if cuda else 'cpu'}"}
-                continue
             t0 = time.perf_counter()
-            compiled = compile_step(self.step_fn)
-            views = self.buffers.views(self._phase_sizes(phase)[-1][1])
-            if cuda:
-                compiled(views)
-                self.fns[phase.value] = compiled
-                self.compile_report[phase.value] = {"choice": "compiled", "compile_ms": (time.perf_counter() - t0) * 1e3}
-                continue
-            compiled_ms = time_step(compiled, views)
-            compile_ms = (time.perf_counter() - t0) * 1e3
-            eager_ms = time_step(self.step_fn, views)
-            choice = "compiled" if compiled_ms < eager_ms else "eager"
-            self.fns[phase.value] = compiled if choice == "compiled" else self.step_fn
-            self.compile_report[phase.value] = {"choice": choice, "compile_ms": compile_ms,
-                                                "compiled_ms": compiled_ms, "eager_ms": eager_ms}
+            sizes = self._phase_sizes(phase)
+            # the buckets run at boot: each decode bucket (0/1 specialisation splits them), the
+            # largest prefill bucket (its dynamic graph serves the others)
+            probed = sizes if phase is Phase.DECODE else sizes[-1:]
+            report = {b: self._measure(compiled, self.buffers.views(sz), measure) for b, sz in probed}
+            for b, _ in sizes:
+                self.choices[(phase.value, b)] = report.get(b, report[probed[-1][0]])["choice"]
+            self.fns[phase.value] = compiled
+            picked = {self.choices[(phase.value, b)] for b, _ in sizes}
+            self.compile_report[phase.value] = {
+                "choice": picked.pop() if len(picked) == 1 else "per bucket",
+                "boot_ms": (time.perf_counter() - t0) * 1e3, "buckets": report,
+                "rule": ("measured: each decode bucket; prefill at its largest bucket, for all" if measure
+                         else f"compile={mode!r}{' on cuda' if cuda else ''}: compiled everywhere")}
+
+    def _measure(self, compiled, views: dict[str, torch.Tensor], measure: bool) -> dict:
+        """One bucket: the first compiled call (it compiles when no earlier bucket had these guards),
+        then, when measuring, the median of a few timed calls compiled and eager."""
+        t0 = time.perf_counter()
+        compiled(views)
+        first_ms = (time.perf_counter() - t0) * 1e3
+        if not measure:
+            return {"choice": "compiled", "first_call_ms": first_ms, "compiled_ms": None, "eager_ms": None}
+        compiled_ms, eager_ms = time_step(compiled, views), time_step(self.step_fn, views)
+        return {"choice": "compiled" if compiled_ms < eager_ms else "eager", "first_call_ms": first_ms,
+                "compiled_ms": compiled_ms, "eager_ms": eager_ms}
 
     def projections(self):
         """(weight, bias, most rows it multiplies) of every projection this layout runs: the step's up
@@ -109,12 +127,12 @@ class LayoutRunner:
             for bucket, sizes in self._phase_sizes(phase):
                 key = StepKey(self.layout, phase.value, bucket)
                 sizes = {**sizes, "hidden_in": sizes["input_ids"]}
-                fn = self.fns[phase.value]
+                backend = self.choices.get((phase.value, bucket), "eager")
+                fn = self.fns[phase.value] if backend == "compiled" else self.step_fn
                 if pool is not None:
                     step = capture_cuda(key, fn, self.buffers, sizes, pool, stream)
                 else:
-                    step = capture_eager(key, fn, self.buffers, sizes,
-                                         backend=self.compile_report.get(phase.value, {}).get("choice", "eager"))
+                    step = capture_eager(key, fn, self.buffers, sizes, backend=backend)
                 self.registry.add(step)
 
     def _run(self, plan: StepPlan, meta: dict[str, torch.Tensor]) -> torch.Tensor:

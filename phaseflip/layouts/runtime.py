@@ -15,6 +15,7 @@ from typing import Callable
 import torch
 
 from phaseflip.graphs.buffers import BufferSpec, StaticBuffers
+from phaseflip.graphs.compile import use_cache_dir
 from phaseflip.graphs.registry import GraphRegistry
 from phaseflip.kernels import linear
 from phaseflip.kernels.rotary import cos_sin_table
@@ -123,6 +124,8 @@ class RankRuntime:
         cuda = self.device != "cpu"
         self.pool = torch.cuda.graph_pool_handle() if cuda and boot.capture else None
         stream = torch.cuda.Stream(self.device) if self.pool is not None else None
+        if boot.compile != "off" and boot.compile_cache_dir is not None:
+            self.compile_caches = use_cache_dir(boot.compile_cache_dir)
         for name in boot.layouts:
             self.arena.refill(name)
             runner = self.runners[name]

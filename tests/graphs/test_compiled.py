@@ -1,29 +1,67 @@
-"""Compiled steps (inductor, dynamic token dimension) on the CPU: the measured choice is recorded,
-outputs match HF, and compiling/capturing writes nothing into the KV region. Slow: inductor compiles
-for tens of seconds per role on 2 cores."""
+"""Compiled steps (one decoder layer compiled by inductor and reused by every layer) on the CPU: the
+measured choice per bucket is recorded and used, outputs match HF, compiling and capturing write nothing
+into the KV region, the layer compiles once whatever the number of layers, and no step compiles after
+boot. Slow-marked where inductor compiles cold for tens of seconds on 2 cores."""
 import pytest
 import torch
+from torch._dynamo.utils import counters
 
 from phaseflip import LLM, SamplingParams
 from tests.engine.test_parity import _prompts
 from tests.models import compare_greedy, hf_greedy
 
-pytestmark = pytest.mark.slow
+ROLES = ("prefill", "decode")
 
 
-def test_compiled_steps_match_hf_and_record_their_measurement(tiny_model_dir):
+def _boot(d, compile_mode, tmp_path, monkeypatch):
+    monkeypatch.setenv("PHASEFLIP_CACHE", str(tmp_path))  # a cold compile cache of the test's own
+    for name in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR"):
+        monkeypatch.delenv(name, raising=False)
+    torch._dynamo.reset()  # forget graphs an earlier test compiled for the same layer function
+    counters.clear()
+    return LLM(model=str(d), dtype="float32", compile=compile_mode, max_num_seqs=4, max_num_batched_tokens=128,
+               decode_buckets=(1, 2, 4), prefill_buckets=(64, 128))
+
+
+@pytest.mark.slow
+def test_auto_measures_each_bucket_matches_hf_and_writes_no_kv(tiny_model_dir, tmp_path, monkeypatch):
     d = tiny_model_dir("llama")
     prompts = _prompts(384)[:4]
     expected = hf_greedy(d, prompts, 16)
-    with LLM(model=str(d), dtype="float32", compile="on", max_num_seqs=4, max_num_batched_tokens=128,
-             decode_buckets=(1, 2, 4), prefill_buckets=(64, 128)) as llm:
+    with _boot(d, "auto", tmp_path, monkeypatch) as llm:
         kv = llm.ranks.runtime.kv.buffer
         assert torch.count_nonzero(kv) == 0, "compiling and capturing wrote into the KV region"
         outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True), use_tqdm=False)
         m = llm.inspect()
     ok, _, msg = compare_greedy([o.outputs[0].token_ids for o in outs], expected)
     assert ok, msg
-    for role, report in m["ranks"][0]["compile"]["pp"].items():
-        assert report["choice"] in ("compiled", "eager")
-        assert report["compiled_ms"] > 0 and report["eager_ms"] > 0 and report["compile_ms"] > 0, role
-        assert {s["backend"] for s in m["steps"] if s["phase"] == role} == {report["choice"]}
+    report = m["ranks"][0]["compile"]["pp"]
+    assert set(report["decode"]["buckets"]) == {1, 2, 4} and set(report["prefill"]["buckets"]) == {128}
+    for role in ROLES:
+        for bucket, r in report[role]["buckets"].items():
+            assert r["compiled_ms"] > 0 and r["eager_ms"] > 0 and r["first_call_ms"] > 0, (role, bucket)
+            assert r["choice"] == ("compiled" if r["compiled_ms"] < r["eager_ms"] else "eager")
+    backends = {(s["phase"], s["bucket"]): s["backend"] for s in m["steps"]}
+    for bucket, r in report["decode"]["buckets"].items():
+        assert backends[("decode", bucket)] == r["choice"], bucket
+    assert {backends[("prefill", b)] for b in (64, 128)} == {report["prefill"]["buckets"][128]["choice"]}
+
+
+def test_one_layer_compiles_once_for_every_layer_and_nothing_compiles_after_boot(tiny_model_dir, tmp_path,
+                                                                                  monkeypatch):
+    d = tiny_model_dir("llama", num_layers=6)
+    prompts = _prompts(384)[:3]
+    expected = hf_greedy(d, prompts, 8)
+    with _boot(d, "on", tmp_path, monkeypatch) as llm:
+        graphs_at_boot = counters["stats"]["unique_graphs"]
+        outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+        m = llm.inspect()
+    ok, _, msg = compare_greedy([o.outputs[0].token_ids for o in outs], expected)
+    assert ok, msg
+    # 6 layers, 3 decode buckets, 1 prefill probe: the first layer (nothing to add yet) and the others,
+    # each at one row (0/1 specialisation) and at more: at most 2 x 3 graphs, never one per layer
+    assert 0 < graphs_at_boot <= 6, graphs_at_boot
+    assert counters["stats"]["unique_graphs"] == graphs_at_boot, "a step compiled after boot"
+    assert {s["backend"] for s in m["steps"]} == {"compiled"}
+    caches = llm.ranks.runtime.compile_caches
+    assert all(path.startswith(str(tmp_path / "compile")) for path in caches.values()), caches

@@ -69,3 +69,16 @@ def test_without_onednn_every_product_takes_the_mkl_paths(monkeypatch):
     x, w = torch.randn(40, 16), torch.randn(24, 16)
     torch.testing.assert_close(lin.linear(x, w), F.linear(x, w))
     assert lin.warm([(w, None, 40)]) == 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_compiled_step_multiplies_like_the_eager_one(dtype):
+    """Traced by torch.compile, one row takes inductor's own reduction and more rows the eager GEMM
+    paths as one opaque op: both give the eager answer."""
+    g = torch.Generator().manual_seed(0)
+    w, b = torch.randn(96, 64, generator=g).to(dtype), torch.randn(96, generator=g).to(dtype)
+    compiled = torch.compile(lin.linear, dynamic=None)
+    for m in (1, lin.GEMV_ROWS + 1, 40):
+        x = torch.randn(m, 64, generator=g).to(dtype)
+        tol = 1e-5 if dtype == torch.float32 else 2e-2
+        torch.testing.assert_close(compiled(x, w, b), lin.linear(x, w, b), rtol=tol, atol=tol * 8)
