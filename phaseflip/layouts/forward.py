@@ -96,6 +96,6 @@ def _add_norm(delta, residual, weight, eps):
     return add_rms_norm(delta, residual, weight, eps)
 
 
-def compute_logits(w: RankWeights, hidden: torch.Tensor) -> torch.Tensor:
-    # hidden: [N, H] (final-normed rows to sample) -> [N, V_rank] in float32
-    return linear(hidden, w.lm_head).float()
+def compute_logits(lm_head: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+    # hidden: [N, H] (final-normed rows to sample), lm_head: [V_rank, H] -> [N, V_rank] in float32
+    return linear(hidden, lm_head).float()

@@ -18,6 +18,7 @@ from phaseflip.graphs.buffers import StaticBuffers
 from phaseflip.graphs.capture import StepKey, capture_cuda, capture_eager
 from phaseflip.graphs.compile import compile_region, time_step
 from phaseflip.graphs.registry import GraphRegistry
+from phaseflip.kernels.linear import GEMV_ROWS
 from phaseflip.layouts.comm import NoComm
 from phaseflip.layouts.forward import compute_logits, decoder_layer, forward
 from phaseflip.layouts.kvcache import KVView
@@ -60,6 +61,7 @@ class LayoutRunner:
         self.fns = {phase.value: self.step_fn for phase in Phase}   # per role: the compiled step, if any
         self.choices: dict[tuple[str, int], str] = {}              # (role, bucket) -> "compiled" | "eager"
         self.compile_report: dict[str, dict] = {}
+        self.compiled_head = None    # the LM head compiled for a GEMV_ROWS-row decode (CPU), if any
 
     def step_fn(self, meta: dict[str, torch.Tensor], layer_fn=decoder_layer) -> torch.Tensor:
         return forward(self.weights, self.cfg, self.shard, meta, self.kv, self.rope_table, self.tp_comm,
@@ -82,6 +84,8 @@ class LayoutRunner:
             return
         compiled = functools.partial(self.step_fn, layer_fn=compile_region(decoder_layer))
         measure = mode == "auto" and not cuda
+        if not cuda and self.shard.has_head:
+            self._prepare_head(measure)
         for phase in Phase:
             t0 = time.perf_counter()
             sizes = self._phase_sizes(phase)
@@ -99,7 +103,18 @@ class LayoutRunner:
                 "rule": ("measured: each decode bucket; prefill at its largest bucket, for all" if measure
                          else f"compile={mode!r}{' on cuda' if cuda else ''}: compiled everywhere")}
 
-    def _measure(self, compiled, views: dict[str, torch.Tensor], measure: bool) -> dict:
+    def _prepare_head(self, measure: bool) -> None:
+        """The LM head for a decode that samples up to GEMV_ROWS rows (CPU): inductor's one pass over
+        the head where it is measured faster (or compile="on"), else the eager product."""
+        compiled = compile_region(compute_logits)
+        rows = {"hidden_in": self.buffers.tensors["hidden_in"][:GEMV_ROWS]}
+        head = self.weights.lm_head
+        report = self._measure(lambda v: compiled(head, v["hidden_in"]), rows, measure,
+                               lambda v: compute_logits(head, v["hidden_in"]))
+        self.compiled_head = compiled if report["choice"] == "compiled" else None
+        self.compile_report["head"] = report
+
+    def _measure(self, compiled, views: dict[str, torch.Tensor], measure: bool, eager=None) -> dict:
         """One bucket: the first compiled call (it compiles when no earlier bucket had these guards),
         then, when measuring, the median of a few timed calls compiled and eager."""
         t0 = time.perf_counter()
@@ -107,7 +122,7 @@ class LayoutRunner:
         first_ms = (time.perf_counter() - t0) * 1e3
         if not measure:
             return {"choice": "compiled", "first_call_ms": first_ms, "compiled_ms": None, "eager_ms": None}
-        compiled_ms, eager_ms = time_step(compiled, views), time_step(self.step_fn, views)
+        compiled_ms, eager_ms = time_step(compiled, views), time_step(eager or self.step_fn, views)
         return {"choice": "compiled" if compiled_ms < eager_ms else "eager", "first_call_ms": first_ms,
                 "compiled_ms": compiled_ms, "eager_ms": eager_ms}
 
@@ -166,7 +181,9 @@ class LayoutRunner:
         hidden = self._run(plan, meta)
         if not self.shard.has_head or not sample_rows:
             return [] if self.rank == self.output_rank else None
-        logits = compute_logits(self.weights, hidden[torch.tensor(sample_rows, device=hidden.device)])  # [N, V_r]
+        rows = hidden[torch.tensor(sample_rows, device=hidden.device)]
+        head = self.compiled_head if len(sample_rows) <= GEMV_ROWS else None
+        logits = (head or compute_logits)(self.weights.lm_head, rows)  # [N, V_r]
         if self.shard.tp_size > 1:
             logits = self._gather_logits(logits)
         if self.rank != self.output_rank:

@@ -66,7 +66,14 @@ def boot_table(m: dict) -> list[str]:
                 extra = ", ".join(f"{k} {v:.1f}" for k, v in c.items() if isinstance(v, float))
                 lines.append(f"    {lay} {role}: {c['choice']}" + (f" ({extra})" if extra else "")
                              + (f" — {c['reason']}" if "reason" in c else ""))
+                lines += [f"      bucket {b}: {_timed_choice(t)}" for b, t in c.get("buckets", {}).items()]
     return lines
+
+
+def _timed_choice(t: dict) -> str:
+    def ms(v):
+        return "n/a" if v is None else f"{v:.1f}"
+    return f"{t['choice']} (compiled {ms(t['compiled_ms'])} ms, eager {ms(t['eager_ms'])} ms)"
 
 
 def flips_table(m: dict) -> list[str]:

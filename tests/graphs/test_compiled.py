@@ -59,8 +59,9 @@ def test_one_layer_compiles_once_for_every_layer_and_nothing_compiles_after_boot
     ok, _, msg = compare_greedy([o.outputs[0].token_ids for o in outs], expected)
     assert ok, msg
     # 6 layers, 3 decode buckets, 1 prefill probe: the first layer (nothing to add yet) and the others,
-    # each at one row (0/1 specialisation) and at more: at most 2 x 3 graphs, never one per layer
-    assert 0 < graphs_at_boot <= 6, graphs_at_boot
+    # each at one row (0/1 specialisation) and at more: at most 2 x 3 graphs, never one per layer;
+    # plus the LM head for one sampled row
+    assert 0 < graphs_at_boot <= 2 * 3 + 1, graphs_at_boot
     assert counters["stats"]["unique_graphs"] == graphs_at_boot, "a step compiled after boot"
     assert {s["backend"] for s in m["steps"]} == {"compiled"}
     caches = llm.ranks.runtime.compile_caches
