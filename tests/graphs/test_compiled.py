@@ -36,7 +36,7 @@ def test_auto_measures_each_bucket_matches_hf_and_writes_no_kv(tiny_model_dir, t
     ok, _, msg = compare_greedy([o.outputs[0].token_ids for o in outs], expected)
     assert ok, msg
     report = m["ranks"][0]["compile"]["pp"]
-    assert set(report["decode"]["buckets"]) == {1, 2, 4} and set(report["prefill"]["buckets"]) == {128}
+    assert set(report["decode"]["buckets"]) == {1, 2, 4} and set(report["prefill"]["buckets"]) == {64}
     for role in ROLES:
         for bucket, r in report[role]["buckets"].items():
             assert r["compiled_ms"] > 0 and r["eager_ms"] > 0 and r["first_call_ms"] > 0, (role, bucket)
@@ -44,7 +44,7 @@ def test_auto_measures_each_bucket_matches_hf_and_writes_no_kv(tiny_model_dir, t
     backends = {(s["phase"], s["bucket"]): s["backend"] for s in m["steps"]}
     for bucket, r in report["decode"]["buckets"].items():
         assert backends[("decode", bucket)] == r["choice"], bucket
-    assert {backends[("prefill", b)] for b in (64, 128)} == {report["prefill"]["buckets"][128]["choice"]}
+    assert {backends[("prefill", b)] for b in (64, 128)} == {report["prefill"]["buckets"][64]["choice"]}
 
 
 def test_one_layer_compiles_once_for_every_layer_and_nothing_compiles_after_boot(tiny_model_dir, tmp_path,
