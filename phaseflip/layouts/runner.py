@@ -73,6 +73,14 @@ class LayoutRunner:
             return [(b, bucket_sizes(b, min(b, s.max_num_seqs))) for b in s.decode_buckets]
         return [(t, bucket_sizes(t, s.max_num_seqs)) for t in s.prefill_buckets]
 
+    @staticmethod
+    def _sizes(sizes: dict[str, int]) -> dict[str, int]:
+        """A bucket's buffer rows, with a later PP stage's input hidden states as many as its tokens."""
+        return {**sizes, "hidden_in": sizes["input_ids"]}
+
+    def _views(self, sizes: dict[str, int]) -> dict[str, torch.Tensor]:
+        return self.buffers.views(self._sizes(sizes))
+
     def prepare_compiled(self, mode: str, cuda: bool) -> None:
         """Compile the decoder layer once for this layout (boot only; every layer and every bucket
         reuse it). compile="on", and CUDA: every step runs compiled. "auto" on the CPU: each decode
@@ -93,7 +101,7 @@ class LayoutRunner:
             # smallest prefill bucket (its dynamic graph serves the others; larger chunks are GEMM-bound,
             # where compiled and eager measured within ~1%, and timing them costs seconds of boot)
             probed = sizes if phase is Phase.DECODE else sizes[:1]
-            report = {b: self._measure(compiled, self.buffers.views(sz), measure) for b, sz in probed}
+            report = {b: self._measure(compiled, self._views(sz), measure) for b, sz in probed}
             for b, _ in sizes:
                 self.choices[(phase.value, b)] = report.get(b, report[probed[-1][0]])["choice"]
             self.fns[phase.value] = compiled
@@ -142,13 +150,12 @@ class LayoutRunner:
         for phase in Phase:
             for bucket, sizes in self._phase_sizes(phase):
                 key = StepKey(self.layout, phase.value, bucket)
-                sizes = {**sizes, "hidden_in": sizes["input_ids"]}
                 backend = self.choices.get((phase.value, bucket), "eager")
                 fn = self.fns[phase.value] if backend == "compiled" else self.step_fn
                 if pool is not None:
-                    step = capture_cuda(key, fn, self.buffers, sizes, pool, stream)
+                    step = capture_cuda(key, fn, self.buffers, self._sizes(sizes), pool, stream)
                 else:
-                    step = capture_eager(key, fn, self.buffers, sizes, backend=backend)
+                    step = capture_eager(key, fn, self.buffers, self._sizes(sizes), backend=backend)
                 self.registry.add(step)
 
     def _run(self, plan: StepPlan, meta: dict[str, torch.Tensor]) -> torch.Tensor:

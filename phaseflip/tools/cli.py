@@ -42,13 +42,16 @@ def _engine_options(f):
         click.option("--layouts", default=None, help="Captured layouts: pp,tp | pp | tp (default: pp,tp when world size > 1)."),
         click.option("--park", default="auto", show_default=True, help="auto | always | never: where the inactive weight image waits."),
         click.option("--flip-every-steps", type=int, default=None, help="Force a flip every K steps (testing)."),
+        click.option("--compile", "compile_mode", type=click.Choice(["auto", "on", "off"]), default=None,
+                     help="torch.compile: auto (keep it where measured faster at boot) | on | off "
+                          "(default: $PHASEFLIP_COMPILE, else auto)."),
     ]):
         f = opt(f)
     return f
 
 
 def _llm(model, dtype, max_model_len, max_num_seqs, max_num_batched_tokens, seed, world_size, layouts,
-         park, flip_every_steps):
+         park, flip_every_steps, compile_mode):
     from phaseflip.engine.llm import LLM
     from phaseflip.layouts.comm import env_rank
     if world_size is None:
@@ -56,7 +59,7 @@ def _llm(model, dtype, max_model_len, max_num_seqs, max_num_batched_tokens, seed
     return LLM(model=model, dtype=dtype, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
                max_num_batched_tokens=max_num_batched_tokens, seed=seed, world_size=world_size,
                layouts=tuple(layouts.split(",")) if layouts else None, park=park,
-               flip_every_steps=flip_every_steps)
+               flip_every_steps=flip_every_steps, compile=compile_mode)
 
 
 def _serve_if_worker() -> bool:

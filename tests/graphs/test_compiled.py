@@ -66,3 +66,23 @@ def test_one_layer_compiles_once_for_every_layer_and_nothing_compiles_after_boot
     assert {s["backend"] for s in m["steps"]} == {"compiled"}
     caches = llm.ranks.runtime.compile_caches
     assert all(path.startswith(str(tmp_path / "compile")) for path in caches.values()), caches
+
+
+@pytest.mark.slow
+def test_two_ranks_compile_both_layouts_and_flip_with_hf_tokens(tiny_model_dir, tmp_path, monkeypatch):
+    """A later PP stage's layer reads hidden states of the bucket's size, and TP's layer breaks its graph
+    at each all-reduce: both layouts compile at boot and give HF's tokens across forced flips."""
+    d = tiny_model_dir("llama")
+    prompts = _prompts(384)[:4]
+    expected = hf_greedy(d, prompts, 12)
+    monkeypatch.setenv("PHASEFLIP_CACHE", str(tmp_path))
+    with LLM(model=str(d), dtype="float32", compile="auto", world_size=2, max_num_seqs=4,
+             max_num_batched_tokens=128, decode_buckets=(1, 2, 4), prefill_buckets=(64, 128),
+             flip_every_steps=2) as llm:
+        outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False)
+        m = llm.inspect()
+    ok, _, msg = compare_greedy([o.outputs[0].token_ids for o in outs], expected)
+    assert ok, msg
+    for rank in m["ranks"]:
+        assert set(rank["compile"]) == {"pp", "tp"} and all(
+            "buckets" in rank["compile"][lay]["decode"] for lay in ("pp", "tp")), rank["compile"]
