@@ -14,9 +14,11 @@ import torch
 
 
 def compile_region(fn):
-    """fn compiled once for every call site with the same guards: a dynamic token dimension (0/1
-    still specialise), tensors that differ only in contents or address (each layer's weights) share
-    one compiled graph."""
+    """fn compiled once for every call with the same guards: tensors that differ only in contents or
+    address (each layer's weights) share one graph. Automatic dynamic shapes: a dimension becomes
+    symbolic once a second size is seen (the token count; 0/1 still specialise), while the weights'
+    dimensions stay static (dynamic=True made them symbolic too, and inductor's one-row reduction over
+    a symbolic weight ran ~70x slower)."""
     return torch.compile(fn, dynamic=None)
 
 

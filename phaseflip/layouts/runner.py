@@ -58,7 +58,7 @@ class LayoutRunner:
         self.output_rank = output_rank  # the layout spec's: where logits are sampled
         # The maths reduces partial sums over the ranks sharing a layer: nobody in PP.
         self.tp_comm = comm if self.shard.tp_size > 1 else NoComm()
-        self.fns = {phase.value: self.step_fn for phase in Phase}   # per role: the compiled step, if any
+        self.compiled_step = None                                  # step_fn over the compiled layer
         self.choices: dict[tuple[str, int], str] = {}              # (role, bucket) -> "compiled" | "eager"
         self.compile_report: dict[str, dict] = {}
         self.compiled_head = None    # the LM head compiled for a GEMV_ROWS-row decode (CPU), if any
@@ -91,6 +91,7 @@ class LayoutRunner:
                 self.compile_report[phase.value] = {"choice": "eager", "reason": "compile='off'"}
             return
         compiled = functools.partial(self.step_fn, layer_fn=compile_region(decoder_layer))
+        self.compiled_step = compiled
         measure = mode == "auto" and not cuda
         if not cuda and self.shard.has_head:
             self._prepare_head(measure)
@@ -104,7 +105,6 @@ class LayoutRunner:
             report = {b: self._measure(compiled, self._views(sz), measure) for b, sz in probed}
             for b, _ in sizes:
                 self.choices[(phase.value, b)] = report.get(b, report[probed[-1][0]])["choice"]
-            self.fns[phase.value] = compiled
             picked = {self.choices[(phase.value, b)] for b, _ in sizes}
             self.compile_report[phase.value] = {
                 "choice": picked.pop() if len(picked) == 1 else "per bucket",
@@ -151,7 +151,7 @@ class LayoutRunner:
             for bucket, sizes in self._phase_sizes(phase):
                 key = StepKey(self.layout, phase.value, bucket)
                 backend = self.choices.get((phase.value, bucket), "eager")
-                fn = self.fns[phase.value] if backend == "compiled" else self.step_fn
+                fn = self.compiled_step if backend == "compiled" else self.step_fn
                 if pool is not None:
                     step = capture_cuda(key, fn, self.buffers, self._sizes(sizes), pool, stream)
                 else:
