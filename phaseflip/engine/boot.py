@@ -164,6 +164,6 @@ def rank_boot(cfg: EngineConfig, plan: BootPlan) -> RankBoot:
                     device=plan.device, layout_plan=plan.layout_plan, layouts=cfg.layouts,
                     shapes=plan.shapes, num_kv_blocks=plan.num_kv_blocks,
                     max_model_len=plan.max_model_len, park=cfg.park, seed=cfg.seed,
-                    capture=not cfg.enforce_eager, num_threads=cfg.num_threads, compile=resolve_compile(cfg.compile),
-                    compile_cache_dir=str(cache_dir() / "compile"),
+                    capture=not cfg.enforce_eager, num_threads=cfg.num_threads,
+                    compile=resolve_compile(cfg.compile), compile_cache_dir=str(cache_dir() / "compile"),
                     budgets_bytes=plan.budgets_bytes)
