@@ -58,7 +58,7 @@ class LayoutRunner:
         self.output_rank = output_rank  # the layout spec's: where logits are sampled
         # The maths reduces partial sums over the ranks sharing a layer: nobody in PP.
         self.tp_comm = comm if self.shard.tp_size > 1 else NoComm()
-        self.compiled_step = None                                  # step_fn over the compiled layer
+        self.compiled_steps: dict[Phase, object] = {}              # role -> its compiled step
         self.choices: dict[tuple[str, int], str] = {}              # (role, bucket) -> "compiled" | "eager"
         self.compile_report: dict[str, dict] = {}
         self.compiled_head = None    # the LM head compiled for a GEMV_ROWS-row decode (CPU), if any
@@ -81,17 +81,26 @@ class LayoutRunner:
     def _views(self, sizes: dict[str, int]) -> dict[str, torch.Tensor]:
         return self.buffers.views(self._sizes(sizes))
 
+    def _compiled_steps(self, cuda: bool) -> dict[Phase, object]:
+        """The compiled step of each role. Prefill (and every role on CUDA, where a CUDA graph replays
+        the step and host overhead is gone anyway): the decoder layer compiled once, reused by every
+        layer and bucket. CPU decode: the whole step, every layer in ONE graph: per-layer graph entry,
+        guard checks and wrapper calls cost ~4 ms of a ~30 ms batch-1 token (SmolLM2, 2 cores:
+        16-19 ms against 22-23 ms for the layers with attention stubbed out); its cold compile is
+        ~50 s per graph (batch 1, and one dynamic graph for the larger buckets), a warm one ~7 s."""
+        layer_step = functools.partial(self.step_fn, layer_fn=compile_region(decoder_layer))
+        return {Phase.PREFILL: layer_step, Phase.DECODE: layer_step if cuda else compile_region(self.step_fn)}
+
     def prepare_compiled(self, mode: str, cuda: bool) -> None:
-        """Compile the decoder layer once for this layout (boot only; every layer and every bucket
-        reuse it). compile="on", and CUDA: every step runs compiled. "auto" on the CPU: each decode
-        bucket, and the prefill role at its smallest bucket, keeps the compiled step only where it is
-        measured faster than eager. Every choice is reported with the numbers it was made from."""
+        """Compile each role's step (boot only; see _compiled_steps). compile="on", and CUDA: every step
+        runs compiled. "auto" on the CPU: each decode bucket, and the prefill role at its smallest
+        bucket, keeps the compiled step only where it is measured faster than eager. Every choice is
+        reported with the numbers it was made from."""
         if mode == "off":
             for phase in Phase:
                 self.compile_report[phase.value] = {"choice": "eager", "reason": "compile='off'"}
             return
-        compiled = functools.partial(self.step_fn, layer_fn=compile_region(decoder_layer))
-        self.compiled_step = compiled
+        self.compiled_steps = self._compiled_steps(cuda)
         measure = mode == "auto" and not cuda
         if not cuda and self.shard.has_head:
             self._prepare_head(measure)
@@ -102,6 +111,7 @@ class LayoutRunner:
             # smallest prefill bucket (its dynamic graph serves the others; larger chunks are GEMM-bound,
             # where compiled and eager measured within ~1%, and timing them costs seconds of boot)
             probed = sizes if phase is Phase.DECODE else sizes[:1]
+            compiled = self.compiled_steps[phase]
             report = {b: self._measure(compiled, self._views(sz), measure) for b, sz in probed}
             for b, _ in sizes:
                 self.choices[(phase.value, b)] = report.get(b, report[probed[-1][0]])["choice"]
@@ -151,7 +161,7 @@ class LayoutRunner:
             for bucket, sizes in self._phase_sizes(phase):
                 key = StepKey(self.layout, phase.value, bucket)
                 backend = self.choices.get((phase.value, bucket), "eager")
-                fn = self.compiled_step if backend == "compiled" else self.step_fn
+                fn = self.compiled_steps[phase] if backend == "compiled" else self.step_fn
                 if pool is not None:
                     step = capture_cuda(key, fn, self.buffers, self._sizes(sizes), pool, stream)
                 else:
