@@ -1,4 +1,5 @@
-"""Compiled steps (one decoder layer compiled by inductor and reused by every layer) on the CPU: the
+"""Compiled steps on the CPU (prefill: one decoder layer compiled by inductor and reused by every layer;
+decode: the whole step as one graph): the
 measured choice per bucket is recorded and used, outputs match HF, compiling and capturing write nothing
 into the KV region, the layer compiles once whatever the number of layers, and no step compiles after
 boot. Slow-marked where inductor compiles cold for tens of seconds on 2 cores."""
@@ -58,9 +59,9 @@ def test_one_layer_compiles_once_for_every_layer_and_nothing_compiles_after_boot
         m = llm.inspect()
     ok, _, msg = compare_greedy([o.outputs[0].token_ids for o in outs], expected)
     assert ok, msg
-    # 6 layers, 3 decode buckets, 1 prefill probe: the first layer (nothing to add yet) and the others,
-    # each at one row (0/1 specialisation) and at more: at most 2 x 3 graphs, never one per layer;
-    # plus the LM head for one sampled row
+    # 6 layers, 3 decode buckets, 1 prefill probe: decode's whole step at one row (0/1 specialisation)
+    # and at more; prefill's first layer (nothing to add yet) and the others; never one per layer;
+    # plus the LM head for one sampled row (the bound kept from the per-layer design: 2 x 3 + 1)
     assert 0 < graphs_at_boot <= 2 * 3 + 1, graphs_at_boot
     assert counters["stats"]["unique_graphs"] == graphs_at_boot, "a step compiled after boot"
     assert {s["backend"] for s in m["steps"]} == {"compiled"}
