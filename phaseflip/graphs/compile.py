@@ -2,9 +2,9 @@
 
 Owns: `compile_region` (torch.compile with a dynamic token dimension, applied to one decoder layer so
 that identical layers and every bucket share one compiled graph, or to a CPU decode step as a whole),
-`use_cache_dir` (inductor's and
-Triton's on-disk caches under a directory the caller names, so a second boot loads what the first
-compiled) and `time_step` (the median wall time of a step, for the eager-vs-compiled choice)."""
+`use_cache_dir` (inductor's and Triton's on-disk caches under a directory the caller names, so a second
+boot loads what the first compiled) and `time_step` (the median wall time of a step, for the
+eager-vs-compiled choice)."""
 from __future__ import annotations
 
 import os
