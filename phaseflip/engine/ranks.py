@@ -6,8 +6,10 @@ torch.distributed group (gloo on CPU, NCCL on CUDA); under torchrun, engine/torc
 A rank's exception reaches the caller as RankError naming the rank with its traceback;
 a dead rank raises EngineDeadError naming it (polled every 0.1 s: never a hang); ranks exit when the
 controller dies (PR_SET_PDEATHSIG plus a parent watchdog); shutdown() leaves no process behind.
-A Ctrl-C never leaves the ranks out of step: a command reaches every rank or none, and an interrupted
-call still collects its replies (a second interrupt while it does declares the engine dead).
+A Ctrl-C never leaves the ranks out of step: a command reaches every rank or none, a reply is never
+half read, and a call interrupted by any exception (a Ctrl-C, a signal handler's) still collects its
+replies, within DRAIN_S; when it cannot (a second interrupt, a silent rank), the engine is declared
+dead with the reason, so that no later call reads a stale reply.
 """
 from __future__ import annotations
 
@@ -33,6 +35,9 @@ from phaseflip.layouts.worker import failure, handle
 # Seconds the surviving ranks of a failed or dead one get to exit before they are killed: they may be
 # stuck in a collective with it, which only the kill (or a 600 s collective timeout) would end.
 DEAD_GRACE_S = 2.0
+# Seconds an interrupted call waits for the replies to the command it sent (a flip or a long prefill
+# step may be under way) before it gives the ranks up as out of step.
+DRAIN_S = 60.0
 
 
 class RankError(RuntimeError):
@@ -128,17 +133,19 @@ class ProcessRanks:
             conns[conn.recv()] = conn
         return [conns[r] for r in range(self.world_size)]
 
-    def _collect(self, replies: dict | None = None, progress=None) -> list:
-        """One reply per rank. The first RankFailure wins at once (its peers may be stuck in a
-        collective with it); a dead process is noticed within poll_s. RankProgress messages (boot)
-        go to `progress`."""
+    def _collect(self, replies: dict | None = None, progress=None, until: float | None = None) -> list:
+        """One reply per rank (or those in by time.monotonic() `until`). The first RankFailure wins at
+        once (its peers may be stuck in a collective with it); a dead process is noticed within poll_s.
+        RankProgress messages (boot) go to `progress`."""
         replies = {} if replies is None else replies
-        while len(replies) < self.world_size:
+        while len(replies) < self.world_size and (until is None or time.monotonic() < until):
             pending = {self.conns[r]: r for r in range(self.world_size) if r not in replies}
             for conn in mp.connection.wait(list(pending), timeout=self.poll_s):
                 rank = pending[conn]
                 try:
-                    replies[rank] = conn.recv()
+                    # a Ctrl-C inside recv would lose a reply read half or whole but not yet stored
+                    with _interrupts_deferred():
+                        replies[rank] = conn.recv()
                 except (EOFError, OSError):
                     self._die(self._death(rank))
                 reply = replies[rank]
@@ -152,7 +159,7 @@ class ProcessRanks:
             for r, p in enumerate(self.procs):  # an exited rank's last words are read first
                 if r not in replies and p.poll() is not None and not self.conns[r].poll():
                     self._die(self._death(r))
-        return [replies[r] for r in range(self.world_size)]
+        return [replies.get(r) for r in range(self.world_size)]
 
     def _fail(self, reply: RankFailure, echo_s: float = 0.25):
         """A rank raised. When a peer crashed, the failure is usually its echo (a collective with it
@@ -186,21 +193,43 @@ class ProcessRanks:
         if self.dead:
             raise EngineDeadError(f"engine is dead: {self.dead}")
         replies: dict[int, object] = {}
+        sent = 0
         try:
-            with _interrupts_deferred():  # every rank gets the command, or none does
+            with _interrupts_deferred():  # a Ctrl-C: every rank gets the command, or none does
                 for rank, conn in enumerate(self.conns):
                     try:
                         conn.send(msg)
                     except OSError:
                         self._die(self._death(rank))
+                    sent += 1
             return self._collect(replies)
-        except KeyboardInterrupt:
-            try:  # keep lockstep: the next call must not read this call's replies
-                self._collect(replies)
-            except KeyboardInterrupt:
-                self.dead = "interrupted twice while collecting a command's replies: ranks out of step"
+        except BaseException as e:
+            if self.dead:
+                pass
+            elif sent == self.world_size:  # keep lockstep: the next call must not read these replies
+                self._drain(replies, e)
+            elif sent:  # another signal's exception, between two sends (a Ctrl-C is held back)
+                self.dead = f"{_name(e)} interrupted sending a command: {sent} of {self.world_size} ranks got it"
                 self.shutdown(DEAD_GRACE_S)
             raise
+
+    def _drain(self, replies: dict, cause: BaseException) -> None:
+        """`cause` (a Ctrl-C, or any exception a signal handler raised) interrupted a call whose command
+        every rank got: collect the outstanding replies, for at most DRAIN_S, so that the next call
+        does not read them; when that fails, the engine is dead, and the reason names what happened."""
+        try:
+            self._collect(replies, until=time.monotonic() + DRAIN_S)
+        except BaseException as again:  # noqa: BLE001 — the engine's death, reported by the next call
+            twice = isinstance(cause, KeyboardInterrupt) and isinstance(again, KeyboardInterrupt)
+            self.dead = self.dead or (
+                "interrupted twice while collecting a command's replies" if twice else
+                f"{_name(cause)} interrupted a call to the ranks, then {_name(again)} interrupted "
+                "collecting its replies") + ": ranks out of step"
+        if len(replies) < self.world_size and not self.dead:
+            self.dead = (f"{_name(cause)} interrupted a call to the ranks and {self.world_size - len(replies)} "
+                         f"of its replies did not come within {DRAIN_S:.0f} s: ranks out of step")
+        if self.dead:
+            self.shutdown(DEAD_GRACE_S)
 
     def shutdown(self, timeout_s: float = 5.0) -> None:
         for conn, p in zip(self.conns, self.procs):
@@ -221,6 +250,10 @@ class ProcessRanks:
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait(1.0)
+
+
+def _name(exc: BaseException) -> str:
+    return f"{type(exc).__name__}({exc})" if str(exc) else type(exc).__name__
 
 
 def _on_main_thread() -> bool:

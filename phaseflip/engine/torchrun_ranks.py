@@ -93,12 +93,17 @@ class TorchrunRanks:
     def call(self, msg) -> list:
         if self.dead:
             raise EngineDeadError(f"engine is dead: {self.dead}")
-        self._broadcast(msg)
         try:
-            mine = handle(self.runtime, msg)
-        except Exception as e:  # noqa: BLE001
-            mine = failure(0, e)
-        return self._gather(mine)
+            self._broadcast(msg)
+            try:
+                mine = handle(self.runtime, msg)
+            except Exception as e:  # noqa: BLE001
+                mine = failure(0, e)
+            return self._gather(mine)
+        except BaseException as e:  # a Ctrl-C or a signal handler's exception: the peers are left
+            if self.dead is None:   # mid-collective, and no reply can be drained from a collective
+                self.dead = f"{type(e).__name__} interrupted a call to the ranks: ranks out of step"
+            raise
 
     def shutdown(self) -> None:
         if self.dead is None:

@@ -36,6 +36,18 @@ def deadline(seconds: float, what: str, again_s: float = 5.0):
         signal.signal(signal.SIGALRM, previous)
 
 
+@contextmanager
+def python_sigint():
+    """Python's own SIGINT handler (KeyboardInterrupt) for the block, whatever the launch installed: a
+    shell starts a background job with SIGINT ignored (`make test &`, nohup), and then a real signal
+    would interrupt nothing."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
 def greedy(max_tokens: int) -> SamplingParams:
     return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
 

@@ -15,10 +15,17 @@ import pytest
 from phaseflip import LLM
 from phaseflip.engine.ranks import EngineDeadError
 from phaseflip.layouts.messages import FlipCommand, StatsQuery
-from tests.reliability.support import ENGINE, assert_settled, deadline, greedy, ids, wait_gone
+from tests.reliability.support import ENGINE, assert_settled, deadline, greedy, ids, python_sigint, wait_gone
 
 PROMPTS = [[5, 6, 7], [40 + i for i in range(30)], [200, 100, 50, 25], [9] * 12]
 NEW = 10
+
+
+@pytest.fixture(autouse=True)
+def sigint_raises():
+    """These tests send real SIGINTs: they need Python's handler even when launched with it ignored."""
+    with python_sigint():
+        yield
 
 
 @pytest.fixture(scope="module")
@@ -40,11 +47,11 @@ def interrupt_collect(llm, at_calls: set[int], log: list) -> None:
     calls of ProcessRanks._collect (as Ctrl-C would); log what was being waited for."""
     collect, send, calls = llm.ranks._collect, llm.ranks.call, []
 
-    def interrupting(replies=None, progress=None):
+    def interrupting(replies=None, progress=None, until=None):
         calls.append(1)
         if len(calls) in at_calls:
             raise KeyboardInterrupt
-        return collect(replies, progress)
+        return collect(replies, progress, until)
 
     def call(msg):
         log.append(type(msg).__name__)
