@@ -10,6 +10,37 @@ from tests.models import make_tiny_model, make_tokenizer
 
 
 @pytest.fixture(autouse=True, scope="session")
+def _private_cache(tmp_path_factory):
+    """Nothing a test does touches the user's cache ($PHASEFLIP_CACHE or ~/.cache/phaseflip: the last
+    boot's manifest, compiled code): the session's cache is a temp dir. The default model that `make`
+    converted there is only read, through a link (converted anew into the temp dir when absent)."""
+    from phaseflip.engine.default_model import DEFAULT_MODEL_NAME, cache_dir, is_complete
+    users = cache_dir()
+    private = tmp_path_factory.mktemp("phaseflip-cache")
+    if is_complete(users / DEFAULT_MODEL_NAME):
+        (private / DEFAULT_MODEL_NAME).symlink_to(users / DEFAULT_MODEL_NAME, target_is_directory=True)
+    old = os.environ.get("PHASEFLIP_CACHE")
+    os.environ["PHASEFLIP_CACHE"] = str(private)
+    yield users
+    if old is None:
+        os.environ.pop("PHASEFLIP_CACHE", None)
+    else:
+        os.environ["PHASEFLIP_CACHE"] = old
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _cpu_by_default():
+    """The suite's engines run on the CPU unless a test asks for device="cuda" itself (tests/graphs/
+    test_cuda.py, marked): on a CUDA machine, device="auto" would move tests that assert CPU-only
+    properties (oneDNN GEMMs, gloo, the measured compile choice, host memory) onto the GPU."""
+    from phaseflip.engine import boot
+    resolve = boot.resolve_device
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(boot, "resolve_device", lambda device: resolve("cpu" if device == "auto" else device))
+        yield
+
+
+@pytest.fixture(autouse=True, scope="session")
 def _eager_by_default():
     """Engines the tests build run eager unless a test asks for compile: inductor compiles for seconds
     per layout on 2 cores (tests of the compiled path pass compile= themselves)."""
