@@ -107,17 +107,17 @@ def _print_table(threads: int, cmp: dict, flips: dict | None, boot_ms: dict) -> 
 
 @click.command()
 @click.option("--model", default=None, help="HF-format model directory (default: the embedded SmolLM2-135M-Instruct).")
-@click.option("--threads", type=int, default=None, help="Threads for both engines (default: torch's).")
-@click.option("--num-prompts", type=int, default=64, show_default=True)
+@click.option("--threads", type=click.IntRange(min=1), default=None, help="Threads for both engines (default: torch's).")
+@click.option("--num-prompts", type=click.IntRange(min=1), default=64, show_default=True)
 @click.option("--prompt-len", default="16,512", show_default=True, help="Offline prompt lengths: LOW,HIGH tokens.")
 @click.option("--output-len", default="16,128", show_default=True, help="Offline output lengths: LOW,HIGH tokens.")
 @click.option("--single-len", default="128,64", show_default=True,
               help="Single stream: PROMPT,OUTPUT tokens (OUTPUT >= 2).")
-@click.option("--hf-batch-size", type=int, default=16, show_default=True,
+@click.option("--hf-batch-size", type=click.IntRange(min=1), default=16, show_default=True,
               help="HF's batch (its best measured on 2 cores; see the README).")
 @click.option("--parts", default=",".join(PARTS), show_default=True, help="Which parts to run.")
 @click.option("--no-hf", is_flag=True, help="Skip HF transformers (engine figures only).")
-@click.option("--flip-world-size", type=int, default=2, show_default=True)
+@click.option("--flip-world-size", type=click.IntRange(min=1), default=2, show_default=True)
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of the table.")
 def bench(model, threads, num_prompts, prompt_len, output_len, single_len, hf_batch_size, parts, no_hf,
           flip_world_size, as_json):

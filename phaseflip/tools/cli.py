@@ -72,9 +72,34 @@ def _serve_if_worker() -> bool:
     return True
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+class BadValue(click.ClickException):
+    """A value the engine refused (an option, a checkpoint, a file): click's bad-usage exit code."""
+    exit_code = 2
+
+
+class _Commands(click.Group):
+    """Every command's errors that a user can fix end as one `Error: ...` line, not a traceback: a
+    value the engine validated (ValueError, CheckpointError among them) or a file it could not read
+    (exit code 2), a rank's failure (its first line; exit code 1). --debug re-raises them instead."""
+
+    def invoke(self, ctx):
+        from phaseflip.engine.ranks import EngineDeadError, RankError
+        try:
+            return super().invoke(ctx)
+        except (ValueError, OSError, RankError, EngineDeadError) as e:
+            if ctx.params.get("debug"):
+                raise
+            if isinstance(e, RankError):
+                raise click.ClickException(f"rank {e.rank} failed: {e.error}") from e
+            if isinstance(e, EngineDeadError):
+                raise click.ClickException(str(e)) from e
+            raise BadValue(str(e) or type(e).__name__) from e
+
+
+@click.group(cls=_Commands, context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("-v", "--verbose", is_flag=True, help="Log INFO lines from the engine.")
-def main(verbose: bool) -> None:
+@click.option("--debug", is_flag=True, help="Show the full traceback of an error instead of its one line.")
+def main(verbose: bool, debug: bool) -> None:
     """phaseflip: a graph-capture-first LLM inference engine."""
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
@@ -141,6 +166,8 @@ def boot(prompts_file, max_tokens, temperature, output, manifest_path, **engine)
     if _serve_if_worker():
         return
     from phaseflip.engine.sampling_params import SamplingParams
+    _check_writable(output, "--output")
+    _check_writable(manifest_path, "--manifest")
     items = _read_prompts(prompts_file)
     params = SamplingParams(temperature=temperature, max_tokens=max_tokens, seed=engine["seed"])
     t0 = time.perf_counter()
@@ -165,6 +192,13 @@ def boot(prompts_file, max_tokens, temperature, output, manifest_path, **engine)
                                     "token_ids": r.outputs[0].token_ids,
                                     "finish_reason": r.outputs[0].finish_reason}) + "\n")
         click.echo(f"wrote {len(results)} answers to {output}")
+
+
+def _check_writable(path: str | None, option: str) -> None:
+    """Before the boot: a file to write at the end must have a directory to go in."""
+    from pathlib import Path
+    if path is not None and not Path(path).absolute().parent.is_dir():
+        raise click.BadParameter(f"{path}: its directory does not exist", param_hint=option)
 
 
 def _write_manifest(llm, path) -> None:

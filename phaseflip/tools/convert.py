@@ -11,7 +11,7 @@ import click
 
 
 @click.command("convert")
-@click.argument("gguf", type=click.Path(dir_okay=False, path_type=str))
+@click.argument("gguf", type=click.Path(exists=True, dir_okay=False, path_type=str))
 @click.argument("outdir", type=click.Path(file_okay=False, path_type=str))
 def convert(gguf: str, outdir: str) -> None:
     """Convert the llama-architecture GGUF file GGUF into an HF-format checkpoint in OUTDIR.

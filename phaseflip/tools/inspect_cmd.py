@@ -124,13 +124,14 @@ def _boot_manifest(model, world_size, layouts) -> dict:
 def inspect(manifest, as_json, svg_path, dot_path, step, model, world_size, layouts, do_boot):
     """Show what a boot captured and where memory went. MANIFEST defaults to the last boot's."""
     if dot_path:
-        raise click.ClickException(_dot_unavailable(step))
-    if model or do_boot or world_size:
-        m = _boot_manifest(model, world_size or 1, layouts)
+        raise click.BadParameter(_dot_unavailable(step), param_hint="--dot")
+    if model or do_boot or world_size is not None:
+        m = _boot_manifest(model, 1 if world_size is None else world_size, layouts)
     else:
         path = Path(manifest) if manifest else default_manifest_path()
         if not path.is_file():
-            raise click.ClickException(f"no manifest at {path}: run `phaseflip boot` first, or pass --model DIR")
+            raise click.BadParameter(f"no manifest at {path}: run `phaseflip boot` first, or pass --model DIR",
+                                     param_hint="MANIFEST")
         m = json.loads(path.read_text())
     if svg_path:
         from phaseflip.tools.svg import render_svg

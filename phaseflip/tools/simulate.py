@@ -86,6 +86,14 @@ def as_dict(rig: sim.Rig, rows: list[Row], ttft_budget_s: float) -> dict:
             "rows": [{"label": r.label, "offline": one(r.offline), "online": one(r.online)} for r in rows]}
 
 
+def _load(load, path: str, option: str):
+    """A rig or trace file the user named: one that cannot be read or parsed is a bad option value."""
+    try:
+        return load(path)
+    except (OSError, ValueError) as e:
+        raise click.BadParameter(str(e), param_hint=option) from e
+
+
 @click.command("simulate")
 @click.option("--rig", "rig_path", required=True,
               help="Rig profile (JSON), or a shipped one by name: hetero-3card, pcie4-4card.")
@@ -102,11 +110,9 @@ def simulate(rig_path: str, trace_path: str, ttft_budget_s: float, as_json: bool
     labelled in its file. Prints throughput (offline), time to first token (online) and flips."""
     if ttft_budget_s <= 0:
         raise click.BadParameter(f"must be > 0, got {ttft_budget_s}", param_hint="--ttft-budget-s")
-    try:
-        rig, trace = sim.load_rig(rig_path), sim.load_trace(trace_path)
-        rows = compare(rig, trace, ttft_budget_s)
-    except (OSError, ValueError) as e:
-        raise click.ClickException(str(e)) from e
+    rig = _load(sim.load_rig, rig_path, "--rig")
+    trace = _load(sim.load_trace, trace_path, "--trace")
+    rows = compare(rig, trace, ttft_budget_s)
     if as_json:
         click.echo(json.dumps(as_dict(rig, rows, ttft_budget_s), indent=2))
     else:
