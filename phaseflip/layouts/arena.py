@@ -1,10 +1,12 @@
 """WeightArena: one device buffer per rank holding the active layout's weights at fixed offsets.
 
-Owns: packing a layout's weights into a host image (once, at boot; pinned on CUDA), the arena buffer
-(allocated once, at boot), the per-layout views into it, and `refill(layout)`: ONE contiguous
-host->device copy. In resident mode both images sit side by side in the arena and a flip copies
-nothing. A flip may call `refill`; it must never call `allocate_arena` or `pack_image` (restore, never
-rebuild: tests fence those two entry points).
+Owns: packing a layout's weights into a host image (once, at boot; pinned on CUDA): memory allocated
+once, each source tensor copied once straight into its slot; the arena buffer (allocated once, at
+boot), the per-layout views into it, and `refill(layout)`: ONE contiguous host->device copy. In
+resident mode both images sit side by side in the arena and a flip copies nothing; on the CPU, where
+the host is the device, resident images are packed into the arena itself (no second copy). A flip may
+call `refill`; it must never call `allocate_arena` or `pack_image` (restore, never rebuild: tests
+fence those two entry points).
 """
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from phaseflip.layouts.shard import RankWeights, replace_tensors
+from phaseflip.layouts.shard import RankWeights, Stacked, replace_tensors
 
 ALIGN = 256  # bytes; every tensor starts on an aligned offset
 
@@ -35,6 +37,7 @@ class Slot:
 class HostImage:
     data: torch.Tensor          # uint8 [num_bytes] on the host (pinned on CUDA)
     slots: dict[str, Slot]      # tensor name -> where it lives (tied tensors share a slot)
+    in_arena: bool = False      # packed into the (CPU) arena itself: holds no bytes of its own
 
     @property
     def num_bytes(self) -> int:
@@ -50,20 +53,44 @@ def _views(buf: torch.Tensor, base: int, slots: dict[str, Slot]) -> dict[str, to
             for name, s in slots.items()}
 
 
-def pack_image(weights: RankWeights, pin: bool = False) -> HostImage:
-    """Pack a layout's weights into one host buffer (boot only)."""
+def image_slots(weights: RankWeights) -> tuple[dict[str, Slot], int]:
+    """Where each tensor of a layout goes in its image, and the image's size (from shapes only)."""
     slots, seen, offset = {}, {}, 0
-    tensors = weights.tensors()
-    for name, t in tensors.items():
-        key = (t.data_ptr(), tuple(t.shape), tuple(t.stride()))
+    for name, t in weights.tensors().items():
+        key = id(t) if isinstance(t, Stacked) else (t.data_ptr(), tuple(t.shape), tuple(t.stride()))
         if key not in seen:
             seen[key] = Slot(offset, tuple(t.shape), t.dtype)
             offset = _align(offset + seen[key].num_bytes)
         slots[name] = seen[key]
-    data = torch.empty(offset, dtype=torch.uint8, pin_memory=pin)
-    for name, view in _views(data, 0, slots).items():
-        view.copy_(tensors[name])
-    return HostImage(data, slots)
+    return slots, offset
+
+
+def pack_image(weights: RankWeights, pin: bool = False, into: torch.Tensor | None = None) -> HostImage:
+    """Pack a layout's weights into one host buffer (boot only): allocated once (or `into`, a region
+    of the CPU arena), each source copied once into its slot: a view of the checkpoint (strided for
+    a column share) or Stacked row blocks, never a temporary of its own."""
+    slots, num_bytes = image_slots(weights)
+    data = torch.empty(num_bytes, dtype=torch.uint8, pin_memory=pin) if into is None else into[:num_bytes]
+    views, done = _views(data, 0, slots), set()
+    for name, t in weights.tensors().items():
+        if slots[name].offset in done:  # a tied tensor, already copied
+            continue
+        done.add(slots[name].offset)
+        if isinstance(t, Stacked):
+            t.copy_into(views[name])
+        else:
+            views[name].copy_(t)
+    return HostImage(data, slots, in_arena=into is not None)
+
+
+def arena_bases(sizes: dict[str, int], resident: bool) -> tuple[dict[str, int], int]:
+    """Each layout's offset in the arena and the arena's size: resident, side by side; parked, every
+    layout at offset 0 of a buffer that fits the largest."""
+    bases, base = {}, 0
+    for name, size in sizes.items():
+        bases[name] = base
+        base = base + _align(size) if resident else 0
+    return bases, base if resident else max(sizes.values())
 
 
 def allocate_arena(num_bytes: int, device: str) -> torch.Tensor:
@@ -73,23 +100,20 @@ def allocate_arena(num_bytes: int, device: str) -> torch.Tensor:
 
 class WeightArena:
     def __init__(self, images: dict[str, HostImage], templates: dict[str, RankWeights], device: str,
-                 resident: bool):
+                 resident: bool, buffer: torch.Tensor | None = None):
+        """`buffer`: the arena the images were packed into (CPU, resident), else one is allocated."""
         self.images = images
         self.resident = resident
-        sizes = {name: img.num_bytes for name, img in images.items()}
-        self.bases = {}
-        base = 0
-        for name in images:  # resident: side by side; parked: every layout at offset 0
-            self.bases[name] = base
-            base = base + _align(sizes[name]) if resident else 0
-        self.buffer = allocate_arena(base if resident else max(sizes.values()), device)
+        self.bases, num_bytes = arena_bases({name: img.num_bytes for name, img in images.items()}, resident)
+        self.buffer = allocate_arena(num_bytes, device) if buffer is None else buffer
         self.weights = {name: replace_tensors(templates[name], _views(self.buffer, self.bases[name],
                                                                       img.slots))
                         for name, img in images.items()}
         self.active: str | None = None
         if resident:
             for name in images:
-                self._copy_in(name)
+                if not images[name].in_arena:
+                    self._copy_in(name)
 
     @property
     def num_bytes(self) -> int:

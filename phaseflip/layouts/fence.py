@@ -19,6 +19,7 @@ ENTRY_POINTS = (
     ("phaseflip.layouts.arena", "allocate_arena"),
     ("phaseflip.layouts.arena", "pack_image"),
     ("phaseflip.layouts.runtime", "pack_image"),
+    ("phaseflip.layouts.runtime", "allocate_arena"),
     ("phaseflip.layouts.kvcache", "zeros"),
     ("phaseflip.graphs.capture", "capture_eager"),
     ("phaseflip.graphs.capture", "capture_cuda"),

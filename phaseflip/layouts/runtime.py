@@ -19,7 +19,7 @@ from phaseflip.graphs.compile import use_cache_dir
 from phaseflip.graphs.registry import GraphRegistry
 from phaseflip.kernels import linear
 from phaseflip.kernels.rotary import cos_sin_table
-from phaseflip.layouts.arena import WeightArena, pack_image
+from phaseflip.layouts.arena import WeightArena, allocate_arena, arena_bases, image_slots, pack_image
 from phaseflip.layouts.flip import InjectedFault, run_flip
 from phaseflip.layouts.kvcache import KVRegion, KVShape
 from phaseflip.layouts.messages import (ArmFault, FlipCommand, FlipReport, RankBoot, RankManifest,
@@ -27,7 +27,7 @@ from phaseflip.layouts.messages import (ArmFault, FlipCommand, FlipReport, RankB
 from phaseflip.layouts.model_config import ModelConfig
 from phaseflip.layouts.runner import LayoutRunner
 from phaseflip.layouts.sampler import Sampler
-from phaseflip.layouts.shard import shard_weights
+from phaseflip.layouts.shard import RankWeights, shard_weights
 from phaseflip.layouts.step_inputs import buffer_specs
 from phaseflip.layouts.ledger import measure_memory, rank_ledger, rss_bytes
 from phaseflip.layouts.timing import timed
@@ -69,11 +69,11 @@ class RankRuntime:
         with self._timed("pack"):
             templates = {name: shard_weights(hf, self.cfg, self.layout_plan.spec(name).shards[rank])
                          for name in boot.layouts}
-            images = {name: pack_image(w, pin=self.device != "cpu") for name, w in templates.items()}
+            images, buffer, resident = self._pack(boot, templates)
             del hf
         self.shard_bytes = {name: img.num_bytes for name, img in images.items()}
         with self._timed("arena"):
-            self.arena = WeightArena(images, templates, self.device, resident=_resident(boot, images))
+            self.arena = WeightArena(images, templates, self.device, resident, buffer)
         self.kv_block_size = boot.shapes.block_size
         with self._timed("kv_alloc"):
             self.kv = KVRegion({name: self._kv_shape(name, boot) for name in boot.layouts}, dtype, self.device)
@@ -83,7 +83,7 @@ class RankRuntime:
         self.sampler = Sampler(boot.seed)
         self.registry = GraphRegistry()
         self.runners = self._make_runners(boot, dtype)
-        self.host_image_bytes = sum(img.num_bytes for img in images.values())
+        self.host_image_bytes = sum(img.num_bytes for img in images.values() if not img.in_arena)
         self.gemm_bytes: int | None = 0 if self.device == "cpu" else None  # RSS the CPU GEMM warm-up added
         self._capture(boot)
         self.active = boot.layouts[0]
@@ -92,6 +92,19 @@ class RankRuntime:
         self.budget_bytes = boot.budgets_bytes[rank] if boot.budgets_bytes else None
         self.num_kv_blocks = boot.num_kv_blocks
         self.memory = measure_memory(self)
+
+    def _pack(self, boot: RankBoot, templates: dict[str, RankWeights]):
+        """Each layout's host image; on the CPU with both resident (the host is the device), packed
+        straight into the arena, which is then allocated here. Returns (images, that arena or None,
+        resident)."""
+        sizes = {name: image_slots(w)[1] for name, w in templates.items()}
+        resident = _resident(boot, sizes)
+        bases, num_bytes = arena_bases(sizes, resident)
+        buffer = allocate_arena(num_bytes, "cpu") if resident and self.device == "cpu" else None
+        images = {name: pack_image(w, pin=self.device != "cpu",
+                                   into=None if buffer is None else buffer[bases[name]:])
+                  for name, w in templates.items()}
+        return images, buffer, resident
 
     @contextmanager
     def _timed(self, phase: str):
@@ -188,14 +201,14 @@ class RankRuntime:
                          self.arena.buffer.data_ptr(), self.arena.num_bytes)
 
 
-def _resident(boot: RankBoot, images) -> bool:
-    if boot.park == "never" or len(images) == 1:
+def _resident(boot: RankBoot, sizes: dict[str, int]) -> bool:
+    if boot.park == "never" or len(sizes) == 1:
         return True
     if boot.park == "always":
         return False
-    return boot.device == "cpu" or _fits_side_by_side(images)
+    return boot.device == "cpu" or _fits_side_by_side(sizes)
 
 
-def _fits_side_by_side(images) -> bool:
+def _fits_side_by_side(sizes: dict[str, int]) -> bool:
     free, _ = torch.cuda.mem_get_info()
-    return sum(img.num_bytes for img in images.values()) < 0.5 * free
+    return sum(sizes.values()) < 0.5 * free

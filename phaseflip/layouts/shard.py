@@ -1,8 +1,10 @@
 """Which slice of each checkpoint tensor a rank holds, fused the way forward.py reads it.
 
-Owns: RankWeights / LayerWeights and `shard_weights`, which turns HF-named tensors into this rank's
-fused tensors (qkv_proj = [q; k; v] rows of its heads, gate_up_proj = [gate; up] rows of its MLP share).
-Module names follow the checkpoint so loading is a mapping, not a search.
+Owns: RankWeights / LayerWeights and `shard_weights`, which describes this rank's fused tensors
+(qkv_proj = [q; k; v] rows of its heads, gate_up_proj = [gate; up] rows of its MLP share) as views of
+the HF-named checkpoint tensors and `Stacked` row blocks: nothing is copied here; packing (arena.py)
+copies each source once, straight into its place. Module names follow the checkpoint so loading is a
+mapping, not a search.
 """
 from __future__ import annotations
 
@@ -12,6 +14,27 @@ import torch
 
 from phaseflip.layouts.model_config import ModelConfig
 from phaseflip.layouts.spec import RankShard
+
+
+@dataclass(frozen=True)
+class Stacked:
+    """Row blocks to be stacked along dim 0 into one tensor, never materialised on their own: packing
+    copies each block into its rows of the destination (no torch.cat temporary)."""
+    parts: tuple[torch.Tensor, ...]
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return (sum(p.shape[0] for p in self.parts), *self.parts[0].shape[1:])
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.parts[0].dtype
+
+    def copy_into(self, out: torch.Tensor) -> None:
+        row = 0
+        for p in self.parts:
+            out[row:row + p.shape[0]].copy_(p)
+            row += p.shape[0]
 
 
 @dataclass
@@ -44,14 +67,6 @@ class RankWeights:
             out.update({f"layers.{i}.{n}": t for n, t in layer.tensors().items()})
         return out
 
-    def num_bytes(self) -> int:
-        seen, total = set(), 0
-        for t in self.tensors().values():
-            if t.data_ptr() not in seen:
-                seen.add(t.data_ptr())
-                total += t.numel() * t.element_size()
-        return total
-
 
 def replace_tensors(w: RankWeights, new: dict[str, torch.Tensor]) -> RankWeights:
     """The same structure with every tensor replaced by new[name] (names as in RankWeights.tensors())."""
@@ -72,10 +87,10 @@ def _layer(hf: dict, cfg: ModelConfig, shard: RankShard, i: int) -> LayerWeights
     q_rows = (q.start * d, q.count * d)
     kv_rows = (kv.start * d, kv.count * d)
 
-    def qkv(kind: str) -> torch.Tensor:
-        return torch.cat([_rows(hf[f"{p}self_attn.q_proj.{kind}"], *q_rows),
-                          _rows(hf[f"{p}self_attn.k_proj.{kind}"], *kv_rows),
-                          _rows(hf[f"{p}self_attn.v_proj.{kind}"], *kv_rows)])
+    def qkv(kind: str) -> Stacked:
+        return Stacked((_rows(hf[f"{p}self_attn.q_proj.{kind}"], *q_rows),
+                        _rows(hf[f"{p}self_attn.k_proj.{kind}"], *kv_rows),
+                        _rows(hf[f"{p}self_attn.v_proj.{kind}"], *kv_rows)))
 
     return LayerWeights(
         input_layernorm=hf[p + "input_layernorm.weight"],
@@ -83,16 +98,17 @@ def _layer(hf: dict, cfg: ModelConfig, shard: RankShard, i: int) -> LayerWeights
         qkv_bias=qkv("bias") if cfg.qkv_bias else None,
         q_norm=hf[p + "self_attn.q_norm.weight"] if cfg.qk_norm else None,
         k_norm=hf[p + "self_attn.k_norm.weight"] if cfg.qk_norm else None,
-        o_proj=hf[p + "self_attn.o_proj.weight"][:, q_rows[0]:q_rows[0] + q_rows[1]].contiguous(),
+        o_proj=hf[p + "self_attn.o_proj.weight"][:, q_rows[0]:q_rows[0] + q_rows[1]],
         post_attention_layernorm=hf[p + "post_attention_layernorm.weight"],
-        gate_up_proj=torch.cat([_rows(hf[p + "mlp.gate_proj.weight"], mlp.start, mlp.count),
-                                _rows(hf[p + "mlp.up_proj.weight"], mlp.start, mlp.count)]),
-        down_proj=hf[p + "mlp.down_proj.weight"][:, mlp.start:mlp.stop].contiguous(),
+        gate_up_proj=Stacked((_rows(hf[p + "mlp.gate_proj.weight"], mlp.start, mlp.count),
+                              _rows(hf[p + "mlp.up_proj.weight"], mlp.start, mlp.count))),
+        down_proj=hf[p + "mlp.down_proj.weight"][:, mlp.start:mlp.stop],
     )
 
 
 def shard_weights(hf: dict[str, torch.Tensor], cfg: ModelConfig, shard: RankShard) -> RankWeights:
-    """This rank's fused weights from HF-named checkpoint tensors (already validated by the loader)."""
+    """This rank's fused weights from HF-named checkpoint tensors (already validated by the loader), as
+    views and Stacked blocks of them (a column share stays a strided view)."""
     embed = hf["model.embed_tokens.weight"]
     head = embed if cfg.tie_word_embeddings else hf["lm_head.weight"]
     v = shard.vocab
