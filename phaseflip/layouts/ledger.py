@@ -1,11 +1,16 @@
-"""The memory ledger of one rank: where every byte of its budget went, per layout.
+"""The memory ledger of one rank: where every byte of its budget went, per layout, and how far the
+sum of what was measured is from what the device says is used.
 
-Owns: `measure_memory` (what the process holds at the end of boot: RSS on the CPU, allocator and
-device totals on CUDA) and `rank_ledger`, which attributes the budget to arena, KV region (usable and
-unusable blocks of each view), graph pool (CPU: the RSS the boot's GEMM warm-up added), static
-buffers, staging reserve, host images (CPU: the host is the device), framework overhead and free.
-`free` is the remainder, so the terms sum to the budget exactly; an unmeasured term is None and then
-`free` is None too, with the reason in `unmeasured`.
+Owns: `measure_memory` (what the process or device holds: RSS on the CPU; the driver's free memory and
+the caching allocator's reserved bytes on CUDA), `graph_pool_bytes` (a CUDA graph pool's segments, read
+from the allocator's own snapshot) and `rank_ledger`. Every term is measured on its own, never derived
+as a remainder: arena, KV region (usable and unusable blocks of each view), graph pool (CPU: the RSS
+the boot's GEMM warm-up added), compiled code (CPU: the RSS compiling added), static buffers, staging
+reserve, host images (CPU: those outside the arena), allocator cache (CUDA: reserved bytes no listed
+tensor holds), framework overhead (what the process or device used before the rank's first
+allocation). The identity is then checked against the measured use: `unexplained` is the difference,
+shown as it is (signed) and never folded into another term; `free` is the budget less both. A term
+that could not be measured is None, and then `free` is None too, with the reason in `unmeasured`.
 """
 from __future__ import annotations
 
@@ -23,57 +28,83 @@ def rss_bytes() -> int | None:
     return None
 
 
-def measure_memory(rt) -> dict:
-    if rt.device == "cpu":
+def measure_memory(device: str) -> dict:
+    if device == "cpu":
         return {"kind": "cpu", "rss_bytes": rss_bytes()}
-    free, total = torch.cuda.mem_get_info(rt.device)
-    return {"kind": "cuda", "device_total": total, "device_free": free,
-            "reserved": torch.cuda.memory_reserved(rt.device), "allocated": torch.cuda.memory_allocated(rt.device)}
+    free, total = torch.cuda.mem_get_info(device)
+    return {"kind": "cuda", "device_total": total, "device_free": free, "device_used": total - free,
+            "reserved": torch.cuda.memory_reserved(device), "allocated": torch.cuda.memory_allocated(device)}
 
 
-def _pool_bytes(rt) -> int | None:
-    steps = rt.registry.steps()
-    if rt.device == "cpu":
-        return rt.gemm_bytes  # recorded CPU steps own no pool; their GEMMs (kernels/linear.py) do
-    sizes = [s.pool_bytes for s in steps]
-    return None if any(v is None for v in sizes) else sum(sizes)
-
-
-def _framework(rt, known: int, pool: int | None) -> int | None:
-    """What the runtime itself holds beyond the listed terms (torch, Python, CUDA context)."""
-    m = rt.memory
-    if m["kind"] == "cpu":
-        # Resident at boot: arena, buffers and host images are touched; the KV region is calloc'd
-        # and mostly untouched, so it is not in the RSS yet.
-        touched = rt.arena.num_bytes + rt.buffers.num_bytes + rt.host_image_bytes
-        return None if m["rss_bytes"] is None or pool is None else m["rss_bytes"] - touched - pool
-    if pool is None:
+def graph_pool_bytes(pool) -> int | None:
+    """Bytes of the allocator segments that belong to the CUDA graph pool `pool` (its own statistics,
+    not a before/after difference that other frees can make negative); None if unreadable."""
+    try:
+        segments = torch.cuda.memory_snapshot()
+    except RuntimeError:
         return None
-    used = m["device_total"] - m["device_free"]
-    return used - known - pool
+    return sum(s["total_size"] for s in segments if tuple(s.get("segment_pool_id", ())) == tuple(pool))
 
 
-def rank_ledger(rt, layout: str, num_blocks: int) -> dict:
+def _used(m: dict) -> int | None:
+    """What the process (CPU) or the device (CUDA, every process on it) uses, as measured."""
+    return m.get("rss_bytes") if m["kind"] == "cpu" else m["device_used"]
+
+
+def _terms(rt, layout: str, num_blocks: int) -> dict[str, int | None]:
     view = rt.kv.view(layout)
-    block_bytes = view.shape.bytes_per_block(rt.kv.dtype)
-    kv_usable = num_blocks * block_bytes
-    pool = _pool_bytes(rt)
+    kv_usable = num_blocks * view.shape.bytes_per_block(rt.kv.dtype)
+    cpu = rt.device == "cpu"
     terms = {
         "arena": rt.arena.num_bytes,
         "kv_usable": kv_usable,
         "kv_unusable": rt.kv.num_bytes - kv_usable,
-        "graph_pool": pool,
+        "graph_pool": _grown(rt.gemm_bytes if cpu else rt.graph_pool_bytes),
+        "compiled_code": _grown(rt.compile_bytes) if cpu else 0,
         "static_buffers": rt.buffers.num_bytes,
         "staging_reserve": 2 * view.shape.numel * view.tensor.element_size(),  # read copy + received
-        "host_images": rt.host_image_bytes if rt.device == "cpu" else 0,
+        "host_images": rt.host_image_bytes if cpu else 0,  # CUDA: pinned host memory, not the device's
+        "allocator_cache": 0,
+        "framework_overhead": _used(rt.memory_at_start),
     }
-    known = sum(v for k, v in terms.items() if v is not None and k not in ("graph_pool", "staging_reserve"))
-    terms["framework_overhead"] = _framework(rt, known, pool)
+    if not cpu:
+        listed = terms["arena"] + rt.kv.num_bytes + terms["static_buffers"] + (terms["graph_pool"] or 0)
+        terms["allocator_cache"] = max(0, rt.memory["reserved"] - listed)
+    return terms
+
+
+def _grown(delta: int | None) -> int | None:
+    """A growth measured as a before/after difference; a shrink (memory another object gave back in
+    the meantime) counts as none, and the difference shows up in `unexplained`."""
+    return None if delta is None else max(0, delta)
+
+
+def _explained(rt, terms: dict) -> int | None:
+    """The part of the measured use the terms account for. CPU: what boot touched (the KV region and
+    the staging reserve are calloc'd address space, not resident yet). CUDA: everything the caching
+    allocator reserved (the KV region and graph pool included) beyond the use at start."""
+    if rt.device == "cpu":
+        resident = ("framework_overhead", "arena", "static_buffers", "host_images", "graph_pool", "compiled_code")
+        values = [terms[k] for k in resident]
+        return None if None in values else sum(values)
+    values = [terms[k] for k in ("framework_overhead", "arena", "kv_usable", "kv_unusable", "static_buffers",
+                                 "graph_pool", "allocator_cache")]
+    return None if None in values else sum(values)
+
+
+def rank_ledger(rt, layout: str, num_blocks: int) -> dict:
+    terms = _terms(rt, layout, num_blocks)
+    used, explained = _used(rt.memory), _explained(rt, terms)
+    unexplained = None if used is None or explained is None else used - explained
     unmeasured = [k for k, v in terms.items() if v is None]
+    if unexplained is None:
+        unmeasured.append("unexplained")
     budget = rt.budget_bytes
     if budget is None:
         unmeasured.append("budget")
-    free = None if unmeasured else budget - sum(terms.values())
-    return {"layout": layout, "budget": budget, **terms, "free": free, "unmeasured": unmeasured,
-            "arena_layout_bytes": rt.shard_bytes[layout], "kv_block_bytes": block_bytes,
-            "sums_to_budget": None if free is None else sum(terms.values()) + free == budget}
+    free = None if unmeasured else budget - sum(terms.values()) - unexplained
+    return {"layout": layout, "budget": budget, **terms, "unexplained": unexplained, "free": free,
+            "measured_used": used, "unmeasured": unmeasured, "arena_layout_bytes": rt.shard_bytes[layout],
+            "kv_block_bytes": rt.kv.view(layout).shape.bytes_per_block(rt.kv.dtype),
+            "sums_to_budget": None if free is None else sum(terms.values()) + unexplained + free == budget}
+

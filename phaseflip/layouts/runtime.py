@@ -29,7 +29,7 @@ from phaseflip.layouts.runner import LayoutRunner
 from phaseflip.layouts.sampler import Sampler
 from phaseflip.layouts.shard import RankWeights, shard_weights
 from phaseflip.layouts.step_inputs import buffer_specs
-from phaseflip.layouts.ledger import measure_memory, rank_ledger, rss_bytes
+from phaseflip.layouts.ledger import graph_pool_bytes, measure_memory, rank_ledger, rss_bytes
 from phaseflip.layouts.timing import timed
 
 log = logging.getLogger("phaseflip")
@@ -63,6 +63,7 @@ class RankRuntime:
         self.device = "cpu" if boot.device == "cpu" else f"cuda:{int(os.environ.get('LOCAL_RANK', rank))}"
         if self.device != "cpu":
             torch.cuda.set_device(self.device)
+        self.memory_at_start = measure_memory(self.device)  # the ledger's framework overhead
         dtype = getattr(torch, boot.dtype)
         with self._timed("load"):
             self.cfg, hf = load(boot.model_dir, dtype)
@@ -74,6 +75,7 @@ class RankRuntime:
         self.shard_bytes = {name: img.num_bytes for name, img in images.items()}
         with self._timed("arena"):
             self.arena = WeightArena(images, templates, self.device, resident, buffer)
+        del templates  # views of the checkpoint: its pages leave the RSS with them
         self.kv_block_size = boot.shapes.block_size
         with self._timed("kv_alloc"):
             self.kv = KVRegion({name: self._kv_shape(name, boot) for name in boot.layouts}, dtype, self.device)
@@ -84,14 +86,16 @@ class RankRuntime:
         self.registry = GraphRegistry()
         self.runners = self._make_runners(boot, dtype)
         self.host_image_bytes = sum(img.num_bytes for img in images.values() if not img.in_arena)
-        self.gemm_bytes: int | None = 0 if self.device == "cpu" else None  # RSS the CPU GEMM warm-up added
+        # RSS the CPU GEMM warm-up and compiling added; the CUDA graph pool's segments
+        self.gemm_bytes = self.compile_bytes = 0
+        self.graph_pool_bytes: int | None = None
         self._capture(boot)
         self.active = boot.layouts[0]
         self.arena.refill(self.active)
         self.registry.seal()
         self.budget_bytes = boot.budgets_bytes[rank] if boot.budgets_bytes else None
         self.num_kv_blocks = boot.num_kv_blocks
-        self.memory = measure_memory(self)
+        self.memory = measure_memory(self.device)
 
     def _pack(self, boot: RankBoot, templates: dict[str, RankWeights]):
         """Each layout's host image; on the CPU with both resident (the host is the device), packed
@@ -142,14 +146,12 @@ class RankRuntime:
         for name in boot.layouts:
             self.arena.refill(name)
             runner = self.runners[name]
-            rss = rss_bytes()
-            with self._timed(f"gemm_warm:{name}"):
+            with self._timed(f"gemm_warm:{name}"), _rss_growth() as grown:
                 gemms = linear.warm(runner.projections())
-            after = rss_bytes()
-            if self.gemm_bytes is not None:
-                self.gemm_bytes = None if rss is None or after is None else self.gemm_bytes + after - rss
-            with self._timed(f"compile:{name}"):
+            self.gemm_bytes = _add(self.gemm_bytes, grown)
+            with self._timed(f"compile:{name}"), _rss_growth() as grown:
                 runner.prepare_compiled(boot.compile, cuda)
+            self.compile_bytes = _add(self.compile_bytes, grown)
             with self._timed(f"capture:{name}"):
                 self.faults.check("capture")
                 if boot.capture:
@@ -159,6 +161,8 @@ class RankRuntime:
                      ", ".join(f"{k}: {v['choice']}" for k, v in runner.compile_report.items()),
                      sum(1 for st in self.registry.steps() if st.key.layout == name),
                      self.boot_ms[f"capture:{name}"])
+        if self.pool is not None:
+            self.graph_pool_bytes = graph_pool_bytes(self.pool)
 
     # -- commands ------------------------------------------------------------------------------
     def run_step(self, cmd: RunStep) -> StepReply:
@@ -199,6 +203,20 @@ class RankRuntime:
                          self.registry.captures_after_boot,
                          {f"{k[0]}:{k[1]}": v for k, v in self.registry.eager_fallbacks.items()},
                          self.arena.buffer.data_ptr(), self.arena.num_bytes)
+
+
+@contextmanager
+def _rss_growth():
+    """Yields a list that holds, after the block, the bytes the process's RSS grew by (None where
+    /proc cannot be read)."""
+    before, out = rss_bytes(), []
+    yield out
+    after = rss_bytes()
+    out.append(None if before is None or after is None else after - before)
+
+
+def _add(total: int | None, grown: list) -> int | None:
+    return None if total is None or grown[0] is None else total + grown[0]
 
 
 def _resident(boot: RankBoot, sizes: dict[str, int]) -> bool:

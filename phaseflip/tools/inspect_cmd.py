@@ -12,8 +12,8 @@ from pathlib import Path
 
 import click
 
-LEDGER_TERMS = ("arena", "kv_usable", "kv_unusable", "graph_pool", "static_buffers", "staging_reserve",
-                "host_images", "framework_overhead", "free")
+LEDGER_TERMS = ("arena", "kv_usable", "kv_unusable", "graph_pool", "compiled_code", "static_buffers",
+                "staging_reserve", "host_images", "allocator_cache", "framework_overhead", "unexplained", "free")
 
 
 def default_manifest_path() -> Path:

@@ -9,10 +9,11 @@ from html import escape
 
 COLORS = {"arena": "#4e79a7", "kv_usable": "#59a14f", "kv_unusable": "#b07aa1", "graph_pool": "#f28e2b",
           "static_buffers": "#edc948", "staging_reserve": "#76b7b2", "host_images": "#9c755f",
-          "framework_overhead": "#bab0ac", "read": "#4e79a7", "exchange": "#f28e2b", "refill": "#e15759",
+          "framework_overhead": "#bab0ac", "compiled_code": "#ff9da7", "allocator_cache": "#d4a6c8",
+          "unexplained": "#e15759", "read": "#4e79a7", "exchange": "#f28e2b", "refill": "#e15759",
           "write": "#59a14f", "cutover": "#b07aa1"}
-USED = ("arena", "kv_usable", "kv_unusable", "graph_pool", "static_buffers", "staging_reserve",
-        "host_images", "framework_overhead")
+USED = ("arena", "kv_usable", "kv_unusable", "graph_pool", "compiled_code", "static_buffers", "staging_reserve",
+        "host_images", "allocator_cache", "framework_overhead", "unexplained")  # unexplained: drawn when > 0
 W, LEFT, RIGHT = 1000, 150, 230   # RIGHT: room for the text after a bar
 
 
@@ -40,7 +41,7 @@ def _legend(y, names) -> tuple[list[str], float]:
 
 def memory_bars(m: dict, y0: float) -> tuple[list[str], float]:
     rows = [(r, lay) for r in m["ranks"] for lay in m["layouts"]]
-    used = [sum(r["ledger"][lay][t] or 0 for t in USED) for r, lay in rows]
+    used = [sum(max(0, r["ledger"][lay].get(t) or 0) for t in USED) for r, lay in rows]
     scale = (W - LEFT - RIGHT) / max(max(used), 1)
     out = [_text(20, y0, "Memory per rank and layout (bar = what is used; free shown as text)", 15, weight="bold")]
     legend, y = _legend(y0 + 26, USED)
@@ -50,7 +51,7 @@ def memory_bars(m: dict, y0: float) -> tuple[list[str], float]:
         out.append(_text(20, y + 14, f"rank {r['rank']} {lay}", 12))
         x = LEFT
         for t in USED:
-            v = ledger[t] or 0
+            v = max(0, ledger.get(t) or 0)
             out.append(_rect(x, y, v * scale, 20, COLORS[t], f"{t}: {v / 2**20:.1f} MiB"))
             x += v * scale
         free = ledger["free"]
