@@ -166,8 +166,7 @@ def boot(prompts_file, max_tokens, temperature, output, manifest_path, **engine)
     if _serve_if_worker():
         return
     from phaseflip.engine.sampling_params import SamplingParams
-    _check_writable(output, "--output")
-    _check_writable(manifest_path, "--manifest")
+    _check_writable(output, "--output")  # (the manifest's directory is created when missing)
     items = _read_prompts(prompts_file)
     params = SamplingParams(temperature=temperature, max_tokens=max_tokens, seed=engine["seed"])
     t0 = time.perf_counter()

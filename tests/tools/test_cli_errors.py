@@ -28,8 +28,7 @@ CASES = (
        ("boot", "--max-tokens", "0", "max_tokens=0"),
        ("boot", "--temperature", "-2", "temperature=-2.0"),
        ("boot", "--prompts", "/no/such/prompts.txt", "/no/such/prompts.txt"),
-       ("boot", "--output", "/no/such/dir/out.jsonl", "/no/such/dir"),
-       ("boot", "--manifest", "/no/such/dir/m.json", "/no/such/dir"),
+       ("boot", "--output", "missing-dir/out.jsonl", "missing-dir"),  # relative to the test's temp dir
        ("bench", "--threads", "0", "0 is not in the range x>=1"),
        ("bench", "--num-prompts", "0", "0 is not in the range x>=1"),
        ("bench", "--prompt-len", "40,8", "low first"),
