@@ -115,6 +115,9 @@ class LayoutRunner:
             report = {b: self._measure(compiled, self._views(sz), measure) for b, sz in probed}
             for b, _ in sizes:
                 self.choices[(phase.value, b)] = report.get(b, report[probed[-1][0]])["choice"]
+            unprobed = [sz for b, sz in sizes if b not in report and self.choices[(phase.value, b)] == "compiled"]
+            if unprobed:  # a second size makes the token dimension dynamic: that graph, which serves
+                compiled(self._views(unprobed[0]))  # every larger bucket, compiles now, not mid-serving
             picked = {self.choices[(phase.value, b)] for b, _ in sizes}
             self.compile_report[phase.value] = {
                 "choice": picked.pop() if len(picked) == 1 else "per bucket",

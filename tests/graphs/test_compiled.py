@@ -51,7 +51,7 @@ def test_auto_measures_each_bucket_matches_hf_and_writes_no_kv(tiny_model_dir, t
 def test_one_layer_compiles_once_for_every_layer_and_nothing_compiles_after_boot(tiny_model_dir, tmp_path,
                                                                                   monkeypatch):
     d = tiny_model_dir("llama", num_layers=6)
-    prompts = _prompts(384)[:3]
+    prompts = _prompts(384)[:3] + _prompts(384)[5:6]  # 1+5+17+100 tokens: the 128-token prefill bucket too
     expected = hf_greedy(d, prompts, 8)
     with _boot(d, "on", tmp_path, monkeypatch) as llm:
         graphs_at_boot = counters["stats"]["unique_graphs"]
@@ -59,10 +59,11 @@ def test_one_layer_compiles_once_for_every_layer_and_nothing_compiles_after_boot
         m = llm.inspect()
     ok, _, msg = compare_greedy([o.outputs[0].token_ids for o in outs], expected)
     assert ok, msg
-    # 6 layers, 3 decode buckets, 1 prefill probe: decode's whole step at one row (0/1 specialisation)
-    # and at more; prefill's first layer (nothing to add yet) and the others; never one per layer;
-    # plus the LM head for one sampled row (the bound kept from the per-layer design: 2 x 3 + 1)
-    assert 0 < graphs_at_boot <= 2 * 3 + 1, graphs_at_boot
+    # 6 layers, 3 decode buckets, 2 prefill buckets: decode's whole step at one row (0/1 specialisation)
+    # and at more; prefill's first layer (nothing to add yet) and the others, each at the probed bucket
+    # and dynamic for the larger ones (compiled at boot, not at the first long prompt); never one per
+    # layer; plus the LM head for one sampled row
+    assert 0 < graphs_at_boot <= 2 + 2 * 2 + 1, graphs_at_boot
     assert counters["stats"]["unique_graphs"] == graphs_at_boot, "a step compiled after boot"
     assert {s["backend"] for s in m["steps"]} == {"compiled"}
     caches = llm.ranks.runtime.compile_caches
