@@ -93,9 +93,10 @@ class LayoutRunner:
 
     def prepare_compiled(self, mode: str, cuda: bool) -> None:
         """Compile each role's step (boot only; see _compiled_steps). compile="on", and CUDA: every step
-        runs compiled. "auto" on the CPU: each decode bucket, and the prefill role at its smallest
-        bucket, keeps the compiled step only where it is measured faster than eager. Every choice is
-        reported with the numbers it was made from."""
+        runs compiled. "auto" on the CPU: the decode step at 1 and 2 rows and at its largest bucket, and
+        the prefill role at its smallest bucket, keep the compiled step only where it is measured
+        faster than eager; a bucket between takes the choice of the largest (they share its dynamic
+        graph). Every choice is reported with the numbers it was made from."""
         if mode == "off":
             for phase in Phase:
                 self.compile_report[phase.value] = {"choice": "eager", "reason": "compile='off'"}
@@ -107,10 +108,11 @@ class LayoutRunner:
         for phase in Phase:
             t0 = time.perf_counter()
             sizes = self._phase_sizes(phase)
-            # the buckets run at boot: each decode bucket (0/1 specialisation splits them), the
-            # smallest prefill bucket (its dynamic graph serves the others; larger chunks are GEMM-bound,
-            # where compiled and eager measured within ~1%, and timing them costs seconds of boot)
-            probed = sizes if phase is Phase.DECODE else sizes[:1]
+            # the buckets timed at boot: decode at 1 row (its own graph: 0/1 specialisation), 2 rows
+            # (the dynamic graph's first size) and the largest, where the two measured within a few %
+            # at every bucket from 4 up (timing each cost 13-21 s of a 2-rank boot); prefill at its
+            # smallest bucket (its dynamic graph serves the others; larger chunks are GEMM-bound)
+            probed = (sizes[:2] + sizes[2:][-1:]) if phase is Phase.DECODE else sizes[:1]
             compiled = self.compiled_steps[phase]
             report = {b: self._measure(compiled, self._views(sz), measure) for b, sz in probed}
             for b, _ in sizes:
@@ -122,7 +124,8 @@ class LayoutRunner:
             self.compile_report[phase.value] = {
                 "choice": picked.pop() if len(picked) == 1 else "per bucket",
                 "boot_ms": (time.perf_counter() - t0) * 1e3, "buckets": report,
-                "rule": ("measured: each decode bucket; prefill at its smallest bucket, for all" if measure
+                "rule": ("measured: decode at 1, 2 and its largest bucket (those between take the largest's "
+                         "choice); prefill at its smallest bucket, for all" if measure
                          else f"compile={mode!r}{' on cuda' if cuda else ''}: compiled everywhere")}
 
     def _prepare_head(self, measure: bool) -> None:
