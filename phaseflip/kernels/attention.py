@@ -23,6 +23,7 @@ import torch.nn.functional as F
 
 from phaseflip.kernels.cpu_attention import paged_attention_cpu
 from phaseflip.kernels.dispatch import triton_available
+from phaseflip.kernels.op_registry import define_op
 
 
 def store_kv(k, v, k_cache, v_cache, slot_mapping):
@@ -128,14 +129,12 @@ def attend(q, k, v, kv_cache, layer: int, slot_mapping, block_tables, seq_lens, 
 # not the layer's K/V sub-views: inductor hands a custom op that mutates an offset sub-view of a
 # closed-over tensor a fresh buffer instead of the cache (seen with torch 2.13), so the compiled step
 # attended over zeros. A view of the whole region starting at offset 0 is passed through intact.
-@torch.library.custom_op("phaseflip::paged_attention", mutates_args=("kv_cache",))
-def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, layer: int,
-                    slot_mapping: torch.Tensor, block_tables: torch.Tensor,
-                    seq_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float) -> torch.Tensor:
-    return paged_attention_impl(q, k, v, kv_cache, layer, slot_mapping, block_tables, seq_lens,
-                                query_start_loc, scale)
-
-
-@paged_attention.register_fake
-def _(q, k, v, kv_cache, layer, slot_mapping, block_tables, seq_lens, query_start_loc, scale):
+def _paged_attention_fake(q, k, v, kv_cache, layer, slot_mapping, block_tables, seq_lens, query_start_loc,
+                          scale):
     return torch.empty_like(q)
+
+
+paged_attention = define_op(
+    "paged_attention(Tensor q, Tensor k, Tensor v, Tensor(a!) kv_cache, SymInt layer, Tensor slot_mapping, "
+    "Tensor block_tables, Tensor seq_lens, Tensor query_start_loc, float scale) -> Tensor",
+    paged_attention_impl, _paged_attention_fake)

@@ -26,6 +26,8 @@ from typing import Iterable
 import torch
 import torch.nn.functional as F
 
+from phaseflip.kernels.op_registry import define_op
+
 GEMV_ROWS = 1     # rows a compiled CPU step multiplies with inductor's own reduction (measured)
 SMALL_BATCH = 4   # rows up to which the weight-stationary form is used on the CPU
 
@@ -97,14 +99,16 @@ def _eager_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     return out if bias is None else out.add_(bias)
 
 
-@torch.library.custom_op("phaseflip::cpu_linear", mutates_args=())
-def _cpu_linear_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+def _cpu_linear_body(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     return _eager_linear(x.contiguous(), weight, bias)
 
 
-@_cpu_linear_op.register_fake
-def _(x, weight, bias):
+def _cpu_linear_fake(x, weight, bias):
     return x.new_empty((x.shape[0], weight.shape[0]))
+
+
+_cpu_linear_op = define_op("cpu_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor", _cpu_linear_body,
+                           _cpu_linear_fake)
 
 
 def warm(projections: Iterable[tuple[torch.Tensor, torch.Tensor | None, int]]) -> int:
