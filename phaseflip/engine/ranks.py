@@ -6,10 +6,11 @@ torch.distributed group (gloo on CPU, NCCL on CUDA); under torchrun, engine/torc
 A rank's exception reaches the caller as RankError naming the rank with its traceback;
 a dead rank raises EngineDeadError naming it (polled every 0.1 s: never a hang); ranks exit when the
 controller dies (PR_SET_PDEATHSIG plus a parent watchdog); shutdown() leaves no process behind.
-A Ctrl-C never leaves the ranks out of step: a command reaches every rank or none, a reply is never
-half read, and a call interrupted by any exception (a Ctrl-C, a signal handler's) still collects its
-replies, within DRAIN_S; when it cannot (a second interrupt, a silent rank), the engine is declared
-dead with the reason, so that no later call reads a stale reply.
+A Ctrl-C never leaves the ranks out of step: it is held back while a command is sent or a reply read,
+and a call interrupted by any exception (a Ctrl-C, a signal handler's) still collects its replies,
+within DRAIN_S; when it cannot (a second interrupt, a silent rank, another handler's exception that
+cut a send or a reply read mid-way), the engine is declared dead with the reason, so that no later
+call reads a stale reply.
 """
 from __future__ import annotations
 
@@ -93,6 +94,7 @@ class ProcessRanks:
     def __init__(self, boot: RankBoot, world_size: int, poll_s: float = 0.1):
         self.world_size, self.poll_s = world_size, poll_s
         self.dead: str | None = None
+        self.torn: int | None = None  # a rank whose reply an exception may have cut mid-read
         authkey = os.urandom(16)
         init_method = f"tcp://127.0.0.1:{_free_port()}"
         with mp.connection.Listener(("127.0.0.1", 0), authkey=authkey) as listener:
@@ -148,6 +150,10 @@ class ProcessRanks:
                         replies[rank] = conn.recv()
                 except (EOFError, OSError):
                     self._die(self._death(rank))
+                except BaseException:  # another signal's exception (not held back): maybe mid-read
+                    if rank not in replies:
+                        self.torn = rank
+                    raise
                 reply = replies[rank]
                 if isinstance(reply, RankProgress):
                     del replies[rank]
@@ -193,10 +199,11 @@ class ProcessRanks:
         if self.dead:
             raise EngineDeadError(f"engine is dead: {self.dead}")
         replies: dict[int, object] = {}
-        sent = 0
+        started = sent = 0  # ranks whose send began, and ended
         try:
             with _interrupts_deferred():  # a Ctrl-C: every rank gets the command, or none does
                 for rank, conn in enumerate(self.conns):
+                    started += 1
                     try:
                         conn.send(msg)
                     except OSError:
@@ -204,14 +211,22 @@ class ProcessRanks:
                     sent += 1
             return self._collect(replies)
         except BaseException as e:
-            if self.dead:
-                pass
-            elif sent == self.world_size:  # keep lockstep: the next call must not read these replies
-                self._drain(replies, e)
-            elif sent:  # another signal's exception, between two sends (a Ctrl-C is held back)
-                self.dead = f"{_name(e)} interrupted sending a command: {sent} of {self.world_size} ranks got it"
-                self.shutdown(DEAD_GRACE_S)
+            if not self.dead and started:
+                self._keep_in_step(e, sent, replies)
             raise
+
+    def _keep_in_step(self, cause: BaseException, sent: int, replies: dict) -> None:
+        """After `cause` cut a call short: when every rank got the command whole, drain its replies;
+        when a send or a reply read may have been cut mid-way (a Ctrl-C is held back there; another
+        signal handler's exception is not), the ranks and the controller cannot agree any more: the
+        engine is dead, and the reason says why."""
+        if sent == self.world_size and self.torn is None:
+            self._drain(replies, cause)
+            return
+        what = (f"reading rank {self.torn}'s reply" if self.torn is not None
+                else f"sending a command ({sent} of {self.world_size} ranks got it whole)")
+        self.dead = f"{_name(cause)} interrupted {what}: ranks out of step"
+        self.shutdown(DEAD_GRACE_S)
 
     def _drain(self, replies: dict, cause: BaseException) -> None:
         """`cause` (a Ctrl-C, or any exception a signal handler raised) interrupted a call whose command
