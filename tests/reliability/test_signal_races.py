@@ -75,25 +75,33 @@ def test_a_ctrl_c_just_after_a_reply_was_read_does_not_lose_it(model, reference)
         assert_usable(llm, reference)
 
 
+def signal_rounds(model, reference, rounds: int, signum: int, raised, seed: int) -> list[bool]:
+    """`rounds` random signals, one per long generate of a 2-rank engine (a new engine after one is
+    declared dead); per round, whether the next call found the engine usable."""
+    def boom(signum, frame):
+        raise Boom
+    previous = signal.signal(signal.SIGUSR1, boom)
+    rng, outcomes = random.Random(seed), []
+    llm = two_ranks(model)
+    try:
+        with python_sigint():
+            for _ in range(rounds):
+                hit_at_random(llm, rng, signum, raised)
+                outcomes.append(usable_or_dead(llm, reference))
+                if not outcomes[-1]:
+                    llm.shutdown()
+                    llm = two_ranks(model)
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
+        llm.shutdown()
+    return outcomes
+
+
 def test_any_signal_handlers_exception_leaves_no_stale_reply(model, reference):
     """A handler raising Boom at random moments of generate and flip: after each, the next call works
     with the reference tokens or raises EngineDeadError; a stale reply would answer the StatsQuery
     that follows a failed generate with the previous command's StepResult or FlipReport."""
-    def boom(signum, frame):
-        raise Boom
-    previous = signal.signal(signal.SIGUSR1, boom)
-    rng, outcomes = random.Random(11), []
-    llm = two_ranks(model)
-    try:
-        for _ in range(6):
-            hit_at_random(llm, rng, signal.SIGUSR1, Boom)
-            outcomes.append(usable_or_dead(llm, reference))
-            if not outcomes[-1]:
-                llm.shutdown()
-                llm = two_ranks(model)
-    finally:
-        signal.signal(signal.SIGUSR1, previous)
-        llm.shutdown()
+    outcomes = signal_rounds(model, reference, 6, signal.SIGUSR1, Boom, seed=11)
     print(f"Boom rounds: {outcomes.count(True)} usable after, {outcomes.count(False)} declared dead")
 
 
@@ -119,25 +127,12 @@ def test_signal_stress_under_load(model, reference, signum, raised):
     reply read) may declare it dead, never leave a stale reply or a hang."""
     rounds = int(os.environ.get("PHASEFLIP_STRESS_ROUNDS", "200"))
     burner = subprocess.Popen([sys.executable, "-c", "while True: pass"])
-    rng, t0, outcomes = random.Random(5), time.monotonic(), []
-
-    def boom(signum, frame):
-        raise Boom
-    previous = signal.signal(signal.SIGUSR1, boom)
-    llm = two_ranks(model)
+    t0 = time.monotonic()
     try:
-        with python_sigint():
-            for _ in range(rounds):
-                hit_at_random(llm, rng, signum, raised)
-                outcomes.append(usable_or_dead(llm, reference))
-                assert outcomes[-1] or raised is Boom, "a Ctrl-C killed the engine"
-                if not outcomes[-1]:
-                    llm.shutdown()
-                    llm = two_ranks(model)
+        outcomes = signal_rounds(model, reference, rounds, signum, raised, seed=5)
     finally:
-        signal.signal(signal.SIGUSR1, previous)
-        llm.shutdown()
         burner.kill()
         burner.wait()
     print(f"{raised.__name__} stress: {rounds} rounds, {outcomes.count(True)} usable after, "
           f"{outcomes.count(False)} declared dead, {time.monotonic() - t0:.0f} s under load")
+    assert all(outcomes) or raised is Boom, "a Ctrl-C killed the engine"
