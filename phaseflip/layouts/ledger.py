@@ -79,16 +79,19 @@ def _grown(delta: int | None) -> int | None:
     return None if delta is None else max(0, delta)
 
 
+# What each device's measured use is made of: on the CPU what boot touched (the KV region and the
+# staging reserve are calloc'd address space, not resident yet); on CUDA everything the caching
+# allocator reserved (the KV region and graph pool included) beyond the use at start.
+RESIDENT = {
+    "cpu": ("framework_overhead", "arena", "static_buffers", "host_images", "graph_pool", "compiled_code"),
+    "cuda": ("framework_overhead", "arena", "kv_usable", "kv_unusable", "static_buffers", "graph_pool",
+             "allocator_cache"),
+}
+
+
 def _explained(rt, terms: dict) -> int | None:
-    """The part of the measured use the terms account for. CPU: what boot touched (the KV region and
-    the staging reserve are calloc'd address space, not resident yet). CUDA: everything the caching
-    allocator reserved (the KV region and graph pool included) beyond the use at start."""
-    if rt.device == "cpu":
-        resident = ("framework_overhead", "arena", "static_buffers", "host_images", "graph_pool", "compiled_code")
-        values = [terms[k] for k in resident]
-        return None if None in values else sum(values)
-    values = [terms[k] for k in ("framework_overhead", "arena", "kv_usable", "kv_unusable", "static_buffers",
-                                 "graph_pool", "allocator_cache")]
+    """The part of the measured use the terms account for (None when one of them is unmeasured)."""
+    values = [terms[k] for k in RESIDENT["cpu" if rt.device == "cpu" else "cuda"]]
     return None if None in values else sum(values)
 
 
@@ -107,4 +110,3 @@ def rank_ledger(rt, layout: str, num_blocks: int) -> dict:
             "measured_used": used, "unmeasured": unmeasured, "arena_layout_bytes": rt.shard_bytes[layout],
             "kv_block_bytes": rt.kv.view(layout).shape.bytes_per_block(rt.kv.dtype),
             "sums_to_budget": None if free is None else sum(terms.values()) + unexplained + free == budget}
-
