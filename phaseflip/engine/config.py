@@ -43,6 +43,8 @@ class EngineConfig:
     layouts: tuple[str, ...] | None = None  # captured layouts; None = ("pp", "tp") if world_size > 1
     flip_every_steps: int | None = None     # force a flip every K steps (tests); None = the drain rule
     park: str = "auto"                  # auto | always | never: where the inactive weight image waits
+    flip_staging_mib: float | None = None  # the flip's KV staging (send + receive); None = the smaller
+                                           # of 256 MiB and a tenth of the KV pool
     pp_split: tuple[int, ...] | None = None     # explicit PP layers per rank
     tp_kv_split: tuple[int, ...] | None = None  # explicit TP KV heads per rank
     rank_budgets: tuple[float, ...] | None = None  # relative capacity per rank (CPU simulation)
@@ -73,6 +75,8 @@ class EngineConfig:
                f"park={self.park!r} is invalid: allowed are auto, always, never")
         _check(self.flip_every_steps is None or self.flip_every_steps >= 1,
                f"flip_every_steps={self.flip_every_steps} is invalid: must be >= 1 (or None)")
+        _check(self.flip_staging_mib is None or self.flip_staging_mib > 0,
+               f"flip_staging_mib={self.flip_staging_mib} is invalid: must be > 0 (or None)")
         self._check_layouts()
         _check(self.policy in ("throughput", "latency", "drain"),
                f"policy={self.policy!r} is invalid: allowed are throughput, latency, drain")

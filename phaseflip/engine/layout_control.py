@@ -93,9 +93,9 @@ class LayoutControl:
         if entry["ok"]:
             self.active, self.fallback_until = target, -1
             self.num_flips += 1
-            log.info("flip %s: total %.1f ms (%s); kv %d B, weights %d B", entry["direction"],
+            log.info("flip %s: total %.1f ms (%s); kv %d B in %d chunk(s), weights %d B", entry["direction"],
                      entry["total_ms"], ", ".join(f"{c} {entry[c + '_ms']:.1f}" for c in COMPONENTS),
-                     entry["kv_bytes"], entry["weight_bytes"])
+                     entry["kv_bytes"], entry["chunks"], entry["weight_bytes"])
         else:
             self.fallback_until = self._steps + FALLBACK_STEPS
             self.num_failed_flips += 1
@@ -116,7 +116,9 @@ def _log_entry(source: str, target: str, reports, total_ms: float) -> dict:
         **{f"{c}_ms": worst(c) for c in COMPONENTS},
         "ranks_total_ms": worst("total"),
         "kv_bytes": sum(r.kv_bytes for r in reports), "weight_bytes": sum(r.weight_bytes for r in reports),
+        "chunks": max(r.chunks for r in reports), "staging_bytes": max(r.staging_bytes for r in reports),
         "failed_stage": first.failed_stage if first else None,
+        "failed_chunk": first.failed_chunk if first else None,
         "error": f"rank {first.rank}: {first.error}" if first else None,
         "per_rank": [dict(rank=r.rank, ok=r.ok, **r.ms, kv_bytes=r.kv_bytes, weight_bytes=r.weight_bytes)
                      for r in reports],

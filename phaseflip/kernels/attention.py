@@ -27,11 +27,12 @@ from phaseflip.kernels.op_registry import define_op
 
 
 def store_kv(k, v, k_cache, v_cache, slot_mapping):
-    # k, v: [T, Hkv, D]; caches: [num_blocks, block_size, Hkv, D]
+    # k, v: [T, Hkv, D]; caches: [num_blocks, block_size, Hkv, D], any block stride
     valid = slot_mapping >= 0
     slots = slot_mapping[valid]
-    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slots, k[valid])
-    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slots, v[valid])
+    block, offset = slots // k_cache.shape[1], slots % k_cache.shape[1]
+    k_cache.index_put_((block, offset), k[valid])
+    v_cache.index_put_((block, offset), v[valid])
 
 
 def _gather_context(cache, block_table, length):
@@ -105,7 +106,7 @@ def paged_attention_ref(q, k, v, k_cache, v_cache, slot_mapping, block_tables, s
 def paged_attention_impl(q, k, v, kv_cache, layer: int, slot_mapping, block_tables, seq_lens, query_start_loc,
                          scale: float) -> torch.Tensor:
     """The body of the op: the Triton kernels on CUDA, kernels/cpu_attention.py elsewhere."""
-    k_cache, v_cache = kv_cache[0, layer], kv_cache[1, layer]
+    k_cache, v_cache = kv_cache[:, layer, 0], kv_cache[:, layer, 1]
     if q.is_cuda and triton_available():
         from phaseflip.kernels.triton_attention import store_and_attend
         return store_and_attend(q, k, v, k_cache, v_cache, slot_mapping, block_tables, seq_lens,
@@ -125,10 +126,10 @@ def attend(q, k, v, kv_cache, layer: int, slot_mapping, block_tables, seq_lens, 
     return fn(q, k, v, kv_cache, layer, slot_mapping, block_tables, seq_lens, query_start_loc, scale)
 
 
-# The op takes a layout's WHOLE KV view ([2, layers, blocks, block_size, heads, D]) and a layer index,
-# not the layer's K/V sub-views: inductor hands a custom op that mutates an offset sub-view of a
-# closed-over tensor a fresh buffer instead of the cache (seen with torch 2.13), so the compiled step
-# attended over zeros. A view of the whole region starting at offset 0 is passed through intact.
+# The op takes a layout's WHOLE KV view ([blocks, layers, 2, block_size, heads, D], layouts/kvcache.py)
+# and a layer index, not the layer's K/V sub-views: inductor hands a custom op that mutates an offset
+# sub-view of a closed-over tensor a fresh buffer instead of the cache (seen with torch 2.13), so the
+# compiled step attended over zeros. A view of the whole region starting at offset 0 is passed intact.
 def _paged_attention_fake(q, k, v, kv_cache, layer, slot_mapping, block_tables, seq_lens, query_start_loc,
                           scale):
     return torch.empty_like(q)

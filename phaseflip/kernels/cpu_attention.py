@@ -9,6 +9,9 @@ against); what differs is how the work is laid out:
   in an `AttentionPlan` and reused by all layers. The plan is remembered by value: the metadata it was
   built from is kept and compared (torch.equal, a few microseconds), never trusted by identity, so a
   reused buffer with new contents gets a new plan.
+- The caches are read and written as rows of D elements: (block b, offset o, kv head h) is row
+  b * rows_per_block + o * Hkv + h, where rows_per_block is the region's block stride over D (the
+  region is block-major, layouts/kvcache.py, so a layer's blocks are not adjacent).
 - Decode rows gather their context straight into the layout a batched matmul wants ([rows * Hkv, L, D],
   one row of D per (sequence, kv head, position)), so each layer moves its KV once into place and runs
   two bmm calls for all rows: no per-row Python, no GQA head expansion, no permute copies.
@@ -29,7 +32,7 @@ MAX_GROUPS = 8
 @dataclass(frozen=True)
 class DecodeGroup:
     tokens: torch.Tensor          # [n] token index (in the flat batch) of each row
-    gather: torch.Tensor          # [n * Hkv * L] rows of the cache viewed as [slots * Hkv, D]
+    gather: torch.Tensor          # [n * Hkv * L] cache rows (see the module docstring)
     bias: torch.Tensor | None     # [n, 1, 1, L] 0 / -inf; None when no row is padded
     length: int                   # L, the group's longest context
 
@@ -46,8 +49,8 @@ class PrefillRow:
 @dataclass(frozen=True)
 class AttentionPlan:
     key: tuple                    # the metadata (cloned) and cache geometry it was built from
-    store_rows: torch.Tensor | None  # tokens written to the cache (None: all of them)
-    store_slots: torch.Tensor
+    store_tokens: torch.Tensor | None  # tokens written to the cache (None: all of them)
+    store_rows: torch.Tensor          # [stored tokens * Hkv] the cache rows they are written to
     decode: tuple[DecodeGroup, ...]
     prefill: tuple[PrefillRow, ...]
     covers_all: bool              # one decode group holding tokens 0..T-1 in order: no scatter needed
@@ -61,15 +64,26 @@ def _same(key: tuple, meta: tuple) -> bool:
                for a, b in zip(key, meta))
 
 
-def _slots(block_row: torch.Tensor, length: int, block_size: int, pad_to: int) -> torch.Tensor:
-    """Flat cache slots of positions 0..pad_to-1 of one sequence (positions >= length repeat the last)."""
+@dataclass(frozen=True)
+class Geometry:
+    block_size: int
+    hkv: int
+    rows_per_block: int           # the cache's block stride in rows of D
+
+    def first_rows(self, blocks: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        """The cache row of kv head 0 at (block, offset in the block)."""
+        return blocks * self.rows_per_block + offsets * self.hkv
+
+
+def _slots(block_row: torch.Tensor, length: int, geo: Geometry, pad_to: int) -> torch.Tensor:
+    """Head-0 cache rows of positions 0..pad_to-1 of one sequence (positions >= length repeat the last)."""
     pos = torch.arange(pad_to).clamp_(max=length - 1)
-    return block_row[pos // block_size] * block_size + pos % block_size
+    return geo.first_rows(block_row[pos // geo.block_size], pos % geo.block_size)
 
 
 def _rows(slots: torch.Tensor, hkv: int) -> torch.Tensor:
-    # slots [..., L] -> rows of the [slots * Hkv, D] view ordered [..., Hkv, L]
-    return (slots.unsqueeze(-2) * hkv + torch.arange(hkv)[:, None]).reshape(-1)
+    # head-0 rows [..., L] -> the rows of every kv head, ordered [..., Hkv, L]
+    return (slots.unsqueeze(-2) + torch.arange(hkv)[:, None]).reshape(-1)
 
 
 def _group(order: list[int], lens: list[int]) -> list[list[int]]:
@@ -84,19 +98,18 @@ def _group(order: list[int], lens: list[int]) -> list[list[int]]:
     return groups
 
 
-def _decode_group(rows: list[int], starts, lens, block_tables, block_size, hkv) -> DecodeGroup:
+def _decode_group(rows: list[int], starts, lens, block_tables, geo: Geometry) -> DecodeGroup:
     length = max(lens[i] for i in rows)
-    slots = torch.stack([_slots(block_tables[i], lens[i], block_size, length) for i in rows])
+    slots = torch.stack([_slots(block_tables[i], lens[i], geo, length) for i in rows])
     bias = None
     if any(lens[i] < length for i in rows):
         real = torch.tensor([lens[i] for i in rows])
         bias = torch.zeros(len(rows), 1, 1, length)
         bias.masked_fill_((torch.arange(length)[None, :] >= real[:, None])[:, None, None, :], float("-inf"))
-    return DecodeGroup(torch.tensor([starts[i] for i in rows]), _rows(slots, hkv), bias, length)
+    return DecodeGroup(torch.tensor([starts[i] for i in rows]), _rows(slots, geo.hkv), bias, length)
 
 
-def _prefill_row(start: int, stop: int, seq_len: int, block_row, block_size: int, hkv: int,
-                 group: int) -> PrefillRow:
+def _prefill_row(start: int, stop: int, seq_len: int, block_row, geo: Geometry, group: int) -> PrefillRow:
     n = stop - start
     if n == seq_len:  # the chunk is its whole context: its own K/V, plain causal
         return PrefillRow(start, stop, seq_len, None, None)
@@ -104,40 +117,43 @@ def _prefill_row(start: int, stop: int, seq_len: int, block_row, block_size: int
     pos = torch.arange(seq_len)
     hidden = pos[None, :] > (seq_len - n + torch.arange(n))[:, None]            # [n, seq_len]
     bias = torch.zeros(n, seq_len).masked_fill_(hidden, float("-inf")).repeat(group, 1)
-    return PrefillRow(start, stop, seq_len, _rows(_slots(block_row, seq_len, block_size, seq_len), hkv), bias)
+    return PrefillRow(start, stop, seq_len, _rows(_slots(block_row, seq_len, geo, seq_len), geo.hkv), bias)
 
 
 def build_plan(slot_mapping, block_tables, seq_lens, query_start_loc, block_size: int, hkv: int,
-               group: int) -> AttentionPlan:
+               group: int, rows_per_block: int | None = None) -> AttentionPlan:
+    """rows_per_block: the caches' block stride in rows of D (None: contiguous blocks)."""
+    geo = Geometry(block_size, hkv, block_size * hkv if rows_per_block is None else rows_per_block)
     key = (slot_mapping.clone(), block_tables.clone(), seq_lens.clone(), query_start_loc.clone(), block_size,
-           hkv, group)
+           hkv, group, geo.rows_per_block)
     valid = slot_mapping >= 0
-    store_rows = None if bool(valid.all()) else valid.nonzero().flatten()
+    store_tokens = None if bool(valid.all()) else valid.nonzero().flatten()
+    stored = slot_mapping if store_tokens is None else slot_mapping[store_tokens]
+    store_rows = _rows(geo.first_rows(stored // block_size, stored % block_size)[:, None], hkv)
     starts, lens = query_start_loc.tolist(), seq_lens.tolist()
     decode = [i for i, n in enumerate(lens) if n > 0 and starts[i + 1] - starts[i] == 1]
-    groups = tuple(_decode_group(g, starts, lens, block_tables, block_size, hkv)
+    groups = tuple(_decode_group(g, starts, lens, block_tables, geo)
                    for g in _group(sorted(decode, key=lens.__getitem__), lens))
-    prefill = tuple(_prefill_row(starts[i], starts[i + 1], n, block_tables[i], block_size, hkv, group)
+    prefill = tuple(_prefill_row(starts[i], starts[i + 1], n, block_tables[i], geo, group)
                     for i, n in enumerate(lens) if n > 0 and starts[i + 1] - starts[i] > 1)
     t = slot_mapping.shape[0]
     covers_all = (len(groups) == 1 and len(decode) == t
                   and torch.equal(groups[0].tokens, torch.arange(t)))
-    return AttentionPlan(key, store_rows, slot_mapping if store_rows is None else slot_mapping[store_rows],
-                         groups, prefill, covers_all)
+    return AttentionPlan(key, store_tokens, store_rows, groups, prefill, covers_all)
 
 
 def plan_for(slot_mapping, block_tables, seq_lens, query_start_loc, block_size: int, hkv: int,
-             group: int) -> AttentionPlan:
+             group: int, rows_per_block: int) -> AttentionPlan:
     """The step's plan: the last one built when the metadata is unchanged, else a new one."""
     global _last
-    meta = (slot_mapping, block_tables, seq_lens, query_start_loc, block_size, hkv, group)
+    meta = (slot_mapping, block_tables, seq_lens, query_start_loc, block_size, hkv, group, rows_per_block)
     if _last is None or not _same(_last.key, meta):
         _last = build_plan(*meta)
     return _last
 
 
 def _attend_decode(q, k_rows, v_rows, g: DecodeGroup, scale: float) -> torch.Tensor:
-    # q: [n, Hq, D]; k_rows / v_rows: the caches viewed as [slots * Hkv, D]
+    # q: [n, Hq, D]; k_rows / v_rows: the caches as rows of D (_as_rows)
     n, hq, d = q.shape
     hkv = g.gather.numel() // (n * g.length)
     # bf16/fp16 caches are read into float32 (CPU bmm and softmax on half types are many times slower)
@@ -168,19 +184,27 @@ def _attend_prefill(q, k, v, k_rows, v_rows, row: PrefillRow, scale: float) -> t
     return out.view(hq, n, d).transpose(0, 1)
 
 
+def _as_rows(cache: torch.Tensor) -> torch.Tensor:
+    """A [num_blocks, block_size, Hkv, D] cache whose blocks may lie a stride apart, as rows of D over
+    the same memory (rows between blocks belong to other layers and are never indexed)."""
+    nb, bs, hkv, d = cache.shape
+    if cache.stride()[1:] != (hkv * d, d, 1) or cache.stride(0) % d:
+        raise ValueError(f"KV cache strides {cache.stride()} are not block-strided [blocks, {bs}, {hkv}, {d}]")
+    return cache.as_strided(((nb - 1) * (cache.stride(0) // d) + bs * hkv, d), (d, 1))
+
+
 def paged_attention_cpu(q, k, v, k_cache, v_cache, slot_mapping, block_tables, seq_lens, query_start_loc,
                         scale: float) -> torch.Tensor:
     """Store this step's K/V, then attend; the contract of kernels/attention.py. Returns [T, Hq, D]."""
     t, hkv, d = k.shape
     plan = plan_for(slot_mapping, block_tables, seq_lens, query_start_loc, k_cache.shape[1], hkv,
-                    q.shape[1] // hkv)
-    k_flat, v_flat = k_cache.view(-1, hkv * d), v_cache.view(-1, hkv * d)
-    new_k, new_v = k.reshape(t, -1), v.reshape(t, -1)
-    if plan.store_rows is not None:
-        new_k, new_v = new_k.index_select(0, plan.store_rows), new_v.index_select(0, plan.store_rows)
-    k_flat.index_copy_(0, plan.store_slots, new_k)
-    v_flat.index_copy_(0, plan.store_slots, new_v)
-    k_rows, v_rows = k_cache.view(-1, d), v_cache.view(-1, d)
+                    q.shape[1] // hkv, k_cache.stride(0) // d)
+    k_rows, v_rows = _as_rows(k_cache), _as_rows(v_cache)
+    new_k, new_v = k, v
+    if plan.store_tokens is not None:
+        new_k, new_v = k.index_select(0, plan.store_tokens), v.index_select(0, plan.store_tokens)
+    k_rows.index_copy_(0, plan.store_rows, new_k.reshape(-1, d))
+    v_rows.index_copy_(0, plan.store_rows, new_v.reshape(-1, d))
     if plan.covers_all:
         return _attend_decode(q, k_rows, v_rows, plan.decode[0], scale)
     out = torch.zeros_like(q)

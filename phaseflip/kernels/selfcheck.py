@@ -96,12 +96,12 @@ def _reference_attention(args: dict) -> tuple[torch.Tensor, torch.Tensor, torch.
 
 def _call_op(args: dict) -> torch.Tensor:
     """torch.ops.phaseflip.paged_attention with either signature: separate K/V caches, or the whole KV
-    view [2, layers, blocks, page, heads, D] and a layer index."""
+    view [blocks, layers, 2, page, heads, D] and a layer index."""
     names = [a.name for a in torch.ops.phaseflip.paged_attention.default._schema.arguments]
     if "kv_cache" not in names:
         return torch.ops.phaseflip.paged_attention(**args)
     rest = {k: v for k, v in args.items() if k not in ("k_cache", "v_cache")}
-    kv = torch.stack([args["k_cache"], args["v_cache"]])[:, None]
+    kv = torch.stack([args["k_cache"], args["v_cache"]], dim=1)[:, None]
     return torch.ops.phaseflip.paged_attention(kv_cache=kv, layer=0, **rest)
 
 
@@ -132,17 +132,17 @@ def _kv_store_check(page: int, num_tokens: int, pad_tokens: int, dtype=torch.flo
         from phaseflip.kernels.triton_kv_store import store_kv_triton
         g = torch.Generator().manual_seed(page + num_tokens)
         hkv, d, num_blocks = 3, 32, 6
-        # a per-layer view of a [2, layers, blocks, page, heads, dim] region: strided, like the engine's
-        region = torch.randn(2, 2, num_blocks, page, hkv, d, generator=g)
+        # a per-layer view of a [blocks, layers, 2, page, heads, dim] region: strided, like the engine's
+        region = torch.randn(num_blocks, 2, 2, page, hkv, d, generator=g)
         slots = torch.randperm(num_blocks * page, generator=g)[:num_tokens].tolist() + [-1] * pad_tokens
         perm = torch.randperm(len(slots), generator=g).tolist()       # padding anywhere in the batch
         slot_mapping = torch.tensor([slots[i] for i in perm], dtype=torch.int64)
         k = torch.randn(len(slots), hkv, d, generator=g)
         v = torch.randn(len(slots), hkv, d, generator=g)
         ref_region = region.clone()
-        store_kv(k, v, ref_region[0, 1], ref_region[1, 1], slot_mapping)
+        store_kv(k, v, ref_region[:, 1, 0], ref_region[:, 1, 1], slot_mapping)
         dev_region = region.to(device, dtype)
-        store_kv_triton(k.to(device, dtype), v.to(device, dtype), dev_region[0, 1], dev_region[1, 1],
+        store_kv_triton(k.to(device, dtype), v.to(device, dtype), dev_region[:, 1, 0], dev_region[:, 1, 1],
                         slot_mapping.to(device))
         return _compare(dev_region, ref_region.to(dtype), dtype, exact=True)  # other layer untouched too
     return check

@@ -1,23 +1,33 @@
-"""The flip on one rank: quiesce is the caller's; read -> exchange (the weight refill overlapped with
-both) -> write -> cutover, every component timed, every stage agreed by all ranks, rollback before
-cutover.
+"""The flip on one rank: quiesce is the caller's; the live KV moves a chunk of blocks at a time
+(read -> exchange -> write) through a staging buffer of fixed size, the weight refill runs beside it,
+then cutover. Every component is timed and every stage agreed by all ranks; rollback before cutover.
 
-Owns: `run_flip`. It copies and only copies: no arena allocation, no weight packing, no capture
-(restore, never rebuild). A stage that fails on any rank makes every rank roll back from what is
-still on the host side: the send buffer, which holds every live KV byte of the rank (restored into
-the source view), and the source layout's host image (refilled when the target's was already copied
-in). The engine stays in the source layout.
+Owns: `Staging` (the send and receive buffers, allocated once at boot) and `run_flip`. The flip
+copies and only copies: no allocation, no weight packing, no capture (restore, never rebuild).
+Chunking is safe because the KV region is block-major (layouts/kvcache.py): writing a chunk's blocks
+in the target view rewrites those blocks' bytes and no others, and they were read first.
+
+A stage that fails on any rank makes every rank roll back. What a rollback needs is never more than
+the staging buffer holds: the chunk in flight is restored from the send buffer (it holds every byte
+of those blocks the rank had), the chunks already moved are moved back (the target layout holds
+them whole), and the source layout's weight image is refilled when the target's was copied in. The
+engine stays in the source layout.
 """
 from __future__ import annotations
 
 import threading
 import time
 import traceback
+from dataclasses import dataclass
 
 import torch
 
 from phaseflip.layouts import reshard
+from phaseflip.layouts.kvcache import zeros
 from phaseflip.layouts.messages import FlipCommand, FlipReport
+
+DEFAULT_STAGING_BYTES = 256 << 20   # the default is the smaller of this and a tenth of the KV pool
+DEFAULT_STAGING_FRACTION = 0.1
 
 
 def _sync(rt) -> None:
@@ -30,8 +40,36 @@ class InjectedFault(RuntimeError):
     """A failure armed by a test (ArmFault)."""
 
 
+@dataclass(frozen=True)
+class Staging:
+    """The flip's send and receive buffers: `chunk_blocks` blocks of the largest per-rank block of
+    either layout each, the same chunk on every rank (the exchange is a collective)."""
+    send: torch.Tensor
+    recv: torch.Tensor
+    chunk_blocks: int
+
+    @property
+    def num_bytes(self) -> int:
+        return (self.send.numel() + self.recv.numel()) * self.send.element_size()
+
+
+def allocate_staging(plan, layouts, head_dim: int, block_size: int, num_blocks: int, dtype: torch.dtype,
+                     device, requested_bytes: int | None) -> Staging | None:
+    """None with a single layout (nothing flips). requested_bytes None: the default; a request
+    smaller than two blocks still gets one block each way."""
+    if len(layouts) < 2:
+        return None
+    block = max(s.layers.count * 2 * block_size * s.kv_heads.count * head_dim
+                for name in layouts for s in plan.spec(name).shards)  # elements, the largest anywhere
+    block_bytes = block * torch.empty((), dtype=dtype).element_size()
+    if requested_bytes is None:
+        requested_bytes = min(DEFAULT_STAGING_BYTES, int(DEFAULT_STAGING_FRACTION * num_blocks * block_bytes))
+    chunk = max(1, min(num_blocks, requested_bytes // (2 * block_bytes)))
+    return Staging(zeros(chunk * block, dtype, device), zeros(chunk * block, dtype, device), chunk)
+
+
 class _Refill(threading.Thread):
-    """The weight refill, run beside the KV read and exchange (LESSONS 3: overlap is the cheapest saving)."""
+    """The weight refill, run beside the KV moves (overlap is the cheapest saving a flip has)."""
     def __init__(self, arena, layout: str):
         super().__init__(daemon=True)
         self.arena, self.layout = arena, layout
@@ -56,107 +94,126 @@ class _Flip:
     def __init__(self, rt, cmd: FlipCommand):
         self.rt, self.cmd = rt, cmd
         self.src, self.dst = rt.active, cmd.target
-        self.blocks = torch.tensor(cmd.live_blocks, dtype=torch.int64, device=rt.kv.buffer.device)
-        self.ms: dict[str, float] = {}
-        self.flat = self.received = None
-        self.refill: _Refill | None = None
-        self.splits: list[int] = []
-        self.in_splits: list[int] = []
-        self.kv_bytes = self.weight_bytes = 0
-        self.refilled = self.wrote = False
-        self.stage = "read"   # the component running now: what a failure is reported against
+        blocks = torch.tensor(cmd.live_blocks, dtype=torch.int64, device=rt.kv.buffer.device)
+        self.chunks = blocks.split(rt.staging.chunk_blocks) if blocks.numel() else ()
+        self.ms: dict[str, float] = {"read": 0.0, "exchange": 0.0, "write": 0.0}
+        self.refill = _Refill(rt.arena, self.dst)
+        self.kv_bytes = 0
+        self.moved = 0            # chunks written on every rank (agreed)
+        self.in_flight = None     # (chunk, its send splits) once its write has begun
+        self.splits: tuple[list[int], list[int]] = ([], [])   # the chunk being moved: (sent, received)
+        self.stage, self.chunk = "read", None   # what runs now: what a failure is reported against
 
-    def _timed(self, name, fn):
-        self.stage = name
+    def steps(self):
+        """(stage, chunk index, what it runs): every step is agreed by all ranks before the next."""
+        for c, blocks in enumerate(self.chunks):
+            yield "read", c, lambda b=blocks: self._read(b)
+            yield "exchange", c, lambda b=blocks: self._exchange(b)
+            yield "write", c, lambda b=blocks, c=c: self._write(b, c)
+        yield "refill", None, self._join_refill
+        yield "cutover", None, self._cutover
+
+    def run_step(self, stage: str, chunk: int | None, fn) -> None:
+        self.stage, self.chunk = stage, chunk
         t0 = time.perf_counter()
         try:
             fn()
         finally:
-            self.ms[name] = (time.perf_counter() - t0) * 1e3
-        self.rt.faults.check(name)
+            if stage in ("read", "exchange", "write"):
+                self.ms[stage] += (time.perf_counter() - t0) * 1e3
+        self.rt.faults.check(stage, chunk)
 
-    def start_refill(self):
-        """The weight refill starts first and runs beside the read and the exchange (it touches only
-        the weight arena); it is joined before the write."""
-        self.refill = _Refill(self.rt.arena, self.dst)
-        self.refill.start()
-        self.refilled = True
+    def agreed(self, stage: str) -> None:
+        if stage == "write":
+            self.moved, self.in_flight = self.moved + 1, None
 
-    def join_refill(self):
-        if self.refill is not None and self.refill.is_alive():
-            self.refill.join()
-        if self.refill is not None:
-            self.ms["refill"] = self.refill.ms
-            self.weight_bytes = self.refill.bytes
-
-    def read(self):
-        """Copy the live blocks into the send buffer and prepare the exchange, so that anything that
-        can fail locally fails here, before the ranks enter the all_to_all together."""
-        rt, plan = self.rt, self.rt.layout_plan
-        src_shards, dst_shards = plan.spec(self.src).shards, plan.spec(self.dst).shards
-        self.start_refill()
-        self.flat, self.in_splits = reshard.read(rt.kv.view(self.src), self.blocks, src_shards[rt.rank],
-                                                 dst_shards)
-        self.splits = reshard.recv_splits(src_shards, dst_shards[rt.rank], self.blocks.numel(),
-                                          rt.kv_block_size, rt.cfg.head_dim)
-        self.received = self.flat.new_empty(sum(self.splits))
-        _sync(rt)
-
-    def exchange_and_refill(self):
-        try:
-            self._timed("exchange", self._exchange)
-        finally:
-            self.join_refill()
-        self.stage = "refill"
-        if self.refill.error is not None:
-            raise self.refill.error
-        self.rt.faults.check("refill")
-
-    def _exchange(self):
-        rt = self.rt
-        rt.comm.all_to_all(self.received, self.flat, self.splits, self.in_splits)
-        _sync(rt)
-        self.kv_bytes = (sum(self.in_splits) - self.in_splits[rt.rank]) * self.flat.element_size()
-
-    def write(self):
-        self.wrote = True
+    # -- the legs of one chunk, in either direction ------------------------------------------------
+    def _shards(self, frm: str, to: str):
         plan = self.rt.layout_plan
-        reshard.write(self.rt.kv.view(self.dst), self.received, self.splits, plan.spec(self.src).shards,
-                      plan.spec(self.dst).shards[self.rt.rank], self.blocks)
+        return plan.spec(frm).shards, plan.spec(to).shards
+
+    def _read_leg(self, frm: str, to: str, blocks: torch.Tensor) -> list[int]:
+        src, dst = self._shards(frm, to)
+        return reshard.read(self.rt.kv.view(frm), blocks, src[self.rt.rank], dst, self.rt.staging.send)
+
+    def _exchange_leg(self, frm: str, to: str, blocks: torch.Tensor, sent: list[int]) -> list[int]:
+        rt = self.rt
+        src, dst = self._shards(frm, to)
+        received = reshard.recv_splits(src, dst[rt.rank], blocks.numel(), rt.kv_block_size, rt.cfg.head_dim)
+        rt.comm.all_to_all(rt.staging.recv[:sum(received)], rt.staging.send[:sum(sent)], received, sent)
+        _sync(rt)
+        return received
+
+    def _write_leg(self, frm: str, to: str, blocks: torch.Tensor, received: list[int]) -> None:
+        src, dst = self._shards(frm, to)
+        reshard.write(self.rt.kv.view(to), self.rt.staging.recv, received, src, dst[self.rt.rank], blocks)
         _sync(self.rt)
 
-    def cutover(self):
-        self.rt.active = self.dst
+    # -- the forward flip --------------------------------------------------------------------------
+    def _read(self, blocks):
+        self.splits = (self._read_leg(self.src, self.dst, blocks), [])
+        _sync(self.rt)
 
+    def _exchange(self, blocks):
+        sent = self.splits[0]
+        self.splits = (sent, self._exchange_leg(self.src, self.dst, blocks, sent))
+        self.kv_bytes += (sum(sent) - sent[self.rt.rank]) * self.rt.staging.send.element_size()
+
+    def _write(self, blocks, c: int):
+        self.in_flight = (c, self.splits[0])
+        self._write_leg(self.src, self.dst, blocks, self.splits[1])
+
+    def _join_refill(self):
+        self.refill.join()
+        self.ms["refill"] = self.refill.ms
+        if self.refill.error is not None:
+            raise self.refill.error
+
+    def _cutover(self):
+        t0 = time.perf_counter()
+        self.rt.active = self.dst
+        self.ms["cutover"] = (time.perf_counter() - t0) * 1e3
+
+    # -- rollback ----------------------------------------------------------------------------------
     def rollback(self):
-        self.join_refill()
-        if self.wrote:
-            plan = self.rt.layout_plan
-            reshard.restore(self.rt.kv.view(self.src), self.flat, self.in_splits,
-                            plan.spec(self.src).shards[self.rt.rank], plan.spec(self.dst).shards, self.blocks)
-        if self.refilled:
-            self.rt.arena.refill(self.src)
-        self.rt.active = self.src
+        """Back to the source layout: the chunk whose write began from the send buffer (locally), the
+        chunks already moved by moving them back (collectively, through the same staging)."""
+        t0 = time.perf_counter()
+        rt = self.rt
+        self.refill.join()
+        if self.in_flight is not None:
+            c, sent = self.in_flight
+            src, dst = self._shards(self.src, self.dst)
+            reshard.restore(rt.kv.view(self.src), rt.staging.send, sent, src[rt.rank], dst, self.chunks[c])
+        for blocks in self.chunks[:self.moved]:
+            sent = self._read_leg(self.dst, self.src, blocks)
+            self._write_leg(self.dst, self.src, blocks, self._exchange_leg(self.dst, self.src, blocks, sent))
+        rt.arena.refill(self.src)
+        rt.active = self.src
+        _sync(rt)
+        self.ms["rollback"] = (time.perf_counter() - t0) * 1e3
+
+    def report(self, t0: float, **failure) -> FlipReport:
+        self.ms["total"] = (time.perf_counter() - t0) * 1e3
+        return FlipReport(self.rt.rank, self.src, self.dst, ok=not failure, ms=self.ms, kv_bytes=self.kv_bytes,
+                          weight_bytes=self.refill.bytes, chunks=len(self.chunks),
+                          staging_bytes=self.rt.staging.num_bytes, **failure)
 
 
 def run_flip(rt, cmd: FlipCommand) -> FlipReport:
     """Flip this rank from rt.active to cmd.target. Every rank runs it together (collectives)."""
     f = _Flip(rt, cmd)
     t0 = time.perf_counter()
-    stages = (("read", lambda: f._timed("read", f.read)), ("exchange", f.exchange_and_refill),
-              ("write", lambda: f._timed("write", f.write)), ("cutover", lambda: f._timed("cutover", f.cutover)))
-    for name, run in stages:
+    f.refill.start()  # beside the KV moves: it touches only the weight arena
+    for stage, chunk, fn in f.steps():
         error = None
         try:
-            run()
+            f.run_step(stage, chunk, fn)
         except Exception as e:  # noqa: BLE001 — any failure rolls back; it is reported, not swallowed
-            error = (f.stage, f"{type(e).__name__}: {e}", traceback.format_exc())
+            error = (f.stage, f.chunk, f"{type(e).__name__}: {e}", traceback.format_exc())
         if rt.comm.any(error is not None):
             f.rollback()
-            f.ms["total"] = (time.perf_counter() - t0) * 1e3
-            stage, msg = (error[0], error[1]) if error else (name, "another rank failed this stage")
-            return FlipReport(rt.rank, f.src, f.dst, ok=False, failed_stage=stage, error=msg, ms=f.ms,
-                              kv_bytes=f.kv_bytes, weight_bytes=f.weight_bytes)
-    f.ms["total"] = (time.perf_counter() - t0) * 1e3
-    return FlipReport(rt.rank, f.src, f.dst, ok=True, ms=f.ms, kv_bytes=f.kv_bytes,
-                      weight_bytes=f.weight_bytes)
+            stage, chunk, msg = error[:3] if error else (stage, chunk, "another rank failed this stage")
+            return f.report(t0, failed_stage=stage, failed_chunk=chunk, error=msg)
+        f.agreed(stage)
+    return f.report(t0)

@@ -62,7 +62,7 @@ def _terms(rt, layout: str, num_blocks: int) -> dict[str, int | None]:
         "graph_pool": _grown(rt.gemm_bytes if cpu else rt.graph_pool_bytes),
         "compiled_code": _grown(rt.compile_bytes) if cpu else 0,
         "static_buffers": rt.buffers.num_bytes,
-        "staging_reserve": 2 * view.shape.numel * view.tensor.element_size(),  # read copy + received
+        "staging_reserve": 0 if rt.staging is None else rt.staging.num_bytes,  # the flip's send + receive
         "host_images": rt.host_image_bytes if cpu else 0,  # CUDA: pinned host memory, not the device's
         "allocator_cache": 0,
         "framework_overhead": _used(rt.memory_at_start),

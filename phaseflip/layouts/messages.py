@@ -11,6 +11,7 @@ from typing import Any
 from phaseflip.layouts.plan import SampledToken, StepPlan
 
 FLIP_STAGES = ("read", "exchange", "refill", "write", "cutover")
+CHUNKED_STAGES = ("read", "exchange", "write")   # run once per chunk of live blocks
 # "step": the next RunStep raises on that rank; "capture": the rank's boot raises as it starts capturing
 FAULT_STAGES = FLIP_STAGES + ("step", "capture")
 
@@ -32,6 +33,7 @@ class RankBoot:
     compile: str = "auto"                                # auto | on | off (engine/config.py)
     compile_cache_dir: str | None = None                 # inductor's and Triton's caches live below
     budgets_bytes: tuple[int, ...] | None = None         # memory budget per rank, for the ledger
+    flip_staging_bytes: int | None = None                # the flip's send + receive buffers; None: default
     faults: tuple["ArmFault", ...] = ()                  # test hook: faults armed before boot starts
 
 
@@ -49,13 +51,18 @@ class FlipCommand:
 
 @dataclass(frozen=True)
 class ArmFault:
-    """Test hook: make the next flip fail at `stage` (or the next step raise) on `rank` (None: all)."""
+    """Test hook: make the next flip fail at `stage` (or the next step raise) on `rank` (None: all);
+    for read, exchange and write, at the given chunk of live blocks (None: the first it reaches)."""
     stage: str
     rank: int | None = None
+    chunk: int | None = None
 
     def __post_init__(self):
         if self.stage not in FAULT_STAGES:
             raise ValueError(f"fault stage {self.stage!r} is unknown; stages: {', '.join(FAULT_STAGES)}")
+        if self.chunk is not None and (self.stage not in CHUNKED_STAGES or self.chunk < 0):
+            raise ValueError(f"fault chunk={self.chunk} is invalid for stage {self.stage!r}: a chunk >= 0 "
+                             f"is given only for {', '.join(CHUNKED_STAGES)}")
 
 
 @dataclass(frozen=True)
@@ -126,10 +133,14 @@ class FlipReport:
     target: str
     ok: bool
     failed_stage: str | None = None
+    failed_chunk: int | None = None   # the chunk of live blocks a read/exchange/write failed on
     error: str | None = None
-    ms: dict[str, float] = field(default_factory=dict)   # read, exchange, refill, write, cutover, total
+    ms: dict[str, float] = field(default_factory=dict)   # read, exchange, write (summed over chunks),
+                                                         # refill, cutover, rollback (if any), total
     kv_bytes: int = 0        # KV bytes this rank sent to other ranks
     weight_bytes: int = 0    # bytes this rank copied into its arena
+    chunks: int = 0          # chunks the live blocks moved in
+    staging_bytes: int = 0   # the send + receive buffers they moved through
 
 
 @dataclass(frozen=True)

@@ -2,9 +2,11 @@
 
 Owns: which slice of every live block each rank sends to each other rank, and the three legs.
 Rank r holds (layers A_r) x (kv heads A_r) in the source layout and must end with (layers B_s) x
-(kv heads B_s) in the target: r sends s the intersection, over one all_to_all. The read copies the
-live blocks straight into the send buffer BEFORE any write, because the two views alias the same
-bytes; that buffer is also what a rollback restores from.
+(kv heads B_s) in the target: r sends s the intersection, over one all_to_all. The legs move any set
+of blocks, so the flip can move the live blocks a chunk at a time: the region is block-major
+(layouts/kvcache.py), so the two views alias each block's bytes with that block's own bytes only,
+and once a chunk's blocks are read into the send buffer, writing them cannot clobber a block that is
+still to be read. The send buffer of the chunk in flight is also what a rollback restores it from.
 """
 from __future__ import annotations
 
@@ -49,32 +51,34 @@ def _pieces(me: RankShard, others: tuple[RankShard, ...]):
         yield None if p.empty else (*_local(me, p), p)
 
 
-def read(view: KVView, blocks: torch.Tensor, me_src: RankShard, dst_shards: tuple[RankShard, ...]):
-    """Copy, per destination rank, its slice of the live blocks straight into one flat send buffer
-    (one copy: no staging clone, no concatenation). Returns (flat buffer, split sizes). The buffer
-    holds every live byte this rank has (the target shards cover all layers and heads), so it is also
-    what a rollback restores the source view from."""
-    n_live = blocks.numel()
+def read(view: KVView, blocks: torch.Tensor, me_src: RankShard, dst_shards: tuple[RankShard, ...],
+         out: torch.Tensor) -> list[int]:
+    """Copy, per destination rank, its slice of `blocks` straight into the flat send buffer `out` (one
+    copy: no clone, no concatenation). Returns the split sizes. What it copies is every byte of those
+    blocks this rank holds (the target shards cover all layers and heads), so it is also what a
+    rollback restores them from."""
+    n = blocks.numel()
     _, _, _, bs, _, d = view.tensor.shape
-    shapes = [None if x is None else (2, x[2].layers.count, n_live, bs, x[2].heads.count, d)
+    shapes = [None if x is None else (n, x[2].layers.count, 2, bs, x[2].heads.count, d)
               for x in _pieces(me_src, dst_shards)]
-    splits = [0 if sh is None else 2 * sh[1] * n_live * bs * sh[4] * d for sh in shapes]
-    flat = view.tensor.new_empty(sum(splits))
+    splits = [0 if sh is None else sh[0] * sh[1] * 2 * bs * sh[4] * d for sh in shapes]
+    if sum(splits) > out.numel():
+        raise ValueError(f"send buffer of {out.numel()} elements is too small for {sum(splits)}")
     offset = 0
     for x, sh, size in zip(_pieces(me_src, dst_shards), shapes, splits):
         if x is not None:
             ls, hs, _ = x
-            torch.index_select(view.tensor[:, ls, :, :, hs, :], 2, blocks, out=flat[offset: offset + size].view(sh))
+            torch.index_select(view.tensor[:, ls, :, :, hs, :], 0, blocks, out=out[offset: offset + size].view(sh))
             offset += size
-    return flat, splits
+    return splits
 
 
-def recv_splits(src_shards: tuple[RankShard, ...], me_dst: RankShard, n_live: int, block_size: int,
+def recv_splits(src_shards: tuple[RankShard, ...], me_dst: RankShard, n_blocks: int, block_size: int,
                 head_dim: int) -> list[int]:
     out = []
     for src in src_shards:
         p = piece(src, me_dst)
-        out.append(0 if p.empty else 2 * p.layers.count * n_live * block_size * p.heads.count * head_dim)
+        out.append(0 if p.empty else 2 * p.layers.count * n_blocks * block_size * p.heads.count * head_dim)
     return out
 
 
@@ -82,21 +86,21 @@ def write(view: KVView, received: torch.Tensor, splits: list[int], src_shards: t
           me_dst: RankShard, blocks: torch.Tensor) -> None:
     """Scatter what each source rank sent into this rank's target view, at the same block ids."""
     offset = 0
-    n_live = blocks.numel()
+    n = blocks.numel()
     _, _, _, bs, _, d = view.tensor.shape
     for src, size in zip(src_shards, splits):
         if size == 0:
             continue
         p = piece(src, me_dst)
         ls, hs = _local(me_dst, p)
-        chunk = received[offset: offset + size].view(2, p.layers.count, n_live, bs, p.heads.count, d)
-        view.tensor[:, ls, :, :, hs, :].index_copy_(2, blocks, chunk)
+        part = received[offset: offset + size].view(n, p.layers.count, 2, bs, p.heads.count, d)
+        view.tensor[:, ls, :, :, hs, :].index_copy_(0, blocks, part)
         offset += size
 
 
 def restore(view: KVView, flat: torch.Tensor, splits: list[int], me_src: RankShard,
             dst_shards: tuple[RankShard, ...], blocks: torch.Tensor) -> None:
-    """Rollback: put this rank's live source blocks back from its send buffer (a partial write may
-    have touched them: the two views alias the same bytes). The inverse of read: intersections are
+    """Rollback: put this rank's source blocks back from its send buffer (a partial write may have
+    touched them: the two views alias the same bytes). The inverse of read: intersections are
     symmetric, so it is `write` with the roles of source and target swapped."""
     write(view, flat, splits, dst_shards, me_src, blocks)

@@ -20,7 +20,7 @@ from phaseflip.graphs.registry import GraphRegistry
 from phaseflip.kernels import linear
 from phaseflip.kernels.rotary import cos_sin_table
 from phaseflip.layouts.arena import WeightArena, allocate_arena, arena_bases, image_slots, pack_image
-from phaseflip.layouts.flip import InjectedFault, run_flip
+from phaseflip.layouts.flip import InjectedFault, allocate_staging, run_flip
 from phaseflip.layouts.kvcache import KVRegion, KVShape
 from phaseflip.layouts.messages import (ArmFault, FlipCommand, FlipReport, RankBoot, RankManifest,
                                         RankReady, RankStats, RunStep, StepReply)
@@ -38,19 +38,21 @@ Loader = Callable[[str, torch.dtype], tuple[ModelConfig, dict[str, torch.Tensor]
 
 
 class Faults:
-    """Armed test faults of this rank: stage -> pending. check() raises once per arming."""
+    """Armed test faults of this rank: (stage, chunk or None) -> pending. check() raises once per arming."""
     def __init__(self, rank: int):
         self.rank = rank
-        self.armed: set[str] = set()
+        self.armed: set[tuple[str, int | None]] = set()
 
     def arm(self, cmd: ArmFault) -> None:
         if cmd.rank is None or cmd.rank == self.rank:
-            self.armed.add(cmd.stage)
+            self.armed.add((cmd.stage, cmd.chunk))
 
-    def check(self, stage: str) -> None:
-        if stage in self.armed:
-            self.armed.discard(stage)
-            raise InjectedFault(f"injected fault at {stage!r} on rank {self.rank}")
+    def check(self, stage: str, chunk: int | None = None) -> None:
+        for key in ((stage, None), (stage, chunk)):
+            if key in self.armed:
+                self.armed.discard(key)
+                where = "" if chunk is None else f" (chunk {chunk})"
+                raise InjectedFault(f"injected fault at {stage!r}{where} on rank {self.rank}")
 
 
 class RankRuntime:
@@ -79,6 +81,9 @@ class RankRuntime:
         self.kv_block_size = boot.shapes.block_size
         with self._timed("kv_alloc"):
             self.kv = KVRegion({name: self._kv_shape(name, boot) for name in boot.layouts}, dtype, self.device)
+            self.staging = allocate_staging(self.layout_plan, boot.layouts, self.cfg.head_dim,
+                                            boot.shapes.block_size, boot.num_kv_blocks, dtype, self.device,
+                                            boot.flip_staging_bytes)
         self.faults = Faults(rank)
         for fault in boot.faults:
             self.faults.arm(fault)

@@ -92,11 +92,11 @@ def _print_table(threads: int, cmp: dict, flips: dict | None, boot_ms: dict) -> 
         click.echo(f"flips ({flips['world_size']} ranks, park always; memcpy {flips['memcpy_gbps']:.2f} GB/s "
                    f"this run); boot: " + ", ".join(f"{k} {v:.0f} ms" for k, v in flips["boot_ms"].items()))
         click.echo(f"  {'dir':7} {'total':>7} " + " ".join(f"{c:>8}" for c in bench_engine.FLIP_PARTS)
-                   + f" {'MB':>7} {'floor':>7} {'ratio':>6} {'<=1.5x+10ms':>11} {'busiest':>8}")
+                   + f" {'MB':>7} {'chunks':>6} {'floor':>7} {'ratio':>6} {'<=1.5x+10ms':>11} {'busiest':>8}")
         for r in flips["flips"]:
             click.echo(f"  {r['direction']:7} {r['total_ms']:7.1f} "
                        + " ".join(f"{f(r[c + '_ms']):>8}" for c in bench_engine.FLIP_PARTS)
-                       + f" {r['bytes_moved'] / 1e6:7.1f} {r['floor_ms']:7.1f} {f(r['ratio'], '.2f'):>6}"
+                       + f" {r['bytes_moved'] / 1e6:7.1f} {r['chunks']:6d} {r['floor_ms']:7.1f} {f(r['ratio'], '.2f'):>6}"
                        + f" {'yes' if r['within_target'] else 'NO':>11} {r['busiest_rank_floor_ms']:8.1f}")
         ratios = sorted(r["ratio"] for r in flips["flips"] if r["ratio"] is not None)
         if ratios:
@@ -118,9 +118,11 @@ def _print_table(threads: int, cmp: dict, flips: dict | None, boot_ms: dict) -> 
 @click.option("--parts", default=",".join(PARTS), show_default=True, help="Which parts to run.")
 @click.option("--no-hf", is_flag=True, help="Skip HF transformers (engine figures only).")
 @click.option("--flip-world-size", type=click.IntRange(min=1), default=2, show_default=True)
+@click.option("--flip-staging-mib", type=click.FloatRange(min=0, min_open=True), default=None,
+              help="The flips' KV staging (send + receive), MiB (default: the engine's).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of the table.")
 def bench(model, threads, num_prompts, prompt_len, output_len, single_len, hf_batch_size, parts, no_hf,
-          flip_world_size, as_json):
+          flip_world_size, flip_staging_mib, as_json):
     """Offline throughput, single-stream decode and TTFT against HF transformers; flips against their copy floor."""
     prompt_len, output_len = _pair("--prompt-len", prompt_len), _pair("--output-len", output_len)
     single_prompt, single_out = _pair("--single-len", single_len, ordered=False)
@@ -143,7 +145,8 @@ def bench(model, threads, num_prompts, prompt_len, output_len, single_len, hf_ba
     if not no_hf and (off or single):
         work = {"pad_id": tok.eos_token_id or 0, "offline": off and off.to_json(), "single": single and single.to_json()}
         hf = _run_hf(model_dir, work, threads, hf_batch_size)
-    flips = (bench_engine.run_flips(model_dir, flip_world_size, 4, FLIP_PROMPTS, max_len) if "flips" in chosen else None)
+    flips = (bench_engine.run_flips(model_dir, flip_world_size, 4, FLIP_PROMPTS, max_len, flip_staging_mib)
+             if "flips" in chosen else None)
     cmp = _compare(engine, hf)
     if as_json:
         click.echo(json.dumps({"threads": threads, "compare": cmp, "engine_boot_ms": engine.get("boot_ms"),

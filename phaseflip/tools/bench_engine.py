@@ -84,16 +84,18 @@ def flip_rows(flip_log: list[dict], gbps: float) -> list[dict]:
         busiest_ms = max(per_rank) / (gbps * 1e9) * 1e3
         rows.append({"direction": e["direction"], "ok": e["ok"], "total_ms": e["total_ms"],
                      **{f"{c}_ms": e.get(f"{c}_ms") for c in FLIP_PARTS},
-                     "bytes_moved": sum(per_rank), "floor_ms": floor_ms, "busiest_rank_floor_ms": busiest_ms,
+                     "bytes_moved": sum(per_rank), "chunks": e["chunks"], "staging_bytes": e["staging_bytes"],
+                     "floor_ms": floor_ms, "busiest_rank_floor_ms": busiest_ms,
                      "ratio": e["total_ms"] / floor_ms if floor_ms else None,
                      "within_target": e["total_ms"] <= 1.5 * floor_ms + 10.0})
     return rows
 
 
-def run_flips(model: str | None, world_size: int, flip_every: int, prompts: list[str], max_model_len: int) -> dict:
+def run_flips(model: str | None, world_size: int, flip_every: int, prompts: list[str], max_model_len: int,
+              staging_mib: float | None = None) -> dict:
     gbps = memcpy_gbps()
     with LLM(model=model, dtype="float32", world_size=world_size, park="always", max_model_len=max_model_len,
-             flip_every_steps=flip_every) as llm:
+             flip_every_steps=flip_every, flip_staging_mib=staging_mib) as llm:
         llm.generate(prompts, _greedy(48), use_tqdm=False)
         stats = llm.stats()
     return {"memcpy_gbps": gbps, "world_size": world_size, "boot_ms": stats["boot_ms"],

@@ -10,7 +10,7 @@ from phaseflip.kernels.attention import paged_attention_ref
 
 
 def run_ref(kv_cache, layer, **args):
-    return paged_attention_ref(k_cache=kv_cache[0, layer], v_cache=kv_cache[1, layer], **args)
+    return paged_attention_ref(k_cache=kv_cache[:, layer, 0], v_cache=kv_cache[:, layer, 1], **args)
 
 
 IMPLS = {"op": lambda **a: torch.ops.phaseflip.paged_attention(**a), "ref": run_ref}
@@ -25,11 +25,22 @@ def naive(q, keys, values, scale):
     return torch.einsum("hl,lhd->hd", s.softmax(-1), v)
 
 
-def build(seqs, hq=4, hkv=2, d=8, block_size=4, num_blocks=40, pad_tokens=0, pad_seqs=0, seed=0):
-    """seqs: list of (cached_len, new_len). Returns op args plus the full K/V history per sequence."""
+def block_major(num_blocks, layers, block_size, hkv, d, spare=0):
+    """A KV region as the engine lays it out: [blocks, layers, 2, block_size, hkv, d], each block
+    `spare` elements longer than it needs (the padding a rank's larger view leaves in the smaller)."""
+    block = layers * 2 * block_size * hkv * d
+    region = torch.zeros(num_blocks * (block + spare))
+    inner = (2 * block_size * hkv * d, block_size * hkv * d, hkv * d, d, 1)
+    return region.as_strided((num_blocks, layers, 2, block_size, hkv, d), (block + spare, *inner))
+
+
+def build(seqs, hq=4, hkv=2, d=8, block_size=4, num_blocks=40, pad_tokens=0, pad_seqs=0, seed=0, layers=1,
+          spare=0):
+    """seqs: list of (cached_len, new_len). Returns op args (for the last layer of a block-major region)
+    plus the full K/V history per sequence."""
     g = torch.Generator().manual_seed(seed)
-    kv = torch.zeros(2, 1, num_blocks, block_size, hkv, d)   # one layer's K and V, as the op takes them
-    kc, vc = kv[0, 0], kv[1, 0]
+    kv = block_major(num_blocks, layers, block_size, hkv, d, spare)
+    kc, vc = kv[:, layers - 1, 0], kv[:, layers - 1, 1]
     free = list(torch.randperm(num_blocks, generator=g).tolist())
     tables, hist, qs, ks, vs, slots, lens, starts = [], [], [], [], [], [], [], [0]
     for cached, new in seqs:
@@ -52,7 +63,7 @@ def build(seqs, hq=4, hkv=2, d=8, block_size=4, num_blocks=40, pad_tokens=0, pad
     k = torch.cat(ks + [torch.randn(pad_tokens, hkv, d, generator=g)])
     v = torch.cat(vs + [torch.randn(pad_tokens, hkv, d, generator=g)])
     args = dict(
-        q=q, k=k, v=v, kv_cache=kv, layer=0,
+        q=q, k=k, v=v, kv_cache=kv, layer=layers - 1,
         slot_mapping=torch.tensor(slots + [-1] * pad_tokens),
         block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables] + [[0] * width] * pad_seqs),
         seq_lens=torch.tensor(lens + [0] * pad_seqs),
@@ -88,12 +99,22 @@ def check(out, args, seqs, hist):
     assert torch.all(out[t:] == 0), "padding tokens must produce zeros"
 
 
+@pytest.mark.parametrize("impl", sorted(IMPLS))
+def test_a_layer_of_a_padded_block_major_region(impl):
+    """The engine's region: several layers per block and blocks a padded stride apart."""
+    seqs = [(10, 1), (0, 5), (8, 1), (4, 6)]
+    args, hist = build(seqs, pad_tokens=2, layers=3, spare=24, num_blocks=30)
+    other = args["kv_cache"][:, 0].clone()
+    check(IMPLS[impl](**args), args, seqs, hist)
+    assert torch.equal(args["kv_cache"][:, 0], other), "another layer's KV was written"
+
+
 def test_store_writes_exactly_the_slots():
     args, hist = build([(3, 2), (0, 3)], pad_tokens=2)
-    k_cache = args["kv_cache"][0, 0]
+    k_cache = args["kv_cache"][:, 0, 0]
     before_k = k_cache.clone()
     torch.ops.phaseflip.paged_attention(**args)
-    flat = k_cache.view(-1, *k_cache.shape[2:])
+    flat = k_cache.reshape(-1, *k_cache.shape[2:])
     slots = args["slot_mapping"]
     real = slots[slots >= 0]
     torch.testing.assert_close(flat[real], args["k"][: len(real)])

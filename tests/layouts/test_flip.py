@@ -1,8 +1,10 @@
 """The flip on 2 ranks: restore never rebuild (a fence), poisoned restore, injected faults at every
 stage with rollback, and each rank holding only its shards."""
 import pytest
+import torch
 
 from phaseflip import LLM, SamplingParams
+from phaseflip.layouts.kvcache import KVRegion, KVShape
 from phaseflip.layouts.messages import ArmFault, FenceRebuild, PoisonArena
 from tests.engine.test_parity import _prompts
 from tests.models import compare_greedy, hf_greedy
@@ -25,6 +27,18 @@ def ids(outs):
 def check(outs, expected):
     ok, _, msg = compare_greedy(ids(outs), expected)
     assert ok, msg
+
+
+@pytest.mark.parametrize("writer, reader", [("pp", "tp"), ("tp", "pp")])
+def test_a_block_is_the_same_bytes_in_both_views(writer, reader):
+    """What lets a flip move the live KV a chunk at a time: writing block b in one view changes block
+    b in the other and no other block (the two views' blocks differ in size: one is padded)."""
+    region = KVRegion({"pp": KVShape(2, 10, 4, 3, 8), "tp": KVShape(4, 10, 4, 1, 8)}, torch.float32)
+    for b in range(10):
+        region.buffer.zero_()
+        region.view(writer).tensor[b].fill_(1.0)
+        touched = region.view(reader).tensor.flatten(1).ne(0).any(1).nonzero().flatten().tolist()
+        assert touched == [b]
 
 
 def test_restore_never_rebuild_fence(ref):

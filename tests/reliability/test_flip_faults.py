@@ -79,3 +79,37 @@ def test_fault_during_boot_capture_fails_the_boot_cleanly(model, reference, monk
     monkeypatch.undo()  # the next engine boots as usual
     with LLM(model=model, **ENGINE, world_size=world_size) as llm:
         assert ids(llm.generate([[5, 6, 7]], greedy(4), use_tqdm=False)) == reference([[5, 6, 7]], 4)
+
+
+@pytest.fixture(scope="module")
+def chunked(model):
+    """As `flipping`, with a staging buffer of one block each way: every flip moves its live KV one
+    block per chunk, so a flip of a batch has many chunks and a fault can land in the middle one."""
+    with LLM(model=model, **ENGINE, world_size=2, park="always", flip_every_steps=2,
+             flip_staging_mib=1e-6) as llm:
+        yield llm
+
+
+@pytest.mark.parametrize("stage, rank, chunk", [
+    ("read", 0, 1), ("exchange", 1, 1), ("write", 1, 1), ("write", None, 2),   # the chunk in flight
+    ("refill", None, None), ("cutover", 0, None),                              # after every chunk moved
+])
+def test_a_fault_in_the_middle_chunk_rolls_back_every_chunk(chunked, reference, stage, rank, chunk):
+    """The chunks already moved go back, the one in flight is restored from the send buffer, and the
+    tokens are the fault-free reference's."""
+    rng = random.Random(f"chunked{stage}{rank}{chunk}")
+    prompts = [[rng.randrange(3, 384) for _ in range(rng.randrange(20, 60))] for _ in range(5)]
+    llm, before = chunked, chunked.stats()
+    llm.ranks.call(ArmFault(stage, rank=rank, chunk=chunk))
+    with deadline(60, f"generate with a {stage} fault at chunk {chunk}"):
+        outs = llm.generate(prompts, greedy(NEW), use_tqdm=False)
+    stats = assert_settled(llm)
+    assert ids(outs) == reference(prompts, NEW)
+    flips = stats["flip_log"][len(stats["flip_log"]) - (stats["flips"] + stats["failed_flips"]
+                                                       - before["flips"] - before["failed_flips"]):]
+    failed = [e for e in flips if not e["ok"]]
+    assert len(failed) == 1, f"expected one failed flip, got {[(e['direction'], e['ok']) for e in flips]}"
+    entry = failed[0]
+    assert (entry["failed_stage"], entry["failed_chunk"]) == (stage, chunk), entry
+    assert entry["chunks"] >= 3, f"the failed flip moved {entry['chunks']} chunk(s): no middle one"
+    assert all(r["rollback"] > 0 for r in entry["per_rank"]), "a rank did not roll back"
