@@ -100,79 +100,91 @@ class _Flip:
         self.refill = _Refill(rt.arena, self.dst)
         self.kv_bytes = 0
         self.moved = 0            # chunks written on every rank (agreed)
-        self.in_flight = None     # (chunk, its send splits) once its write has begun
-        self.splits: tuple[list[int], list[int]] = ([], [])   # the chunk being moved: (sent, received)
+        self.in_flight = None     # (chunk, its send splits) once this rank began writing it
         self.stage, self.chunk = "read", None   # what runs now: what a failure is reported against
 
     def steps(self):
-        """(stage, chunk index, what it runs): every step is agreed by all ranks before the next."""
+        """(name, chunk index, what it runs): all ranks agree on each before the next begins."""
         for c, blocks in enumerate(self.chunks):
-            yield "read", c, lambda b=blocks: self._read(b)
-            yield "exchange", c, lambda b=blocks: self._exchange(b)
-            yield "write", c, lambda b=blocks, c=c: self._write(b, c)
+            yield "chunk", c, lambda c=c, b=blocks: self._move(c, b)
         yield "refill", None, self._join_refill
         yield "cutover", None, self._cutover
 
-    def run_step(self, stage: str, chunk: int | None, fn) -> None:
-        self.stage, self.chunk = stage, chunk
+    def run_step(self, name: str, chunk: int | None, fn) -> None:
+        self.stage, self.chunk = name, chunk
+        fn()
+
+    def agreed(self, name: str) -> None:
+        if name == "chunk":
+            self.moved, self.in_flight = self.moved + 1, None
+
+    # -- the legs of one chunk, in either direction ------------------------------------------------
+    def _splits(self, frm: str, to: str, n: int) -> tuple[list[int], list[int]]:
+        """(elements sent to, received from) each rank for n blocks."""
+        plan, rt = self.rt.layout_plan, self.rt
+        src, dst = plan.spec(frm).shards, plan.spec(to).shards
+        return (reshard.splits(src[rt.rank], dst, n, rt.kv_block_size, rt.cfg.head_dim),
+                reshard.splits(dst[rt.rank], src, n, rt.kv_block_size, rt.cfg.head_dim))
+
+    def _read_leg(self, frm: str, to: str, blocks: torch.Tensor) -> None:
+        plan = self.rt.layout_plan
+        reshard.read(self.rt.kv.view(frm), blocks, plan.spec(frm).shards[self.rt.rank], plan.spec(to).shards,
+                     self.rt.staging.send)
+        _sync(self.rt)
+
+    def _exchange_leg(self, sent: list[int], received: list[int]) -> None:
+        staging = self.rt.staging
+        self.rt.comm.all_to_all(staging.recv[:sum(received)], staging.send[:sum(sent)], received, sent)
+        _sync(self.rt)
+
+    def _write_leg(self, frm: str, to: str, blocks: torch.Tensor, received: list[int]) -> None:
+        plan = self.rt.layout_plan
+        reshard.write(self.rt.kv.view(to), self.rt.staging.recv, received, plan.spec(frm).shards,
+                      plan.spec(to).shards[self.rt.rank], blocks)
+        _sync(self.rt)
+
+    # -- the forward flip --------------------------------------------------------------------------
+    def _timed(self, stage: str, chunk: int, fn) -> None:
+        self.stage = stage
         t0 = time.perf_counter()
         try:
             fn()
         finally:
-            if stage in ("read", "exchange", "write"):
-                self.ms[stage] += (time.perf_counter() - t0) * 1e3
+            self.ms[stage] += (time.perf_counter() - t0) * 1e3
         self.rt.faults.check(stage, chunk)
 
-    def agreed(self, stage: str) -> None:
-        if stage == "write":
-            self.moved, self.in_flight = self.moved + 1, None
-
-    # -- the legs of one chunk, in either direction ------------------------------------------------
-    def _shards(self, frm: str, to: str):
-        plan = self.rt.layout_plan
-        return plan.spec(frm).shards, plan.spec(to).shards
-
-    def _read_leg(self, frm: str, to: str, blocks: torch.Tensor) -> list[int]:
-        src, dst = self._shards(frm, to)
-        return reshard.read(self.rt.kv.view(frm), blocks, src[self.rt.rank], dst, self.rt.staging.send)
-
-    def _exchange_leg(self, frm: str, to: str, blocks: torch.Tensor, sent: list[int]) -> list[int]:
-        rt = self.rt
-        src, dst = self._shards(frm, to)
-        received = reshard.recv_splits(src, dst[rt.rank], blocks.numel(), rt.kv_block_size, rt.cfg.head_dim)
-        rt.comm.all_to_all(rt.staging.recv[:sum(received)], rt.staging.send[:sum(sent)], received, sent)
-        _sync(rt)
-        return received
-
-    def _write_leg(self, frm: str, to: str, blocks: torch.Tensor, received: list[int]) -> None:
-        src, dst = self._shards(frm, to)
-        reshard.write(self.rt.kv.view(to), self.rt.staging.recv, received, src, dst[self.rt.rank], blocks)
-        _sync(self.rt)
-
-    # -- the forward flip --------------------------------------------------------------------------
-    def _read(self, blocks):
-        self.splits = (self._read_leg(self.src, self.dst, blocks), [])
-        _sync(self.rt)
-
-    def _exchange(self, blocks):
-        sent = self.splits[0]
-        self.splits = (sent, self._exchange_leg(self.src, self.dst, blocks, sent))
+    def _move(self, c: int, blocks: torch.Tensor) -> None:
+        """One chunk, one agreement. The exchange runs even when this rank's read failed (the other
+        ranks are in the collective; what they receive from it then is garbage, and each of them
+        restores the chunk from its own send buffer in the rollback); the write runs only when the read
+        and the exchange succeeded here. The first failure is raised after the exchange."""
+        sent, received = self._splits(self.src, self.dst, blocks.numel())
+        failure = None
+        for stage, fn in (("read", lambda: self._read_leg(self.src, self.dst, blocks)),
+                          ("exchange", lambda: self._exchange_leg(sent, received))):
+            try:
+                self._timed(stage, c, fn)
+            except Exception as e:  # noqa: BLE001 — raised below, after the collective
+                failure = failure or (stage, e)
+        if failure is not None:
+            self.stage = failure[0]
+            raise failure[1]
         self.kv_bytes += (sum(sent) - sent[self.rt.rank]) * self.rt.staging.send.element_size()
-
-    def _write(self, blocks, c: int):
-        self.in_flight = (c, self.splits[0])
-        self._write_leg(self.src, self.dst, blocks, self.splits[1])
+        self.in_flight = (c, sent)
+        self._timed("write", c, lambda: self._write_leg(self.src, self.dst, blocks, received))
 
     def _join_refill(self):
         self.refill.join()
         self.ms["refill"] = self.refill.ms
         if self.refill.error is not None:
             raise self.refill.error
+        self.rt.faults.check("refill")
 
     def _cutover(self):
         t0 = time.perf_counter()
         self.rt.active = self.dst
         self.ms["cutover"] = (time.perf_counter() - t0) * 1e3
+        self.rt.faults.check("cutover")
 
     # -- rollback ----------------------------------------------------------------------------------
     def rollback(self):
@@ -183,11 +195,13 @@ class _Flip:
         self.refill.join()
         if self.in_flight is not None:
             c, sent = self.in_flight
-            src, dst = self._shards(self.src, self.dst)
+            src, dst = rt.layout_plan.spec(self.src).shards, rt.layout_plan.spec(self.dst).shards
             reshard.restore(rt.kv.view(self.src), rt.staging.send, sent, src[rt.rank], dst, self.chunks[c])
         for blocks in self.chunks[:self.moved]:
-            sent = self._read_leg(self.dst, self.src, blocks)
-            self._write_leg(self.dst, self.src, blocks, self._exchange_leg(self.dst, self.src, blocks, sent))
+            sent, received = self._splits(self.dst, self.src, blocks.numel())
+            self._read_leg(self.dst, self.src, blocks)
+            self._exchange_leg(sent, received)
+            self._write_leg(self.dst, self.src, blocks, received)
         rt.arena.refill(self.src)
         rt.active = self.src
         _sync(rt)

@@ -52,32 +52,33 @@ def _pieces(me: RankShard, others: tuple[RankShard, ...]):
 
 
 def read(view: KVView, blocks: torch.Tensor, me_src: RankShard, dst_shards: tuple[RankShard, ...],
-         out: torch.Tensor) -> list[int]:
-    """Copy, per destination rank, its slice of `blocks` straight into the flat send buffer `out` (one
-    copy: no clone, no concatenation). Returns the split sizes. What it copies is every byte of those
-    blocks this rank holds (the target shards cover all layers and heads), so it is also what a
-    rollback restores them from."""
+         out: torch.Tensor) -> None:
+    """Copy, per destination rank, its slice of `blocks` straight into the flat send buffer `out`, in
+    the order and sizes of `splits` (one copy: no clone, no concatenation). What it copies is every
+    byte of those blocks this rank holds (the target shards cover all layers and heads), so it is also
+    what a rollback restores them from."""
     n = blocks.numel()
     _, _, _, bs, _, d = view.tensor.shape
-    shapes = [None if x is None else (n, x[2].layers.count, 2, bs, x[2].heads.count, d)
-              for x in _pieces(me_src, dst_shards)]
-    splits = [0 if sh is None else sh[0] * sh[1] * 2 * bs * sh[4] * d for sh in shapes]
-    if sum(splits) > out.numel():
-        raise ValueError(f"send buffer of {out.numel()} elements is too small for {sum(splits)}")
+    if sum(splits(me_src, dst_shards, n, bs, d)) > out.numel():
+        raise ValueError(f"send buffer of {out.numel()} elements is too small for {n} blocks")
     offset = 0
-    for x, sh, size in zip(_pieces(me_src, dst_shards), shapes, splits):
+    for x in _pieces(me_src, dst_shards):
         if x is not None:
-            ls, hs, _ = x
-            torch.index_select(view.tensor[:, ls, :, :, hs, :], 0, blocks, out=out[offset: offset + size].view(sh))
-            offset += size
-    return splits
+            ls, hs, p = x
+            part = out[offset: offset + n * p.layers.count * 2 * bs * p.heads.count * d]
+            torch.index_select(view.tensor[:, ls, :, :, hs, :], 0, blocks,
+                               out=part.view(n, p.layers.count, 2, bs, p.heads.count, d))
+            offset += part.numel()
 
 
-def recv_splits(src_shards: tuple[RankShard, ...], me_dst: RankShard, n_blocks: int, block_size: int,
-                head_dim: int) -> list[int]:
+def splits(me: RankShard, others: tuple[RankShard, ...], n_blocks: int, block_size: int,
+           head_dim: int) -> list[int]:
+    """Elements of n_blocks blocks exchanged with each other rank: what `me` sends each target rank
+    (me: a source shard, others: the target shards) or receives from each source rank (me: a target
+    shard, others: the source shards); an intersection is the same either way."""
     out = []
-    for src in src_shards:
-        p = piece(src, me_dst)
+    for other in others:
+        p = piece(me, other)
         out.append(0 if p.empty else 2 * p.layers.count * n_blocks * block_size * p.heads.count * head_dim)
     return out
 
