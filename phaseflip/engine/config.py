@@ -35,6 +35,7 @@ class EngineConfig:
     num_kv_blocks: int | None = None    # None = from kv_cache_memory_gib
     kv_cache_memory_gib: float = 2.0    # KV pool budget when num_kv_blocks is None
     seed: int = 0                       # base seed of sampling for requests without their own
+    enable_prefix_caching: bool = True  # reuse the KV of cached full blocks of a shared prompt prefix
     enforce_eager: bool = False         # True: run every step uncaptured (debugging)
     decode_buckets: tuple[int, ...] | None = None   # batch sizes captured; None = 1,2,4,8,16,24,32,...
     prefill_buckets: tuple[int, ...] | None = None  # token counts captured; None = 32,64,...,budget
@@ -67,6 +68,8 @@ class EngineConfig:
                f"num_kv_blocks={self.num_kv_blocks} is invalid: must be >= 1 (or None)")
         _check(self.kv_cache_memory_gib > 0,
                f"kv_cache_memory_gib={self.kv_cache_memory_gib} is invalid: must be > 0")
+        _check(isinstance(self.enable_prefix_caching, bool),
+               f"enable_prefix_caching={self.enable_prefix_caching!r} is invalid: must be True or False")
         _check(self.num_threads is None or self.num_threads >= 1,
                f"num_threads={self.num_threads} is invalid: must be >= 1 (or None)")
         _check(isinstance(self.world_size, int) and self.world_size >= 1,

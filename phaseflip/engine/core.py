@@ -80,8 +80,8 @@ class EngineCore:
         return seq is not None and chunk.start_pos >= seq.num_prompt_tokens
 
     def live_blocks(self) -> list[int]:
-        """Every KV block holding a live sequence's tokens (what a flip must carry over)."""
-        return [b for seq in self.scheduler.running for b in seq.block_ids]
+        """Every KV block a flip must carry over: live sequences' (each once) and cached ones."""
+        return self.scheduler.allocator.carried_blocks()
 
     @staticmethod
     def _record(seq: Sequence, s, now: float) -> None:

@@ -66,7 +66,8 @@ class LLM:
             boot = rank_boot(cfg, self.plan)
             self.ranks = _start_ranks(boot, cfg.world_size)
         shapes = self.plan.shapes
-        self.allocator = BlockAllocator(self.plan.num_kv_blocks, shapes.block_size)
+        self.allocator = BlockAllocator(self.plan.num_kv_blocks, shapes.block_size,
+                                        prefix_caching=cfg.enable_prefix_caching)
         scheduler = Scheduler(SchedulerConfig(max_num_seqs=shapes.max_num_seqs,
                                               max_num_batched_tokens=shapes.max_num_batched_tokens,
                                               max_prefill_chunk=shapes.max_num_batched_tokens,
@@ -196,6 +197,7 @@ class LLM:
             "num_kv_blocks": self.plan.num_kv_blocks,
             "free_kv_blocks": self.allocator.num_free_blocks,
             "num_preemptions": self.core.scheduler.num_preemptions,
+            "prefix_cache": self.allocator.cache.stats() if self.allocator.cache else {"enabled": False},
             "flips": self.control.num_flips,
             "failed_flips": self.control.num_failed_flips,
             "flip_log": list(self.control.flip_log),

@@ -22,14 +22,15 @@ def _prefill_left(seq: Sequence) -> int:
     return 0 if Scheduler.wants_decode(seq) else seq.num_tokens - seq.num_computed_tokens
 
 
-def _walk(waiting, blocks_free: int, slots_free: int, blocks_needed) -> int:
-    """Prompt tokens of waiting sequences admitted FIFO while slots and blocks last (no skipping)."""
+def _walk(waiting, blocks_free: int, slots_free: int, blocks_needed, tokens_of) -> int:
+    """Prompt tokens (to compute: tokens_of) of waiting sequences admitted FIFO while slots and blocks
+    last (no skipping; a cached prefix still counts its blocks, as the allocator would)."""
     tokens = 0
     for seq in waiting:
         need = blocks_needed(seq.num_tokens)
         if slots_free < 1 or need > blocks_free:
             break
-        tokens, blocks_free, slots_free = tokens + seq.num_tokens, blocks_free - need, slots_free - 1
+        tokens, blocks_free, slots_free = tokens + tokens_of(seq), blocks_free - need, slots_free - 1
     return tokens
 
 
@@ -41,11 +42,16 @@ def measure(scheduler: Scheduler, active: str, now_s: float, max_model_len: int,
     bundle = sum(max(0, alloc.blocks_needed(s.num_prompt_tokens + _max_tokens(s, max_model_len)) - len(s.block_ids))
                  for s in running)
     running_prefill = sum(_prefill_left(s) for s in running)
-    pending = running_prefill + sum(s.num_tokens for s in waiting)
+    # prefix caching: a waiting prompt's cached prefix is not work; looked up for the sequences the next
+    # admissions can take (max_num_seqs), the rest count whole (a lookup per prompt per decision)
+    near = cfg.max_num_seqs
+    pending = (running_prefill + sum(scheduler.uncached_tokens(s) for s in waiting[:near])
+               + sum(s.num_tokens for s in waiting[near:]))
     free = alloc.num_free_blocks
     admissible = running_prefill + _walk(waiting, max(0, free - bundle), cfg.max_num_seqs - len(running),
-                                         alloc.blocks_needed)
-    fillable = max(admissible, _walk(waiting, alloc.num_total_blocks, cfg.max_num_seqs, alloc.blocks_needed))
+                                         alloc.blocks_needed, scheduler.uncached_tokens)
+    fillable = max(admissible, _walk(waiting, alloc.num_total_blocks, cfg.max_num_seqs, alloc.blocks_needed,
+                                     scheduler.uncached_tokens))
     unstarted = [s.arrival_time for s in waiting + running if s.first_token_time is None]
     return PolicyInputs(
         active=active, now_s=now_s, pending_prefill_tokens=pending, admissible_prefill_tokens=admissible,

@@ -32,6 +32,8 @@ class Sequence:
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     block_ids: list[int] = field(default_factory=list)
+    block_keys: list[bytes] = field(default_factory=list)  # prefix keys of its full blocks (prefix_cache.py)
+    num_cached_blocks: int = 0                              # of block_ids, those entered in the prefix cache
     status: SeqStatus = SeqStatus.WAITING
     finish_reason: str | None = None     # "stop" | "length"
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it

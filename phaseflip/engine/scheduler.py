@@ -11,7 +11,10 @@ One step (vLLM-V1 style, a single token budget `max_num_batched_tokens`):
      running sequence not yet scheduled this step is preempted (recompute; possibly the sequence
      itself) and the sequence retries.
   2. If nothing was preempted, waiting sequences are admitted FIFO (head-of-line: never skip ahead)
-     while a slot, budget and blocks for their first chunk are available.
+     while a slot, budget and blocks for their first chunk are available. With prefix caching a
+     sequence starts on the cached blocks of its longest cached prefix (engine/prefix_cache.py):
+     they count as computed, and its first chunk starts after them. After each step, the full
+     blocks a step completed are entered in the cache.
 Chunk order in the plan: decodes first, then prefill chunks; each group in admission order.
 
 A sequence whose next chunk needs more blocks than the whole pool holds can never run: it is finished
@@ -148,15 +151,44 @@ class Scheduler:
             if self._exceeds_pool(seq):
                 self.finish(seq, "length")
                 continue
+            cache, hits = self.allocator.cache, self._reuse_prefix(seq)
+            if cache is not None and cache.computed_elsewhere(seq, hits):
+                self._drop_blocks(seq)
+                break  # its next block is being computed: reuse it a step later (head-of-line)
             n = self._num_next_tokens(seq, budget)
             if not self.allocator.ensure_capacity(seq, seq.num_computed_tokens + n):
+                self._drop_blocks(seq)
                 break  # head-of-line: never skip ahead
+            if cache is not None:
+                cache.admit(seq, hits)
             self.waiting.popleft()
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
             admitted.append((seq, n))
             budget -= n
         return admitted
+
+    def _reuse_prefix(self, seq: Sequence) -> int:
+        """With prefix caching, start seq on the cached blocks of its longest cached prefix: they count
+        as computed. Returns how many blocks it reused."""
+        cache = self.allocator.cache
+        if cache is None:
+            return 0
+        hits = cache.match(seq)
+        self.allocator.share(hits)
+        seq.block_ids, seq.num_cached_blocks = list(hits), len(hits)
+        seq.num_computed_tokens = len(hits) * self.config.block_size
+        return len(hits)
+
+    def uncached_tokens(self, seq: Sequence) -> int:
+        """Tokens a waiting seq would compute if admitted now (all of them without prefix caching)."""
+        cache = self.allocator.cache
+        return seq.num_tokens - (len(cache.match(seq)) * self.config.block_size if cache else 0)
+
+    def _drop_blocks(self, seq: Sequence) -> None:
+        """seq gives back every block and every computed token (preemption, a failed admission)."""
+        self.allocator.release(seq)
+        seq.num_computed_tokens = 0
 
     def _num_next_tokens(self, seq: Sequence, budget: int) -> int:
         remaining = seq.num_tokens - seq.num_computed_tokens
@@ -169,8 +201,7 @@ class Scheduler:
     def _preempt(self, seq: Sequence) -> None:
         """Recompute preemption: drop the KV, requeue at the front; prompt + outputs are prefilled again."""
         self.running.remove(seq)
-        self.allocator.release(seq)
-        seq.num_computed_tokens = 0
+        self._drop_blocks(seq)
         seq.status = SeqStatus.WAITING
         seq.num_preemptions += 1
         self.num_preemptions += 1
@@ -217,10 +248,13 @@ class Scheduler:
         # Forget finished ids only once a plan carrying them ran: an interrupted plan's ids go again.
         reported = set(plan.finished_seq_ids)
         self._finished_ids = [i for i in self._finished_ids if i not in reported]
+        cache = self.allocator.cache
         for chunk, seq in live:
             seq.num_computed_tokens += chunk.num_tokens
             if chunk.sample:
                 seq.output_token_ids.append(sampled_token_ids[chunk.seq_id])
+            if cache is not None:
+                cache.enter(seq)
 
     def finish(self, seq: Sequence, reason: str) -> None:
         """Mark seq finished, free its blocks, drop it from the queues. A finished seq is left as is."""

@@ -16,9 +16,9 @@ import click
 import torch
 
 from phaseflip.tools import bench_engine
-from phaseflip.tools.bench_workload import offline_workload, single_stream_workload
+from phaseflip.tools.bench_workload import offline_workload, shared_prefix_workload, single_stream_workload
 
-PARTS = ("offline", "single", "flips")
+PARTS = ("offline", "single", "prefix", "flips")
 FLIP_PROMPTS = [f"Tell me a short story about the number {i}." for i in range(8)]
 
 
@@ -70,6 +70,32 @@ def _compare(engine: dict, hf: dict | None) -> dict:
     return out
 
 
+def _prefix(model_dir: str, threads: int, work, max_len: int, tok, hf_batch_size: int, no_hf: bool) -> dict:
+    """The shared-prefix batch: the engine with prefix caching on and off, and HF, in one run."""
+    runs = bench_engine.run_prefix(model_dir, threads, work, max_len)
+    hf = None if no_hf else _run_hf(model_dir, {"pad_id": tok.eos_token_id or 0, "offline": work.to_json(),
+                                                "single": None}, threads, hf_batch_size)["offline"]
+    on, off = runs["on"], runs["off"]
+    return {"requests": len(work.prompts), "prompt_tokens": sum(len(p) for p in work.prompts),
+            "output_tokens": work.output_tokens,
+            "on_tok_s": on["tokens_per_s"], "off_tok_s": off["tokens_per_s"], "hf_tok_s": hf and hf["tokens_per_s"],
+            "on_vs_off": _ratio(on["tokens_per_s"], off["tokens_per_s"]),
+            "on_vs_hf": _ratio(on["tokens_per_s"], hf and hf["tokens_per_s"]),
+            "on_equal_to_off": sum(a == b for a, b in zip(on["token_ids"], off["token_ids"])),
+            "prefix_cache": on["prefix_cache"]}
+
+
+def _print_prefix(p: dict) -> None:
+    def f(x, spec=".1f"):
+        return "n/a" if x is None else format(x, spec)
+    pc = p["prefix_cache"]
+    click.echo(f"shared prefix: {p['requests']} requests ({p['prompt_tokens']} prompt tokens, {p['output_tokens']} "
+               f"output): caching on {f(p['on_tok_s'])} tok/s, off {f(p['off_tok_s'])} tok/s -> "
+               f"{f(p['on_vs_off'], '.2f')}x; HF {f(p['hf_tok_s'])} tok/s -> {f(p['on_vs_hf'], '.2f')}x; "
+               f"prompt tokens computed {pc['prompt_tokens_computed']}, reused {pc['prompt_tokens_reused']} "
+               f"(hit rate {f(pc['hit_rate'], '.2f')}); outputs equal on/off: {p['on_equal_to_off']}/{p['requests']}")
+
+
 def _print_table(threads: int, cmp: dict, flips: dict | None, boot_ms: dict) -> None:
     def f(x, spec=".1f"):
         return "n/a" if x is None else format(x, spec)
@@ -117,12 +143,14 @@ def _print_table(threads: int, cmp: dict, flips: dict | None, boot_ms: dict) -> 
               help="HF's batch (its best measured on 2 cores; see the README).")
 @click.option("--parts", default=",".join(PARTS), show_default=True, help="Which parts to run.")
 @click.option("--no-hf", is_flag=True, help="Skip HF transformers (engine figures only).")
+@click.option("--prefix-len", type=click.IntRange(min=1), default=400, show_default=True,
+              help="Shared-prefix batch: the system prompt's and each document's length in tokens.")
 @click.option("--flip-world-size", type=click.IntRange(min=1), default=2, show_default=True)
 @click.option("--flip-staging-mib", type=click.FloatRange(min=0, min_open=True), default=None,
               help="The flips' KV staging (send + receive), MiB (default: the engine's).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of the table.")
 def bench(model, threads, num_prompts, prompt_len, output_len, single_len, hf_batch_size, parts, no_hf,
-          flip_world_size, flip_staging_mib, as_json):
+          prefix_len, flip_world_size, flip_staging_mib, as_json):
     """Offline throughput, single-stream decode and TTFT against HF transformers; flips against their copy floor."""
     prompt_len, output_len = _pair("--prompt-len", prompt_len), _pair("--output-len", output_len)
     single_prompt, single_out = _pair("--single-len", single_len, ordered=False)
@@ -139,17 +167,23 @@ def bench(model, threads, num_prompts, prompt_len, output_len, single_len, hf_ba
     tok = load_tokenizer(model_dir)
     off = offline_workload(tok, num_prompts, prompt_len, output_len) if "offline" in chosen else None
     single = single_stream_workload(tok, single_prompt, single_out) if "single" in chosen else None
-    max_len = max([len(p) + m for w in (off, single) if w for p, m in zip(w.prompts, w.max_tokens)] + [256])
+    shared = shared_prefix_workload(tok, system_len=prefix_len, doc_len=prefix_len) if "prefix" in chosen else None
+    max_len = max([len(p) + m for w in (off, single, shared) if w for p, m in zip(w.prompts, w.max_tokens)]
+                  + [256])
     engine = bench_engine.run_single_rank(model_dir, threads, off, single, max_len) if off or single else {}
     hf = None
     if not no_hf and (off or single):
         work = {"pad_id": tok.eos_token_id or 0, "offline": off and off.to_json(), "single": single and single.to_json()}
         hf = _run_hf(model_dir, work, threads, hf_batch_size)
+    prefix = _prefix(model_dir, threads, shared, max_len, tok, hf_batch_size, no_hf) if shared else None
     flips = (bench_engine.run_flips(model_dir, flip_world_size, 4, FLIP_PROMPTS, max_len, flip_staging_mib)
              if "flips" in chosen else None)
     cmp = _compare(engine, hf)
     if as_json:
         click.echo(json.dumps({"threads": threads, "compare": cmp, "engine_boot_ms": engine.get("boot_ms"),
-                               "flips": flips, "hf_transformers": hf and hf.get("transformers")}, indent=1))
+                               "prefix": prefix, "flips": flips,
+                               "hf_transformers": hf and hf.get("transformers")}, indent=1))
     else:
         _print_table(threads, cmp, flips, engine.get("boot_ms"))
+        if prefix:
+            _print_prefix(prefix)

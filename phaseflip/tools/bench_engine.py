@@ -1,6 +1,7 @@
 """The engine side of `phaseflip bench`: the same workloads, timed the same way as bench_hf.py.
 
-Owns: offline throughput and single-stream figures on one rank, and the two-rank flip figures (each
+Owns: offline throughput and single-stream figures on one rank, the shared-prefix batch with prefix
+caching on and off, and the two-rank flip figures (each
 flip's components against its copy floor: the bytes its ranks move over the host's memcpy bandwidth
 measured in this same run) with the boot phases.
 """
@@ -71,6 +72,17 @@ def memcpy_gbps(num_bytes: int = 256 * 2**20, repeats: int = 9) -> float:
         dst.copy_(src)
         times.append(time.perf_counter() - t0)
     return num_bytes / statistics.median(times) / 1e9
+
+
+def run_prefix(model: str | None, threads: int, work: Workload, max_model_len: int) -> dict:
+    """The shared-prefix batch on one rank with prefix caching on, then off (a fresh engine each)."""
+    result: dict = {}
+    for on in (True, False):
+        with LLM(model=model, dtype="float32", num_threads=threads, max_model_len=max_model_len,
+                 enable_prefix_caching=on) as llm:
+            llm.generate("Hello there", _greedy(4), use_tqdm=False)  # warm-up
+            result["on" if on else "off"] = {**offline(llm, work), "prefix_cache": llm.stats()["prefix_cache"]}
+    return result
 
 
 def flip_rows(flip_log: list[dict], gbps: float) -> list[dict]:

@@ -1,7 +1,8 @@
 """The benchmark's workloads, identical token for token for the engine and for HF transformers.
 
 Owns: building (deterministically, from a seed) the offline batch of mixed prompt lengths and output
-lengths, and the single-stream prompt, as plain token-id lists that can travel as JSON to a subprocess.
+lengths, the shared-prefix batch (what prefix caching is for) and the single-stream prompt, as plain
+token-id lists that can travel as JSON to a subprocess.
 """
 from __future__ import annotations
 
@@ -54,3 +55,18 @@ def offline_workload(tokenizer, num_prompts: int = 64, prompt_len: tuple[int, in
 
 def single_stream_workload(tokenizer, prompt_len: int = 128, max_tokens: int = 64, seed: int = 1) -> Workload:
     return Workload([_text_tokens(tokenizer, random.Random(seed), prompt_len)], [max_tokens])
+
+
+def shared_prefix_workload(tokenizer, num_chats: int = 32, system_len: int = 400, num_docs: int = 4,
+                           doc_len: int = 400, questions_per_doc: int = 8, question_len: tuple[int, int] = (12, 40),
+                           max_tokens: int = 16, seed: int = 2) -> Workload:
+    """num_chats requests sharing one system prompt, and num_docs documents asked questions_per_doc
+    questions each (the document first, then the question), shuffled together as a batch arrives."""
+    rng = random.Random(seed)
+    system = _text_tokens(tokenizer, rng, system_len)
+    docs = [_text_tokens(tokenizer, rng, doc_len) for _ in range(num_docs)]
+    prompts = [system + _text_tokens(tokenizer, rng, rng.randint(*question_len)) for _ in range(num_chats)]
+    prompts += [doc + _text_tokens(tokenizer, rng, rng.randint(*question_len))
+                for doc in docs for _ in range(questions_per_doc)]
+    rng.shuffle(prompts)
+    return Workload(prompts, [max_tokens] * len(prompts))

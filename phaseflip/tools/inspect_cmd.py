@@ -88,8 +88,13 @@ def flips_table(m: dict) -> list[str]:
             return f"{e[k]:.1f}" if e.get(k) is not None else "-"
         lines.append(f"  {e['direction']:10}{e['total_ms']:9.1f}{f('read_ms'):>8}{f('exchange_ms'):>8}"
                      f"{f('refill_ms'):>8}{f('write_ms'):>8}{f('cutover_ms'):>7}{_mib(e['kv_bytes']):>9}"
-                     f"{_mib(e['weight_bytes']):>9}  {'ok' if e['ok'] else 'FAILED at ' + str(e['failed_stage'])}")
+                     f"{_mib(e['weight_bytes']):>9}  {'ok' if e['ok'] else 'FAILED at ' + _where(e)}")
     return lines
+
+
+def _where(e: dict) -> str:
+    chunk = e.get("failed_chunk")
+    return str(e["failed_stage"]) + ("" if chunk is None else f" (chunk {chunk} of {e['chunks']})")
 
 
 def render_text(m: dict) -> str:
@@ -101,6 +106,14 @@ def render_text(m: dict) -> str:
             f"rank {s['rank']} layers {s['layers'][0]}-{s['layers'][1]} kv heads {s['kv_heads'][0]}-{s['kv_heads'][1]}"
             f" mlp {s['mlp'][0]}-{s['mlp'][1]}" for s in shards))
     head += [f"  note: {n}" for n in m["plan"]["notes"]]
+    pc = m.get("prefix_cache")  # absent from older manifests
+    if pc and pc.get("enabled"):
+        rate = "n/a" if pc["hit_rate"] is None else f"{pc['hit_rate']:.2f}"
+        head.append(f"  prefix cache: prompt tokens computed {pc['prompt_tokens_computed']}, reused "
+                    f"{pc['prompt_tokens_reused']} (hit rate {rate}); {pc['cached_blocks']} blocks cached, "
+                    f"{pc['evictions']} evicted")
+    elif pc is not None:
+        head.append("  prefix cache: off")
     sections = [head, steps_table(m), ledger_table(m), boot_table(m), flips_table(m)]
     return "\n\n".join("\n".join(s) for s in sections)
 

@@ -20,8 +20,15 @@ FLIP_CHANCE = 0.1        # after each step, a forced flip with this probability
 RSS_BOUND = 32 * 2**20   # growth allowed per process from the first call's end to the last's
 
 
+_prefix_rng = random.Random(7)
+SHARED_PREFIXES = [[_prefix_rng.randrange(3, 384) for _ in range(n)] for n in (12, 20, 37, 64)]
+SHARED_CHANCE = 0.4      # a request's prompt starts with one of SHARED_PREFIXES (prefix caching)
+
+
 def random_request(rng: random.Random):
     prompt = [rng.randrange(3, 384) for _ in range(rng.randrange(1, 100))]
+    if rng.random() < SHARED_CHANCE:
+        prompt = rng.choice(SHARED_PREFIXES) + prompt[:40]
     max_tokens = rng.randrange(1, 33)
     if rng.random() < 0.5:
         return prompt, SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
@@ -69,9 +76,12 @@ def test_soak_1000_requests_on_2_ranks(model, reference):
         expected = reference([requests[i][0] for i in at], max_tokens)
         assert [outputs[i].outputs[0].token_ids for i in at] == expected, f"greedy max_tokens={max_tokens}"
     growth = [last - first for first, last in zip(rss[0], rss[-1])]
+    pc = stats["prefix_cache"]
     print(f"\n[soak] {NUM_REQUESTS} requests ({len(greedy_at)} greedy) in {seconds:.0f} s: {stats['steps']} "
           f"steps, {stats['flips']} flips ({stats['failed_flips']} failed), {stats['num_preemptions']} "
-          f"preemptions; RSS growth after call 1 (MiB): "
+          f"preemptions; prefix cache: {pc['prompt_tokens_reused']} prompt tokens reused, "
+          f"{pc['prompt_tokens_computed']} computed, {pc['evictions']} evictions; RSS growth after call 1 (MiB): "
           + ", ".join(f"{name} {g / 2**20:+.1f}" for name, g in zip(["controller", "rank 0", "rank 1"], growth)))
     assert stats["flips"] > 50 and stats["num_preemptions"] > 0 and stats["failed_flips"] == 0
+    assert pc["prompt_tokens_reused"] > 0 and pc["evictions"] > 0
     assert all(g <= RSS_BOUND for g in growth), growth

@@ -157,7 +157,7 @@ def test_bench_compares_with_hf_on_the_same_tokens(tiny):
     """A small `phaseflip bench --json` on the tiny model: both engines run the same token ids, their
     greedy fp32 outputs agree, and every ratio is a measured number (flips: two ranks, both layouts)."""
     out = _ok(_invoke("bench", "--model", tiny, "--num-prompts", 3, "--prompt-len", "8,40",
-                      "--output-len", "4,12", "--single-len", "16,6", "--json"))
+                      "--output-len", "4,12", "--single-len", "16,6", "--prefix-len", "40", "--json"))
     report = json.loads(out)
     off, single = report["compare"]["offline"], report["compare"]["single"]
     assert off["requests"] == 3 and off["equal_to_hf"] == 3
@@ -165,6 +165,11 @@ def test_bench_compares_with_hf_on_the_same_tokens(tiny):
     assert single["decode_ratio"] > 0 and single["ttft_ratio"] > 0
     flips = report["flips"]["flips"]
     assert flips and all(f["ok"] and f["floor_ms"] > 0 and f["ratio"] > 0 for f in flips)
+    prefix = report["prefix"]
+    # equal but for near-tie flips (fp32 sums in another order): a wrong cache changes nearly all
+    assert prefix["requests"] == 64 and prefix["on_equal_to_off"] >= 60
+    assert prefix["on_vs_off"] > 0 and prefix["on_vs_hf"] > 0
+    assert prefix["prefix_cache"]["prompt_tokens_reused"] > 0
 
 
 @pytest.mark.parametrize("args,message", [
