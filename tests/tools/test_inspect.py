@@ -84,10 +84,12 @@ def test_inspect_prints_tables_json_and_svg(manifest, tmp_path):
     runner = CliRunner()
     text = runner.invoke(main, ["inspect", str(path)])
     assert text.exit_code == 0, text.output
-    for heading in ("captured steps", "memory ledger", "boot timeline", "flips ("):
+    for heading in ("captured steps", "memory ledger", "boot timeline", "flips (", "prefix cache: prompt tokens computed"):
         assert heading in text.output
     as_json = runner.invoke(main, ["inspect", str(path), "--json"])
     assert json.loads(as_json.output)["phaseflip_manifest"] == 1
+    pc = json.loads(as_json.output)["prefix_cache"]
+    assert pc["enabled"] and pc["prompt_tokens_computed"] + pc["prompt_tokens_reused"] >= 3 * 4
     svg = tmp_path / "m.svg"
     drawn = runner.invoke(main, ["inspect", str(path), "--svg", str(svg)])
     assert drawn.exit_code == 0
