@@ -187,7 +187,10 @@ def workloads(tok) -> dict:
 def boot(model: Path, dtype: str, threads: int, compile_mode: str | None, work: dict) -> LLM:
     kw = {} if compile_mode is None else {"compile": compile_mode}
     _log(f"booting phaseflip ({dtype}, {threads} threads{', compile ' + compile_mode if compile_mode else ''})")
-    llm = LLM(model=str(model), dtype=dtype, num_threads=threads, max_model_len=1024, **kw)
+    # no prefix caching: the rounds repeat the same prompts, which it would not compute again (llama-bench
+    # computes them every time)
+    llm = LLM(model=str(model), dtype=dtype, num_threads=threads, max_model_len=1024,
+              enable_prefix_caching=False, **kw)
     for prompts, n in (([work["decode"]], 8), ([work["prefill"][max(PROMPT_LENS)]], 2), (work["batch"], 2)):
         _timed(llm, prompts, n)  # warm-up: every step shape the rounds use
     return llm

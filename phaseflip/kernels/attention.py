@@ -106,15 +106,16 @@ def paged_attention_ref(q, k, v, k_cache, v_cache, slot_mapping, block_tables, s
 def paged_attention_impl(q, k, v, kv_cache, layer: int, slot_mapping, block_tables, seq_lens, query_start_loc,
                          scale: float) -> torch.Tensor:
     """The body of the op: the Triton kernels on CUDA, kernels/cpu_attention.py elsewhere."""
+    if not q.is_cuda:
+        return paged_attention_cpu(q, k, v, kv_cache[:, layer], slot_mapping, block_tables, seq_lens,
+                                   query_start_loc, scale)
     k_cache, v_cache = kv_cache[:, layer, 0], kv_cache[:, layer, 1]
-    if q.is_cuda and triton_available():
+    if triton_available():
         from phaseflip.kernels.triton_attention import store_and_attend
         return store_and_attend(q, k, v, k_cache, v_cache, slot_mapping, block_tables, seq_lens,
                                 query_start_loc, scale)
-    if q.is_cuda:  # no triton: the reference (eager only; it synchronises with the host)
-        return paged_attention_ref(q, k, v, k_cache, v_cache, slot_mapping, block_tables, seq_lens,
-                                   query_start_loc, scale)
-    return paged_attention_cpu(q, k, v, k_cache, v_cache, slot_mapping, block_tables, seq_lens,
+    # no triton: the reference (eager only; it synchronises with the host)
+    return paged_attention_ref(q, k, v, k_cache, v_cache, slot_mapping, block_tables, seq_lens,
                                query_start_loc, scale)
 
 

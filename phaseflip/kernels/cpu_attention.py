@@ -9,9 +9,12 @@ against); what differs is how the work is laid out:
   in an `AttentionPlan` and reused by all layers. The plan is remembered by value: the metadata it was
   built from is kept and compared (torch.equal, a few microseconds), never trusted by identity, so a
   reused buffer with new contents gets a new plan.
-- The caches are read and written as rows of D elements: (block b, offset o, kv head h) is row
-  b * rows_per_block + o * Hkv + h, where rows_per_block is the region's block stride over D (the
-  region is block-major, layouts/kvcache.py, so a layer's blocks are not adjacent).
+- The layer's K and V caches are read and written as rows of D elements of one view: K of (block b,
+  offset o, kv head h) is row b * rows_per_block + o * Hkv + h, its V block_size * Hkv rows further
+  (the region is block-major, layouts/kvcache.py: a block holds each layer's K then V, and a layer's
+  blocks lie a whole block apart). So one gather reads a context's K and V together, and one scatter
+  stores a step's: per layer the attention runs a handful of ops, which matters because it runs on
+  caches the layer's projections have just flushed.
 - Decode rows gather their context straight into the layout a batched matmul wants ([rows * Hkv, L, D],
   one row of D per (sequence, kv head, position)), so each layer moves its KV once into place and runs
   two bmm calls for all rows: no per-row Python, no GQA head expansion, no permute copies.
@@ -32,7 +35,7 @@ MAX_GROUPS = 8
 @dataclass(frozen=True)
 class DecodeGroup:
     tokens: torch.Tensor          # [n] token index (in the flat batch) of each row
-    gather: torch.Tensor          # [n * Hkv * L] cache rows (see the module docstring)
+    gather: torch.Tensor          # [2 * n * Hkv * L] cache rows of K, then of V (module docstring)
     bias: torch.Tensor | None     # [n, 1, 1, L] 0 / -inf; None when no row is padded
     length: int                   # L, the group's longest context
 
@@ -42,7 +45,8 @@ class PrefillRow:
     start: int                    # first token in the flat batch
     stop: int                     # one past the last
     seq_len: int                  # context length after this step
-    gather: torch.Tensor | None   # [Hkv * seq_len] context rows; None when the chunk is its whole context
+    gather: torch.Tensor | None   # [2 * Hkv * seq_len] context rows of K, then of V; None when the
+                                  # chunk is its whole context
     bias: torch.Tensor | None     # [G * n, seq_len] 0 / -inf causal bias over the context (with gather)
 
 
@@ -50,7 +54,7 @@ class PrefillRow:
 class AttentionPlan:
     key: tuple                    # the metadata (cloned) and cache geometry it was built from
     store_tokens: torch.Tensor | None  # tokens written to the cache (None: all of them)
-    store_rows: torch.Tensor          # [stored tokens * Hkv] the cache rows they are written to
+    store_rows: torch.Tensor          # [2 * stored tokens * Hkv] the rows their K, then V, go to
     decode: tuple[DecodeGroup, ...]
     prefill: tuple[PrefillRow, ...]
     covers_all: bool              # one decode group holding tokens 0..T-1 in order: no scatter needed
@@ -71,8 +75,12 @@ class Geometry:
     rows_per_block: int           # the cache's block stride in rows of D
 
     def first_rows(self, blocks: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-        """The cache row of kv head 0 at (block, offset in the block)."""
+        """The K row of kv head 0 at (block, offset in the block)."""
         return blocks * self.rows_per_block + offsets * self.hkv
+
+    def with_v(self, k_rows: torch.Tensor) -> torch.Tensor:
+        """K rows, then the V rows beside them."""
+        return torch.cat([k_rows, k_rows + self.block_size * self.hkv])
 
 
 def _slots(block_row: torch.Tensor, length: int, geo: Geometry, pad_to: int) -> torch.Tensor:
@@ -106,7 +114,7 @@ def _decode_group(rows: list[int], starts, lens, block_tables, geo: Geometry) ->
         real = torch.tensor([lens[i] for i in rows])
         bias = torch.zeros(len(rows), 1, 1, length)
         bias.masked_fill_((torch.arange(length)[None, :] >= real[:, None])[:, None, None, :], float("-inf"))
-    return DecodeGroup(torch.tensor([starts[i] for i in rows]), _rows(slots, geo.hkv), bias, length)
+    return DecodeGroup(torch.tensor([starts[i] for i in rows]), geo.with_v(_rows(slots, geo.hkv)), bias, length)
 
 
 def _prefill_row(start: int, stop: int, seq_len: int, block_row, geo: Geometry, group: int) -> PrefillRow:
@@ -117,19 +125,20 @@ def _prefill_row(start: int, stop: int, seq_len: int, block_row, geo: Geometry, 
     pos = torch.arange(seq_len)
     hidden = pos[None, :] > (seq_len - n + torch.arange(n))[:, None]            # [n, seq_len]
     bias = torch.zeros(n, seq_len).masked_fill_(hidden, float("-inf")).repeat(group, 1)
-    return PrefillRow(start, stop, seq_len, _rows(_slots(block_row, seq_len, geo, seq_len), geo.hkv), bias)
+    return PrefillRow(start, stop, seq_len, geo.with_v(_rows(_slots(block_row, seq_len, geo, seq_len), geo.hkv)),
+                      bias)
 
 
 def build_plan(slot_mapping, block_tables, seq_lens, query_start_loc, block_size: int, hkv: int,
                group: int, rows_per_block: int | None = None) -> AttentionPlan:
-    """rows_per_block: the caches' block stride in rows of D (None: contiguous blocks)."""
-    geo = Geometry(block_size, hkv, block_size * hkv if rows_per_block is None else rows_per_block)
+    """rows_per_block: the block stride in rows of D (None: blocks of one layer's K and V, adjacent)."""
+    geo = Geometry(block_size, hkv, 2 * block_size * hkv if rows_per_block is None else rows_per_block)
     key = (slot_mapping.clone(), block_tables.clone(), seq_lens.clone(), query_start_loc.clone(), block_size,
            hkv, group, geo.rows_per_block)
     valid = slot_mapping >= 0
     store_tokens = None if bool(valid.all()) else valid.nonzero().flatten()
     stored = slot_mapping if store_tokens is None else slot_mapping[store_tokens]
-    store_rows = _rows(geo.first_rows(stored // block_size, stored % block_size)[:, None], hkv)
+    store_rows = geo.with_v(_rows(geo.first_rows(stored // block_size, stored % block_size)[:, None], hkv))
     starts, lens = query_start_loc.tolist(), seq_lens.tolist()
     decode = [i for i, n in enumerate(lens) if n > 0 and starts[i + 1] - starts[i] == 1]
     groups = tuple(_decode_group(g, starts, lens, block_tables, geo)
@@ -152,20 +161,19 @@ def plan_for(slot_mapping, block_tables, seq_lens, query_start_loc, block_size: 
     return _last
 
 
-def _attend_decode(q, k_rows, v_rows, g: DecodeGroup, scale: float) -> torch.Tensor:
-    # q: [n, Hq, D]; k_rows / v_rows: the caches as rows of D (_as_rows)
+def _attend_decode(q, rows, g: DecodeGroup, scale: float) -> torch.Tensor:
+    # q: [n, Hq, D]; rows: the layer's K and V as rows of D (_as_rows)
     n, hq, d = q.shape
-    hkv = g.gather.numel() // (n * g.length)
+    hkv = g.gather.numel() // (2 * n * g.length)
     # bf16/fp16 caches are read into float32 (CPU bmm and softmax on half types are many times slower)
-    k = k_rows.index_select(0, g.gather).view(n * hkv, g.length, d).float()
-    v = v_rows.index_select(0, g.gather).view(n * hkv, g.length, d).float()
-    s = torch.bmm(q.reshape(n * hkv, hq // hkv, d).float(), k.transpose(1, 2)).mul_(scale)  # [n*Hkv, G, L]
+    kv = rows.index_select(0, g.gather).view(2, n * hkv, g.length, d).float()
+    s = torch.bmm(q.reshape(n * hkv, hq // hkv, d).float(), kv[0].transpose(1, 2)).mul_(scale)  # [n*Hkv, G, L]
     if g.bias is not None:
         s.view(n, hkv, -1, g.length).add_(g.bias)
-    return torch.bmm(s.softmax(-1), v).view(n, hq, d).to(q.dtype)
+    return torch.bmm(s.softmax(-1), kv[1]).view(n, hq, d).to(q.dtype)
 
 
-def _attend_prefill(q, k, v, k_rows, v_rows, row: PrefillRow, scale: float) -> torch.Tensor:
+def _attend_prefill(q, k, v, rows, row: PrefillRow, scale: float) -> torch.Tensor:
     # q, k, v: this chunk's [n, H, D]; the last n positions of a causal context of row.seq_len tokens
     n, hq, d = q.shape
     hkv = k.shape[1]
@@ -177,40 +185,39 @@ def _attend_prefill(q, k, v, k_rows, v_rows, row: PrefillRow, scale: float) -> t
         out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], kc[None], vc[None], is_causal=True,
                                              scale=scale)
         return out[0].transpose(0, 1)
-    kc = k_rows.index_select(0, row.gather).view(1, hkv, row.seq_len, d)
-    vc = v_rows.index_select(0, row.gather).view(1, hkv, row.seq_len, d)
+    kv = rows.index_select(0, row.gather).view(2, 1, hkv, row.seq_len, d)
     qg = q.transpose(0, 1).reshape(1, hkv, group * n, d)
-    out = F.scaled_dot_product_attention(qg, kc, vc, attn_mask=row.bias.to(q.dtype), scale=scale)  # [1,Hkv,G*n,D]
-    return out.view(hq, n, d).transpose(0, 1)
+    out = F.scaled_dot_product_attention(qg, kv[0], kv[1], attn_mask=row.bias.to(q.dtype), scale=scale)
+    return out.view(hq, n, d).transpose(0, 1)                   # [1, Hkv, G*n, D] -> [n, Hq, D]
 
 
-def _as_rows(cache: torch.Tensor) -> torch.Tensor:
-    """A [num_blocks, block_size, Hkv, D] cache whose blocks may lie a stride apart, as rows of D over
-    the same memory (rows between blocks belong to other layers and are never indexed)."""
-    nb, bs, hkv, d = cache.shape
-    if cache.stride()[1:] != (hkv * d, d, 1) or cache.stride(0) % d:
-        raise ValueError(f"KV cache strides {cache.stride()} are not block-strided [blocks, {bs}, {hkv}, {d}]")
-    return cache.as_strided(((nb - 1) * (cache.stride(0) // d) + bs * hkv, d), (d, 1))
+def _as_rows(kv_layer: torch.Tensor) -> torch.Tensor:
+    """A layer's [num_blocks, 2 (k, v), block_size, Hkv, D] caches, whose blocks may lie a stride apart,
+    as rows of D over the same memory (rows between blocks belong to other layers, never indexed)."""
+    nb, _, bs, hkv, d = kv_layer.shape
+    if kv_layer.stride()[1:] != (bs * hkv * d, hkv * d, d, 1) or kv_layer.stride(0) % d:
+        raise ValueError(f"KV strides {kv_layer.stride()} are not block-strided [blocks, 2, {bs}, {hkv}, {d}]")
+    return kv_layer.as_strided(((nb - 1) * (kv_layer.stride(0) // d) + 2 * bs * hkv, d), (d, 1))
 
 
-def paged_attention_cpu(q, k, v, k_cache, v_cache, slot_mapping, block_tables, seq_lens, query_start_loc,
+def paged_attention_cpu(q, k, v, kv_layer, slot_mapping, block_tables, seq_lens, query_start_loc,
                         scale: float) -> torch.Tensor:
-    """Store this step's K/V, then attend; the contract of kernels/attention.py. Returns [T, Hq, D]."""
+    """Store this step's K/V, then attend; the contract of kernels/attention.py, with the layer's caches
+    as one [num_blocks, 2, block_size, Hkv, D] view. Returns [T, Hq, D]."""
     t, hkv, d = k.shape
-    plan = plan_for(slot_mapping, block_tables, seq_lens, query_start_loc, k_cache.shape[1], hkv,
-                    q.shape[1] // hkv, k_cache.stride(0) // d)
-    k_rows, v_rows = _as_rows(k_cache), _as_rows(v_cache)
+    plan = plan_for(slot_mapping, block_tables, seq_lens, query_start_loc, kv_layer.shape[2], hkv,
+                    q.shape[1] // hkv, kv_layer.stride(0) // d)
+    rows = _as_rows(kv_layer)
     new_k, new_v = k, v
     if plan.store_tokens is not None:
         new_k, new_v = k.index_select(0, plan.store_tokens), v.index_select(0, plan.store_tokens)
-    k_rows.index_copy_(0, plan.store_rows, new_k.reshape(-1, d))
-    v_rows.index_copy_(0, plan.store_rows, new_v.reshape(-1, d))
+    rows.index_copy_(0, plan.store_rows, torch.cat([new_k.reshape(-1, d), new_v.reshape(-1, d)]))
     if plan.covers_all:
-        return _attend_decode(q, k_rows, v_rows, plan.decode[0], scale)
+        return _attend_decode(q, rows, plan.decode[0], scale)
     out = torch.zeros_like(q)
     for g in plan.decode:
-        out.index_copy_(0, g.tokens, _attend_decode(q.index_select(0, g.tokens), k_rows, v_rows, g, scale))
+        out.index_copy_(0, g.tokens, _attend_decode(q.index_select(0, g.tokens), rows, g, scale))
     for row in plan.prefill:
         a, b = row.start, row.stop
-        out[a:b] = _attend_prefill(q[a:b], k[a:b], v[a:b], k_rows, v_rows, row, scale)
+        out[a:b] = _attend_prefill(q[a:b], k[a:b], v[a:b], rows, row, scale)
     return out

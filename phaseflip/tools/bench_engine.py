@@ -49,7 +49,10 @@ def single_stream(llm: LLM, work: Workload, repeats: int = 3) -> dict:
 def run_single_rank(model: str | None, threads: int, offline_work: Workload | None,
                     single_work: Workload | None, max_model_len: int) -> dict:
     result: dict = {}
-    with LLM(model=model, dtype="float32", num_threads=threads, max_model_len=max_model_len) as llm:
+    # no prefix caching: the single stream repeats its prompt, which caching would not compute again
+    # (HF computes it every time); the shared-prefix part measures caching
+    with LLM(model=model, dtype="float32", num_threads=threads, max_model_len=max_model_len,
+             enable_prefix_caching=False) as llm:
         result["boot_ms"] = dict(llm.stats()["boot_ms"])
         llm.generate("Hello there", _greedy(4), use_tqdm=False)  # warm-up
         if single_work is not None:
