@@ -92,7 +92,7 @@ class _Refill(threading.Thread):
 
 class _Flip:
     def __init__(self, rt, cmd: FlipCommand):
-        self.rt, self.cmd = rt, cmd
+        self.rt = rt
         self.src, self.dst = rt.active, cmd.target
         blocks = torch.tensor(cmd.live_blocks, dtype=torch.int64, device=rt.kv.buffer.device)
         self.chunks = blocks.split(rt.staging.chunk_blocks) if blocks.numel() else ()
