@@ -126,6 +126,10 @@ class BlockAllocator:
         if self.cache is not None:
             self.cache.release(seq)
 
+    def cache_stats(self) -> dict:
+        """The prefix cache's counters; {"enabled": False} without prefix caching."""
+        return self.cache.stats() if self.cache is not None else {"enabled": False}
+
     def carried_blocks(self) -> list[int]:
         """Every block whose KV must survive a flip: those held by sequences, each once however many
         share it, and the cached free ones (so the cache stays valid in the other layout)."""

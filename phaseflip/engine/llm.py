@@ -197,7 +197,7 @@ class LLM:
             "num_kv_blocks": self.plan.num_kv_blocks,
             "free_kv_blocks": self.allocator.num_free_blocks,
             "num_preemptions": self.core.scheduler.num_preemptions,
-            "prefix_cache": self.allocator.cache.stats() if self.allocator.cache else {"enabled": False},
+            "prefix_cache": self.allocator.cache_stats(),
             "flips": self.control.num_flips,
             "failed_flips": self.control.num_failed_flips,
             "flip_log": list(self.control.flip_log),

@@ -41,7 +41,7 @@ def build_manifest(llm, ranks: list) -> dict:
         "plan": {"balanced": plan.layout_plan.balanced, "notes": list(plan.layout_plan.notes),
                  "kv_heads": list(plan.layout_plan.kv_heads), "layers": list(plan.layout_plan.layers)},
         "kv": {"num_blocks": plan.num_kv_blocks, "block_size": plan.shapes.block_size},
-        "prefix_cache": llm.allocator.cache.stats() if llm.allocator.cache else {"enabled": False},
+        "prefix_cache": llm.allocator.cache_stats(),
         "buckets": {"decode": list(plan.shapes.decode_buckets), "prefill": list(plan.shapes.prefill_buckets)},
         "ranks": [{"rank": r.rank, "pid": r.pid, "device": r.device, "boot_ms": r.boot_ms,
                    "ledger": r.ledger, "compile": r.compile, "memory": r.memory} for r in ranks],

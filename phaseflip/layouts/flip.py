@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from phaseflip.layouts import reshard
-from phaseflip.layouts.kvcache import zeros
+from phaseflip.layouts.kvcache import KVShape, zeros
 from phaseflip.layouts.messages import FlipCommand, FlipReport
 
 DEFAULT_STAGING_BYTES = 256 << 20   # the default is the smaller of this and a tenth of the KV pool
@@ -59,7 +59,7 @@ def allocate_staging(plan, layouts, head_dim: int, block_size: int, num_blocks: 
     smaller than two blocks still gets one block each way."""
     if len(layouts) < 2:
         return None
-    block = max(s.layers.count * 2 * block_size * s.kv_heads.count * head_dim
+    block = max(KVShape(s.layers.count, 1, block_size, s.kv_heads.count, head_dim).block_numel
                 for name in layouts for s in plan.spec(name).shards)  # elements, the largest anywhere
     block_bytes = block * torch.empty((), dtype=dtype).element_size()
     if requested_bytes is None:
