@@ -12,15 +12,19 @@ Owns: `linear`, the row ladder (`row_bucket`) and `warm`, which builds every lad
   rows are padded up to a ladder (multiples of 8 to 64, then 8 steps per doubling: padding <= 12.5%; a
   full 512-token chunk is on it and pays no copy) and `warm` builds every ladder GEMM a rank can meet
   at boot, like a graph capture: nothing is built later, and what the GEMMs hold is measured then.
-- For a handful of rows (decode) GEMMs stream the weight at well below the memory bandwidth, while the
-  product written W @ x^T takes MKL's skinny GEMM path and streams it near the bandwidth (every
-  projection of a step, weights out of cache: 1 row 33.7 -> 16.2 ms, 2 rows 59.0 -> 16.6). One row is
-  run as two (a copy of it): the one-column product dispatches to GEMV, the slow path again.
+- For a handful of rows (decode) which product streams the weight fastest depends on the machine, so
+  it is measured at boot (`choose_small_forms`, once per process, over the booted layout's own
+  projections): the library's product (F.linear: MKL's GEMV/GEMM), the weight-stationary W @ x^T
+  (one row run as two, so that MKL takes its skinny GEMM rather than its GEMV), or oneDNN padded to
+  its ladder. On a Zen 3 with MKL's generic code the stationary form streamed the projections of a
+  step in 16 ms against 34 for the library; on an Intel Xeon the library took 23.5 ms against 48 for
+  the stationary form at 1 and 2 rows. Unmeasured, the stationary form is used.
 The plain weight is used as it lies in the arena (no packed copy: a flip refills the arena in place).
 CUDA tensors, dtypes other than float32 and traced code (torch.compile) take F.linear.
 """
 from __future__ import annotations
 
+import time
 from typing import Iterable
 
 import torch
@@ -29,7 +33,13 @@ import torch.nn.functional as F
 from phaseflip.kernels.op_registry import define_op
 
 GEMV_ROWS = 1     # rows a compiled CPU step multiplies with inductor's own reduction (measured)
-SMALL_BATCH = 4   # rows up to which the weight-stationary form is used on the CPU
+SMALL_BATCH = 4   # rows up to which a measured small-rows form is used on the CPU
+SMALL_FORMS = ("stationary", "library", "onednn")
+MEASURED_ROWS = (1, 2, SMALL_BATCH)   # the row counts timed at boot; 3 takes SMALL_BATCH's form
+
+_small_forms: dict[int, str] = {}  # rows -> form, this process's measurement (empty: not measured yet)
+_small_report: dict | None = None  # the numbers that measurement was made from
+_gemv_report: dict | None = None   # a compiled step's one-row form, measured (choose_gemv)
 
 _onednn = None    # the oneDNN op, resolved on first use (no import-time work); False: not in this build
 
@@ -75,13 +85,53 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 
 def _traced_cpu_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """What a compiled CPU step runs: up to GEMV_ROWS rows as a reduction inductor writes itself (one
-    pass over the weight, which a GEMM library does not stream at the bandwidth for so few rows), more
-    as one opaque call to the eager GEMM paths below (oneDNN's ladder is built for them at boot)."""
-    if x.shape[0] <= GEMV_ROWS:
-        out = (weight[None] * x[:, None, :]).sum(-1, dtype=torch.float32).to(x.dtype)  # [M, N]
+    """What a compiled CPU step runs: up to GEMV_ROWS rows as a reduction inductor writes itself where
+    that was measured faster than the eager product (`choose_gemv`), everything else as one opaque
+    call to the eager paths below (oneDNN's ladder is built for them at boot)."""
+    if x.shape[0] <= GEMV_ROWS and gemv_reduces():
+        out = _reduce_rows(x, weight)
         return out if bias is None else out + bias
     return torch.ops.phaseflip.cpu_linear(x, weight, bias)
+
+
+def _reduce_rows(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    return (weight[None] * x[:, None, :]).sum(-1, dtype=torch.float32).to(x.dtype)  # [M, N]
+
+
+def gemv_reduces() -> bool:
+    """Whether a compiled step's one-row products are inductor's reduction (this process's measured
+    choice; unmeasured: yes)."""
+    return _gemv_report is None or _gemv_report["choice"] == "reduction"
+
+
+def choose_gemv(weight: torch.Tensor, repeats: int = 3) -> dict:
+    """Measure once per process whether inductor's reduction or the eager one-row product (its measured
+    small-rows form) multiplies one row by `weight` faster (the largest weight a rank holds: a
+    vocabulary's rows stream from memory as a step's projections do), best of `repeats`. Call before
+    any step is compiled: the choice is read when a step is traced. Returns the report (later calls,
+    the first)."""
+    global _gemv_report
+    if _gemv_report is None:
+        x = torch.randn(1, weight.shape[1], dtype=weight.dtype)
+        reduce = torch.compile(_reduce_rows, dynamic=False)
+        t0 = time.perf_counter()
+        reduce(x, weight)
+        first_ms = (time.perf_counter() - t0) * 1e3
+        form = small_form(1, weight.dtype)
+        ms = {"reduction": _best_ms(lambda: reduce(x, weight), repeats),
+              form: _best_ms(lambda: _small_product(form, x, weight, None), repeats)}
+        _gemv_report = {"choice": min(ms, key=ms.get), "ms": ms, "first_call_ms": first_ms,
+                        "weight_shape": list(weight.shape)}
+    return _gemv_report
+
+
+def _best_ms(fn, repeats: int) -> float:
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best * 1e3
 
 
 def _eager_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -94,9 +144,58 @@ def _eager_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         return op(x.contiguous(), weight, bias, "none", [], "")[:m]
     if x.is_cuda or x.dim() != 2 or not 1 <= m <= SMALL_BATCH:
         return F.linear(x, weight, bias)
+    return _small_product(small_form(m, x.dtype), x, weight, bias)
+
+
+def small_form(m: int, dtype: torch.dtype) -> str:
+    """The form a product of m <= SMALL_BATCH rows takes: this process's measured choice, else the
+    stationary one; oneDNN only for float32 (its ladder is built for that alone)."""
+    rows = min((r for r in MEASURED_ROWS if r >= m), default=SMALL_BATCH)
+    form = _small_forms.get(rows, "stationary")
+    return "stationary" if form == "onednn" and not (dtype == torch.float32 and _onednn_op()) else form
+
+
+def _small_product(form: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    m = x.shape[0]
+    if form == "library":
+        return F.linear(x, weight, bias)
+    if form == "onednn":  # padded to the ladder's smallest size, whose GEMM `warm` built
+        return _onednn_op()(F.pad(x, (0, 0, 0, row_bucket(m) - m)), weight, bias, "none", [], "")[:m]
     cols = x.repeat(2, 1) if m == 1 else x                   # [M', K]
     out = torch.mm(weight, cols.t())[:, :m].t().contiguous()   # [M, N]
     return out if bias is None else out.add_(bias)
+
+
+def choose_small_forms(weights: list[torch.Tensor], passes: int = 2) -> dict:
+    """Measure once per process which form multiplies 1, 2 and SMALL_BATCH rows fastest: each form
+    runs over every weight in turn (a step's projections, read as a step reads them), the best of
+    `passes` passes. Returns the report: the ms of each form
+    per row count, the choice and what it was measured on; later calls return the first report."""
+    global _small_report
+    if _small_report is not None:
+        return _small_report
+    weights = [w for w in weights if w.device.type == "cpu" and w.dim() == 2]
+    if not weights:
+        return {"choice": "stationary (no CPU weights to measure on)", "ms": None}
+    dtype = weights[0].dtype if weights else torch.float32
+    forms = [f for f in SMALL_FORMS if f != "onednn" or (dtype == torch.float32 and _onednn_op())]
+    table = {}
+    for m in MEASURED_ROWS:
+        xs = {k: torch.randn(m, k, dtype=dtype) for k in {w.shape[1] for w in weights}}
+        table[m] = {f: _best_pass_ms(f, xs, weights, passes) for f in forms}
+        _small_forms[m] = min(table[m], key=table[m].get)
+    _small_report = {"choice": ", ".join(f"{m} rows: {f}" for m, f in _small_forms.items()),
+                     "ms": table, "weights": len(weights),
+                     "weight_bytes": sum(w.numel() * w.element_size() for w in weights), "dtype": str(dtype)}
+    return _small_report
+
+
+
+def _best_pass_ms(form: str, xs: dict[int, torch.Tensor], weights: list[torch.Tensor], passes: int) -> float:
+    def one_pass():
+        for w in weights:
+            _small_product(form, xs[w.shape[1]], w, None)
+    return _best_ms(one_pass, passes)
 
 
 def _cpu_linear_body(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -126,7 +225,7 @@ def warm(projections: Iterable[tuple[torch.Tensor, torch.Tensor | None, int]]) -
         if w.device.type != "cpu" or _onednn_for(probe) is None:
             continue
         x = torch.zeros(row_bucket(max_rows), w.shape[1], dtype=w.dtype)
-        for rows in sorted({row_bucket(m) for m in range(SMALL_BATCH + 1, max_rows + 1)}):
+        for rows in sorted({row_bucket(m) for m in range(1, max_rows + 1)}):  # 8 serves the small rows
             linear(x[:rows], w, b)
             runs += 1
     return runs

@@ -18,7 +18,7 @@ from phaseflip.graphs.buffers import StaticBuffers
 from phaseflip.graphs.capture import StepKey, capture_cuda, capture_eager
 from phaseflip.graphs.compile import compile_region, time_step
 from phaseflip.graphs.registry import GraphRegistry
-from phaseflip.kernels.linear import GEMV_ROWS
+from phaseflip.kernels.linear import GEMV_ROWS, gemv_reduces
 from phaseflip.layouts.comm import NoComm
 from phaseflip.layouts.forward import compute_logits, decoder_layer, forward
 from phaseflip.layouts.kvcache import KVView
@@ -130,7 +130,11 @@ class LayoutRunner:
 
     def _prepare_head(self, measure: bool) -> None:
         """The LM head for a decode that samples up to GEMV_ROWS rows (CPU): inductor's one pass over
-        the head where it is measured faster (or compile="on"), else the eager product."""
+        the head where it is measured faster (or compile="on"), else the eager product. Where one-row
+        products were measured faster eager (linear.choose_gemv) a compiled head is the same call: none."""
+        if not gemv_reduces():
+            self.compile_report["head"] = {"choice": "eager", "reason": "one-row products run eager (measured)"}
+            return
         compiled = compile_region(compute_logits)
         rows = {"hidden_in": self.buffers.tensors["hidden_in"][:GEMV_ROWS]}
         head = self.weights.lm_head
@@ -150,6 +154,11 @@ class LayoutRunner:
         compiled_ms, eager_ms = time_step(compiled, views), time_step(eager or self.step_fn, views)
         return {"choice": "compiled" if compiled_ms < eager_ms else "eager", "first_call_ms": first_ms,
                 "compiled_ms": compiled_ms, "eager_ms": eager_ms}
+
+    def largest_weight(self) -> torch.Tensor:
+        """The largest matrix this layout's rank holds (its vocabulary rows where it has them)."""
+        extra = [t for t in (self.weights.embed_tokens,) if t is not None]
+        return max([w for w, _, _ in self.projections()] + extra, key=torch.Tensor.numel)
 
     def projections(self):
         """(weight, bias, most rows it multiplies) of every projection this layout runs: the step's up

@@ -82,3 +82,53 @@ def test_a_compiled_step_multiplies_like_the_eager_one(dtype):
         x = torch.randn(m, 64, generator=g).to(dtype)
         tol = 1e-5 if dtype == torch.float32 else 2e-2
         torch.testing.assert_close(compiled(x, w, b), lin.linear(x, w, b), rtol=tol, atol=tol * 8)
+
+
+@pytest.mark.parametrize("form", lin.SMALL_FORMS)
+def test_every_small_rows_form_equals_f_linear(form, monkeypatch):
+    if form == "onednn" and not lin._onednn_op():
+        pytest.skip("this torch build has no oneDNN linear")
+    monkeypatch.setattr(lin, "_small_forms", {r: form for r in lin.MEASURED_ROWS})
+    g = torch.Generator().manual_seed(1)
+    w, b = torch.randn(96, 64, generator=g), torch.randn(96, generator=g)
+    for m in range(1, lin.SMALL_BATCH + 1):
+        x = torch.randn(m, 64, generator=g)
+        assert lin.small_form(m, x.dtype) == form
+        torch.testing.assert_close(lin.linear(x, w, b), F.linear(x, w, b), rtol=1e-5, atol=1e-5)
+
+
+def test_the_measured_small_rows_form_is_the_one_that_runs(monkeypatch):
+    monkeypatch.setattr(lin, "_small_report", None)
+    monkeypatch.setattr(lin, "_small_forms", {})
+    report = lin.choose_small_forms([torch.randn(256, 64), torch.randn(64, 256)], passes=1)
+    assert set(report["choice"].split(", ")) == {f"{m} rows: {lin._small_forms[m]}" for m in lin.MEASURED_ROWS}
+    for m in lin.MEASURED_ROWS:   # the choice is the fastest of what was timed
+        ms = report["ms"][m]
+        assert all(v > 0 for v in ms.values()) and lin._small_forms[m] == min(ms, key=ms.get)
+    ran = []
+    real = lin._small_product
+    monkeypatch.setattr(lin, "_small_product", lambda form, *a: ran.append(form) or real(form, *a))
+    lin.linear(torch.randn(2, 64), torch.randn(8, 64))
+    assert ran == [lin.small_form(2, torch.float32)] == [lin._small_forms[2]]
+    assert lin.choose_small_forms([torch.randn(8, 8)]) is report   # once per process
+
+
+@pytest.mark.parametrize("choice", ["reduction", "library"])
+def test_a_compiled_one_row_product_takes_the_measured_form(choice, monkeypatch):
+    monkeypatch.setattr(lin, "_gemv_report", {"choice": choice})
+    assert lin.gemv_reduces() == (choice == "reduction")
+    ran, real = [], lin._small_product
+    monkeypatch.setattr(lin, "_small_product", lambda form, *a: ran.append(form) or real(form, *a))
+    w, x = torch.randn(96, 64), torch.randn(1, 64)
+    torch._dynamo.reset()
+    torch.testing.assert_close(torch.compile(lin.linear)(x, w), F.linear(x, w), rtol=1e-5, atol=1e-5)
+    torch._dynamo.reset()
+    assert bool(ran) == (choice != "reduction")   # the eager product runs inside the step, or inductor's
+
+
+def test_choose_gemv_reports_both_timings(monkeypatch):
+    monkeypatch.setattr(lin, "_gemv_report", None)
+    report = lin.choose_gemv(torch.randn(512, 64), repeats=1)
+    assert "reduction" in report["ms"] and len(report["ms"]) == 2
+    assert report["choice"] == min(report["ms"], key=report["ms"].get)
+    assert lin.gemv_reduces() == (report["choice"] == "reduction")
