@@ -13,8 +13,8 @@ Owns: `linear`, the row ladder (`row_bucket`) and `warm`, which builds every lad
   full 512-token chunk is on it and pays no copy) and `warm` builds every ladder GEMM a rank can meet
   at boot, like a graph capture: nothing is built later, and what the GEMMs hold is measured then.
 - For a handful of rows (decode) which product streams the weight fastest depends on the machine, so
-  it is measured at boot (`choose_small_forms`, once per process, over the booted layout's own
-  projections): the library's product (F.linear: MKL's GEMV/GEMM), the weight-stationary W @ x^T
+  it is measured at boot (`choose_small_forms`, once per process and dtype, over the booted layout's
+  own projections): the library's product (F.linear: MKL's GEMV/GEMM), the weight-stationary W @ x^T
   (one row run as two, so that MKL takes its skinny GEMM rather than its GEMV), or oneDNN padded to
   its ladder. On a Zen 3 with MKL's generic code the stationary form streamed the projections of a
   step in 16 ms against 34 for the library; on an Intel Xeon the library took 23.5 ms against 48 for
@@ -35,11 +35,12 @@ from phaseflip.kernels.op_registry import define_op
 GEMV_ROWS = 1     # rows a compiled CPU step multiplies with inductor's own reduction (measured)
 SMALL_BATCH = 4   # rows up to which a measured small-rows form is used on the CPU
 SMALL_FORMS = ("stationary", "library", "onednn")
-MEASURED_ROWS = (1, 2, SMALL_BATCH)   # the row counts timed at boot; 3 takes SMALL_BATCH's form
+MEASURED_ROWS = (1, 2, SMALL_BATCH)   # the row counts timed at boot; 3 takes SMALL_BATCH's form (small_form)
 
-_small_forms: dict[int, str] = {}  # rows -> form, this process's measurement (empty: not measured yet)
-_small_report: dict | None = None  # the numbers that measurement was made from
-_gemv_report: dict | None = None   # a compiled step's one-row form, measured (choose_gemv)
+# This process's measurements, per weight dtype (absent: not measured yet; the defaults apply)
+_small_forms: dict[tuple[torch.dtype, int], str] = {}  # (dtype, rows) -> form (choose_small_forms)
+_small_reports: dict[torch.dtype, dict] = {}           # the numbers those were chosen from
+_gemv_reports: dict[torch.dtype, dict] = {}            # a compiled step's one-row form (choose_gemv)
 
 _onednn = None    # the oneDNN op, resolved on first use (no import-time work); False: not in this build
 
@@ -86,11 +87,15 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 def _traced_cpu_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """What a compiled CPU step runs: up to GEMV_ROWS rows as a reduction inductor writes itself where
-    that was measured faster than the eager product (`choose_gemv`), everything else as one opaque
-    call to the eager paths below (oneDNN's ladder is built for them at boot)."""
-    if x.shape[0] <= GEMV_ROWS and gemv_reduces():
-        out = _reduce_rows(x, weight)
-        return out if bias is None else out + bias
+    that was measured faster than the eager product (`choose_gemv`), else as the library's product
+    where that is the measured small-rows form (an extern call, no Python between the projections);
+    everything else as one opaque call to the eager paths below (oneDNN's ladder is built at boot)."""
+    if x.shape[0] <= GEMV_ROWS:  # the one-row graph (its row count is static: 0/1 specialisation)
+        if gemv_reduces(x.dtype):
+            out = _reduce_rows(x, weight)
+            return out if bias is None else out + bias
+        if small_form(1, x.dtype) == "library":  # inductor calls the library's product itself
+            return F.linear(x, weight, bias)
     return torch.ops.phaseflip.cpu_linear(x, weight, bias)
 
 
@@ -98,20 +103,20 @@ def _reduce_rows(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return (weight[None] * x[:, None, :]).sum(-1, dtype=torch.float32).to(x.dtype)  # [M, N]
 
 
-def gemv_reduces() -> bool:
+def gemv_reduces(dtype: torch.dtype) -> bool:
     """Whether a compiled step's one-row products are inductor's reduction (this process's measured
-    choice; unmeasured: yes)."""
-    return _gemv_report is None or _gemv_report["choice"] == "reduction"
+    choice for the dtype; unmeasured: yes)."""
+    report = _gemv_reports.get(dtype)
+    return report is None or report["choice"] == "reduction"
 
 
 def choose_gemv(weight: torch.Tensor, repeats: int = 3) -> dict:
-    """Measure once per process whether inductor's reduction or the eager one-row product (its measured
+    """Measure once per process and dtype whether inductor's reduction or the eager one-row product (its measured
     small-rows form) multiplies one row by `weight` faster (the largest weight a rank holds: a
     vocabulary's rows stream from memory as a step's projections do), best of `repeats`. Call before
     any step is compiled: the choice is read when a step is traced. Returns the report (later calls,
     the first)."""
-    global _gemv_report
-    if _gemv_report is None:
+    if weight.dtype not in _gemv_reports:
         x = torch.randn(1, weight.shape[1], dtype=weight.dtype)
         reduce = torch.compile(_reduce_rows, dynamic=False)
         t0 = time.perf_counter()
@@ -120,9 +125,9 @@ def choose_gemv(weight: torch.Tensor, repeats: int = 3) -> dict:
         form = small_form(1, weight.dtype)
         ms = {"reduction": _best_ms(lambda: reduce(x, weight), repeats),
               form: _best_ms(lambda: _small_product(form, x, weight, None), repeats)}
-        _gemv_report = {"choice": min(ms, key=ms.get), "ms": ms, "first_call_ms": first_ms,
-                        "weight_shape": list(weight.shape)}
-    return _gemv_report
+        _gemv_reports[weight.dtype] = {"choice": min(ms, key=ms.get), "ms": ms, "first_call_ms": first_ms,
+                                       "weight_shape": list(weight.shape)}
+    return _gemv_reports[weight.dtype]
 
 
 def _best_ms(fn, repeats: int) -> float:
@@ -150,8 +155,8 @@ def _eager_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
 def small_form(m: int, dtype: torch.dtype) -> str:
     """The form a product of m <= SMALL_BATCH rows takes: this process's measured choice, else the
     stationary one; oneDNN only for float32 (its ladder is built for that alone)."""
-    rows = min((r for r in MEASURED_ROWS if r >= m), default=SMALL_BATCH)
-    form = _small_forms.get(rows, "stationary")
+    rows = 1 if m <= 1 else 2 if m == 2 else SMALL_BATCH     # the measured row count that covers m
+    form = _small_forms.get((dtype, rows), "stationary")
     return "stationary" if form == "onednn" and not (dtype == torch.float32 and _onednn_op()) else form
 
 
@@ -167,27 +172,27 @@ def _small_product(form: str, x: torch.Tensor, weight: torch.Tensor, bias: torch
 
 
 def choose_small_forms(weights: list[torch.Tensor], passes: int = 2) -> dict:
-    """Measure once per process which form multiplies 1, 2 and SMALL_BATCH rows fastest: each form
+    """Measure once per process and dtype which form multiplies 1, 2 and SMALL_BATCH rows fastest: each form
     runs over every weight in turn (a step's projections, read as a step reads them), the best of
     `passes` passes. Returns the report: the ms of each form
     per row count, the choice and what it was measured on; later calls return the first report."""
-    global _small_report
-    if _small_report is not None:
-        return _small_report
     weights = [w for w in weights if w.device.type == "cpu" and w.dim() == 2]
     if not weights:
         return {"choice": "stationary (no CPU weights to measure on)", "ms": None}
-    dtype = weights[0].dtype if weights else torch.float32
+    dtype = weights[0].dtype
+    if dtype in _small_reports:
+        return _small_reports[dtype]
     forms = [f for f in SMALL_FORMS if f != "onednn" or (dtype == torch.float32 and _onednn_op())]
     table = {}
     for m in MEASURED_ROWS:
         xs = {k: torch.randn(m, k, dtype=dtype) for k in {w.shape[1] for w in weights}}
         table[m] = {f: _best_pass_ms(f, xs, weights, passes) for f in forms}
-        _small_forms[m] = min(table[m], key=table[m].get)
-    _small_report = {"choice": ", ".join(f"{m} rows: {f}" for m, f in _small_forms.items()),
-                     "ms": table, "weights": len(weights),
-                     "weight_bytes": sum(w.numel() * w.element_size() for w in weights), "dtype": str(dtype)}
-    return _small_report
+        _small_forms[(dtype, m)] = min(table[m], key=table[m].get)
+    _small_reports[dtype] = {
+        "choice": ", ".join(f"{m} rows: {_small_forms[(dtype, m)]}" for m in MEASURED_ROWS), "ms": table,
+        "weights": len(weights), "weight_bytes": sum(w.numel() * w.element_size() for w in weights),
+        "dtype": str(dtype)}
+    return _small_reports[dtype]
 
 
 

@@ -132,7 +132,7 @@ class LayoutRunner:
         """The LM head for a decode that samples up to GEMV_ROWS rows (CPU): inductor's one pass over
         the head where it is measured faster (or compile="on"), else the eager product. Where one-row
         products were measured faster eager (linear.choose_gemv) a compiled head is the same call: none."""
-        if not gemv_reduces():
+        if not gemv_reduces(self.weights.lm_head.dtype):
             self.compile_report["head"] = {"choice": "eager", "reason": "one-row products run eager (measured)"}
             return
         compiled = compile_region(compute_logits)

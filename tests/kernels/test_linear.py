@@ -88,7 +88,7 @@ def test_a_compiled_step_multiplies_like_the_eager_one(dtype):
 def test_every_small_rows_form_equals_f_linear(form, monkeypatch):
     if form == "onednn" and not lin._onednn_op():
         pytest.skip("this torch build has no oneDNN linear")
-    monkeypatch.setattr(lin, "_small_forms", {r: form for r in lin.MEASURED_ROWS})
+    monkeypatch.setattr(lin, "_small_forms", {(torch.float32, r): form for r in lin.MEASURED_ROWS})
     g = torch.Generator().manual_seed(1)
     w, b = torch.randn(96, 64, generator=g), torch.randn(96, generator=g)
     for m in range(1, lin.SMALL_BATCH + 1):
@@ -98,37 +98,46 @@ def test_every_small_rows_form_equals_f_linear(form, monkeypatch):
 
 
 def test_the_measured_small_rows_form_is_the_one_that_runs(monkeypatch):
-    monkeypatch.setattr(lin, "_small_report", None)
+    monkeypatch.setattr(lin, "_small_reports", {})
     monkeypatch.setattr(lin, "_small_forms", {})
     report = lin.choose_small_forms([torch.randn(256, 64), torch.randn(64, 256)], passes=1)
-    assert set(report["choice"].split(", ")) == {f"{m} rows: {lin._small_forms[m]}" for m in lin.MEASURED_ROWS}
+    chosen = {m: lin._small_forms[(torch.float32, m)] for m in lin.MEASURED_ROWS}
+    assert report["choice"] == ", ".join(f"{m} rows: {f}" for m, f in chosen.items())
     for m in lin.MEASURED_ROWS:   # the choice is the fastest of what was timed
         ms = report["ms"][m]
-        assert all(v > 0 for v in ms.values()) and lin._small_forms[m] == min(ms, key=ms.get)
+        assert all(v > 0 for v in ms.values()) and chosen[m] == min(ms, key=ms.get)
     ran = []
     real = lin._small_product
     monkeypatch.setattr(lin, "_small_product", lambda form, *a: ran.append(form) or real(form, *a))
     lin.linear(torch.randn(2, 64), torch.randn(8, 64))
-    assert ran == [lin.small_form(2, torch.float32)] == [lin._small_forms[2]]
-    assert lin.choose_small_forms([torch.randn(8, 8)]) is report   # once per process
+    assert ran == [lin.small_form(2, torch.float32)] == [chosen[2]]
+    assert lin.choose_small_forms([torch.randn(8, 8)]) is report   # once per process and dtype
+    bf16 = lin.choose_small_forms([torch.randn(64, 64, dtype=torch.bfloat16)], passes=1)
+    assert bf16 is not report and bf16["dtype"] == "torch.bfloat16"
 
 
-@pytest.mark.parametrize("choice", ["reduction", "library"])
-def test_a_compiled_one_row_product_takes_the_measured_form(choice, monkeypatch):
-    monkeypatch.setattr(lin, "_gemv_report", {"choice": choice})
-    assert lin.gemv_reduces() == (choice == "reduction")
+@pytest.mark.parametrize("choice, form, runs_eager", [("reduction", "stationary", False),
+                                                      ("library", "stationary", True),
+                                                      ("library", "library", False)])
+def test_a_compiled_one_row_product_takes_the_measured_form(choice, form, runs_eager, monkeypatch):
+    """Inductor's reduction; or the eager small-rows form through the opaque op; or, where that form is
+    the library's product, inductor's own extern call to it (no Python inside the step)."""
+    monkeypatch.setattr(lin, "_gemv_reports", {torch.float32: {"choice": choice}})
+    monkeypatch.setattr(lin, "_small_forms", {(torch.float32, r): form for r in lin.MEASURED_ROWS})
+    assert lin.gemv_reduces(torch.float32) == (choice == "reduction") and lin.gemv_reduces(torch.bfloat16)
     ran, real = [], lin._small_product
     monkeypatch.setattr(lin, "_small_product", lambda form, *a: ran.append(form) or real(form, *a))
     w, x = torch.randn(96, 64), torch.randn(1, 64)
     torch._dynamo.reset()
     torch.testing.assert_close(torch.compile(lin.linear)(x, w), F.linear(x, w), rtol=1e-5, atol=1e-5)
     torch._dynamo.reset()
-    assert bool(ran) == (choice != "reduction")   # the eager product runs inside the step, or inductor's
+    assert ran == ([form] if runs_eager else [])
 
 
 def test_choose_gemv_reports_both_timings(monkeypatch):
-    monkeypatch.setattr(lin, "_gemv_report", None)
+    monkeypatch.setattr(lin, "_gemv_reports", {})
     report = lin.choose_gemv(torch.randn(512, 64), repeats=1)
     assert "reduction" in report["ms"] and len(report["ms"]) == 2
     assert report["choice"] == min(report["ms"], key=report["ms"].get)
-    assert lin.gemv_reduces() == (report["choice"] == "reduction")
+    assert lin.gemv_reduces(torch.float32) == (report["choice"] == "reduction")
+    assert lin.choose_gemv(torch.randn(8, 8)) is report
