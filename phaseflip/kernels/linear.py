@@ -1,7 +1,9 @@
 """Dense projections (x @ W^T) for the model maths on the CPU: oneDNN's GEMM on a ladder of row counts,
-and the weight-stationary form for a few rows.
+and the form measured fastest on this machine for a few rows.
 
-Owns: `linear`, the row ladder (`row_bucket`) and `warm`, which builds every ladder GEMM at boot.
+Owns: `linear`, the row ladder (`row_bucket`), `warm`, which builds every ladder GEMM at boot, and the
+boot measurements of the small-rows forms (`choose_small_forms`) and of a compiled step's one-row
+form (`choose_gemv`: inductor's reduction or the eager product).
 - torch's CPU F.linear calls MKL's sgemm, which on the project's AMD CPUs (Zen, AVX-512) runs its AVX2
   code: ~210 GFLOPS on 2 cores at 512 rows. oneDNN, which torch also ships (the op inductor's CPU
   fusions call, `mkldnn::_linear_pointwise`), picks its kernel by the CPU's features and reaches ~460 on
@@ -20,7 +22,7 @@ Owns: `linear`, the row ladder (`row_bucket`) and `warm`, which builds every lad
   step in 16 ms against 34 for the library; on an Intel Xeon the library took 23.5 ms against 48 for
   the stationary form at 1 and 2 rows. Unmeasured, the stationary form is used.
 The plain weight is used as it lies in the arena (no packed copy: a flip refills the arena in place).
-CUDA tensors, dtypes other than float32 and traced code (torch.compile) take F.linear.
+CUDA tensors take F.linear; oneDNN's ladder serves float32 alone; traced CPU code: `_traced_cpu_linear`.
 """
 from __future__ import annotations
 
