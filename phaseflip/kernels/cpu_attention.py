@@ -172,7 +172,8 @@ def _attend_decode(q, rows, g: DecodeGroup, scale: float) -> torch.Tensor:
     hkv = g.gather.numel() // (2 * n * g.length)
     kv = rows.index_select(0, g.gather).view(2, n, hkv, g.length, d)
     mask = None if g.bias is None else g.bias.to(q.dtype)            # [n, 1, 1, L]
-    out = F.scaled_dot_product_attention(q.view(n, hkv, hq // hkv, d), kv[0], kv[1], attn_mask=mask, scale=scale)
+    out = F.scaled_dot_product_attention(q.view(n, hkv, hq // hkv, d), kv[0], kv[1], attn_mask=mask,
+                                         scale=scale)
     return out.view(n, hq, d)
 
 

@@ -34,7 +34,7 @@ import torch.nn.functional as F
 
 from phaseflip.kernels.op_registry import define_op
 
-GEMV_ROWS = 1     # rows a compiled CPU step multiplies with inductor's own reduction (measured)
+GEMV_ROWS = 1     # rows a compiled CPU step may multiply with inductor's own reduction (choose_gemv)
 SMALL_BATCH = 4   # rows up to which a measured small-rows form is used on the CPU
 SMALL_FORMS = ("stationary", "library", "onednn")
 MEASURED_ROWS = (1, 2, SMALL_BATCH)   # the row counts timed at boot; 3 takes SMALL_BATCH's form (small_form)
@@ -113,11 +113,10 @@ def gemv_reduces(dtype: torch.dtype) -> bool:
 
 
 def choose_gemv(weight: torch.Tensor, repeats: int = 3) -> dict:
-    """Measure once per process and dtype whether inductor's reduction or the eager one-row product (its measured
-    small-rows form) multiplies one row by `weight` faster (the largest weight a rank holds: a
-    vocabulary's rows stream from memory as a step's projections do), best of `repeats`. Call before
-    any step is compiled: the choice is read when a step is traced. Returns the report (later calls,
-    the first)."""
+    """Measure once per process and dtype whether inductor's reduction or the eager one-row product
+    (its measured small-rows form) multiplies one row by `weight` faster (the largest weight a rank
+    holds), best of `repeats`. Call before any step is compiled: the choice is read when a step is
+    traced. Returns the report (later calls for the dtype, the first)."""
     if weight.dtype not in _gemv_reports:
         x = torch.randn(1, weight.shape[1], dtype=weight.dtype)
         reduce = torch.compile(_reduce_rows, dynamic=False)
@@ -162,7 +161,8 @@ def small_form(m: int, dtype: torch.dtype) -> str:
     return "stationary" if form == "onednn" and not (dtype == torch.float32 and _onednn_op()) else form
 
 
-def _small_product(form: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+def _small_product(form: str, x: torch.Tensor, weight: torch.Tensor,
+                   bias: torch.Tensor | None) -> torch.Tensor:
     m = x.shape[0]
     if form == "library":
         return F.linear(x, weight, bias)
@@ -174,10 +174,10 @@ def _small_product(form: str, x: torch.Tensor, weight: torch.Tensor, bias: torch
 
 
 def choose_small_forms(weights: list[torch.Tensor], passes: int = 2) -> dict:
-    """Measure once per process and dtype which form multiplies 1, 2 and SMALL_BATCH rows fastest: each form
-    runs over every weight in turn (a step's projections, read as a step reads them), the best of
-    `passes` passes. Returns the report: the ms of each form
-    per row count, the choice and what it was measured on; later calls return the first report."""
+    """Measure once per process and dtype which form multiplies 1, 2 and SMALL_BATCH rows fastest: each
+    form runs over every weight in turn (a step's projections, read as a step reads them), the best of
+    `passes` passes. Returns the report: the ms of each form per row count, the choice and what it was
+    measured on (later calls for the dtype, the first report)."""
     weights = [w for w in weights if w.device.type == "cpu" and w.dim() == 2]
     if not weights:
         return {"choice": "stationary (no CPU weights to measure on)", "ms": None}
@@ -195,7 +195,6 @@ def choose_small_forms(weights: list[torch.Tensor], passes: int = 2) -> dict:
         "weights": len(weights), "weight_bytes": sum(w.numel() * w.element_size() for w in weights),
         "dtype": str(dtype)}
     return _small_reports[dtype]
-
 
 
 def _best_pass_ms(form: str, xs: dict[int, torch.Tensor], weights: list[torch.Tensor], passes: int) -> float:

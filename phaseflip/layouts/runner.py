@@ -133,7 +133,8 @@ class LayoutRunner:
         the head where it is measured faster (or compile="on"), else the eager product. Where one-row
         products were measured faster eager (linear.choose_gemv) a compiled head is the same call: none."""
         if not gemv_reduces(self.weights.lm_head.dtype):
-            self.compile_report["head"] = {"choice": "eager", "reason": "one-row products run eager (measured)"}
+            self.compile_report["head"] = {"choice": "eager",
+                                           "reason": "one-row products run eager (measured)"}
             return
         compiled = compile_region(compute_logits)
         rows = {"hidden_in": self.buffers.tensors["hidden_in"][:GEMV_ROWS]}
