@@ -40,9 +40,8 @@ SMALL_FORMS = ("stationary", "library", "onednn")
 MEASURED_ROWS = (1, 2, SMALL_BATCH)   # the row counts timed at boot; 3 takes SMALL_BATCH's form (small_form)
 
 # This process's measurements, per weight dtype (absent: not measured yet; the defaults apply)
-_small_forms: dict[tuple[torch.dtype, int], str] = {}  # (dtype, rows) -> form (choose_small_forms)
-_small_reports: dict[torch.dtype, dict] = {}           # the numbers those were chosen from
-_gemv_reports: dict[torch.dtype, dict] = {}            # a compiled step's one-row form (choose_gemv)
+_small_reports: dict[torch.dtype, dict] = {}   # the small-rows forms and their timings (choose_small_forms)
+_gemv_reports: dict[torch.dtype, dict] = {}    # a compiled step's one-row form (choose_gemv)
 
 _onednn = None    # the oneDNN op, resolved on first use (no import-time work); False: not in this build
 
@@ -157,7 +156,8 @@ def small_form(m: int, dtype: torch.dtype) -> str:
     """The form a product of m <= SMALL_BATCH rows takes: this process's measured choice, else the
     stationary one; oneDNN only for float32 (its ladder is built for that alone)."""
     rows = 1 if m <= 1 else 2 if m == 2 else SMALL_BATCH     # the measured row count that covers m
-    form = _small_forms.get((dtype, rows), "stationary")
+    report = _small_reports.get(dtype)
+    form = "stationary" if report is None else report["forms"][rows]
     return "stationary" if form == "onednn" and not (dtype == torch.float32 and _onednn_op()) else form
 
 
@@ -189,9 +189,9 @@ def choose_small_forms(weights: list[torch.Tensor], passes: int = 2) -> dict:
     for m in MEASURED_ROWS:
         xs = {k: torch.randn(m, k, dtype=dtype) for k in {w.shape[1] for w in weights}}
         table[m] = {f: _best_pass_ms(f, xs, weights, passes) for f in forms}
-        _small_forms[(dtype, m)] = min(table[m], key=table[m].get)
+    chosen = {m: min(ms, key=ms.get) for m, ms in table.items()}
     _small_reports[dtype] = {
-        "choice": ", ".join(f"{m} rows: {_small_forms[(dtype, m)]}" for m in MEASURED_ROWS), "ms": table,
+        "choice": ", ".join(f"{m} rows: {f}" for m, f in chosen.items()), "forms": chosen, "ms": table,
         "weights": len(weights), "weight_bytes": sum(w.numel() * w.element_size() for w in weights),
         "dtype": str(dtype)}
     return _small_reports[dtype]

@@ -88,7 +88,7 @@ def test_a_compiled_step_multiplies_like_the_eager_one(dtype):
 def test_every_small_rows_form_equals_f_linear(form, monkeypatch):
     if form == "onednn" and not lin._onednn_op():
         pytest.skip("this torch build has no oneDNN linear")
-    monkeypatch.setattr(lin, "_small_forms", {(torch.float32, r): form for r in lin.MEASURED_ROWS})
+    monkeypatch.setattr(lin, "_small_reports", {torch.float32: {"forms": dict.fromkeys(lin.MEASURED_ROWS, form)}})
     g = torch.Generator().manual_seed(1)
     w, b = torch.randn(96, 64, generator=g), torch.randn(96, generator=g)
     for m in range(1, lin.SMALL_BATCH + 1):
@@ -99,10 +99,9 @@ def test_every_small_rows_form_equals_f_linear(form, monkeypatch):
 
 def test_the_measured_small_rows_form_is_the_one_that_runs(monkeypatch):
     monkeypatch.setattr(lin, "_small_reports", {})
-    monkeypatch.setattr(lin, "_small_forms", {})
     report = lin.choose_small_forms([torch.randn(256, 64), torch.randn(64, 256)], passes=1)
-    chosen = {m: lin._small_forms[(torch.float32, m)] for m in lin.MEASURED_ROWS}
-    assert report["choice"] == ", ".join(f"{m} rows: {f}" for m, f in chosen.items())
+    chosen = {m: lin.small_form(m, torch.float32) for m in lin.MEASURED_ROWS}
+    assert chosen == report["forms"] and report["choice"] == ", ".join(f"{m} rows: {f}" for m, f in chosen.items())
     for m in lin.MEASURED_ROWS:   # the choice is the fastest of what was timed
         ms = report["ms"][m]
         assert all(v > 0 for v in ms.values()) and chosen[m] == min(ms, key=ms.get)
@@ -123,7 +122,7 @@ def test_a_compiled_one_row_product_takes_the_measured_form(choice, form, runs_e
     """Inductor's reduction; or the eager small-rows form through the opaque op; or, where that form is
     the library's product, inductor's own extern call to it (no Python inside the step)."""
     monkeypatch.setattr(lin, "_gemv_reports", {torch.float32: {"choice": choice}})
-    monkeypatch.setattr(lin, "_small_forms", {(torch.float32, r): form for r in lin.MEASURED_ROWS})
+    monkeypatch.setattr(lin, "_small_reports", {torch.float32: {"forms": dict.fromkeys(lin.MEASURED_ROWS, form)}})
     assert lin.gemv_reduces(torch.float32) == (choice == "reduction") and lin.gemv_reduces(torch.bfloat16)
     ran, real = [], lin._small_product
     monkeypatch.setattr(lin, "_small_product", lambda form, *a: ran.append(form) or real(form, *a))
