@@ -158,7 +158,12 @@ def small_form(m: int, dtype: torch.dtype) -> str:
     rows = 1 if m <= 1 else 2 if m == 2 else SMALL_BATCH     # the measured row count that covers m
     report = _small_reports.get(dtype)
     form = "stationary" if report is None else report["forms"][rows]
-    return "stationary" if form == "onednn" and not (dtype == torch.float32 and _onednn_op()) else form
+    return "stationary" if form == "onednn" and not _onednn_serves(dtype) else form
+
+
+def _onednn_serves(dtype: torch.dtype) -> bool:
+    """Whether the oneDNN small-rows form can run: this build has the op, and its ladder is float32's."""
+    return dtype == torch.float32 and bool(_onednn_op())
 
 
 def _small_product(form: str, x: torch.Tensor, weight: torch.Tensor,
@@ -184,7 +189,7 @@ def choose_small_forms(weights: list[torch.Tensor], passes: int = 2) -> dict:
     dtype = weights[0].dtype
     if dtype in _small_reports:
         return _small_reports[dtype]
-    forms = [f for f in SMALL_FORMS if f != "onednn" or (dtype == torch.float32 and _onednn_op())]
+    forms = [f for f in SMALL_FORMS if f != "onednn" or _onednn_serves(dtype)]
     table = {}
     for m in MEASURED_ROWS:
         xs = {k: torch.randn(m, k, dtype=dtype) for k in {w.shape[1] for w in weights}}
