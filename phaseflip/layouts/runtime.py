@@ -156,10 +156,10 @@ class RankRuntime:
             self.gemm_bytes = _add(self.gemm_bytes, grown)
             if not cuda:
                 with self._timed(f"forms:{name}"):  # once per process and dtype: later layouts reuse
-                    runner.compile_report["small_rows"] = linear.choose_small_forms(
-                        [w for w, _, _ in runner.projections()])
+                    weights = [w for w, _, _ in runner.projections()]
+                    runner.compile_report["small_rows"] = linear.choose_small_forms(weights)
                     if boot.compile != "off":
-                        runner.compile_report["gemv"] = linear.choose_gemv(runner.largest_weight())
+                        runner.compile_report["gemv"] = linear.choose_gemv(runner.largest_weight(), weights)
             with self._timed(f"compile:{name}"), _rss_growth() as grown:
                 runner.prepare_compiled(boot.compile, cuda)
             self.compile_bytes = _add(self.compile_bytes, grown)

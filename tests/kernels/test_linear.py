@@ -140,3 +140,15 @@ def test_choose_gemv_reports_both_timings(monkeypatch):
     assert report["choice"] == min(report["ms"], key=report["ms"].get)
     assert lin.gemv_reduces(torch.float32) == (report["choice"] == "reduction")
     assert lin.choose_gemv(torch.randn(8, 8)) is report
+
+
+def test_choose_gemv_times_each_run_after_the_other_weights_streamed(monkeypatch):
+    # a weight timed back to back stays cache-resident: each timed run follows a pass over the others
+    monkeypatch.setattr(lin, "_gemv_reports", {})
+    w, others = torch.randn(256, 64), [torch.randn(128, 64), torch.randn(64, 128)]
+    order = []
+    real = lin._streamer
+    monkeypatch.setattr(lin, "_streamer", lambda ws: (lambda: order.append(len(ws)) or real(ws)()))
+    report = lin.choose_gemv(w, [w, *others], repeats=2)
+    assert order == [2] * 4                       # 2 forms x 2 repeats, the probe weight not among them
+    assert report["evicted_by_bytes"] == sum(o.numel() * 4 for o in others)
