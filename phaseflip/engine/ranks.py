@@ -17,6 +17,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import multiprocessing.connection
 import os
+import queue
 import signal
 import socket
 import subprocess
@@ -118,21 +119,23 @@ class ProcessRanks:
             raise
 
     def _accept(self, listener, timeout_s: float = 60.0) -> list:
-        """Each rank connects back and names itself; one that dies first is noticed within poll_s."""
+        """Each rank connects back and names itself; one that dies first is noticed within poll_s.
+        Listener.accept takes no timeout: a thread accepts, and this loop polls what it hands over."""
         conns: dict[int, object] = {}
-        listener._listener._socket.settimeout(self.poll_s)
+        acceptor = _Acceptor(listener, self.world_size)
         end = time.monotonic() + timeout_s
-        while len(conns) < self.world_size:
-            dead = [r for r, p in enumerate(self.procs) if p.poll() is not None]
-            if dead or time.monotonic() > end:
-                reason = self._death(dead[0]) if dead else f"rank processes did not connect in {timeout_s:.0f} s"
-                self.shutdown_procs(0.0)  # the others wait for a boot that will never come
-                raise EngineDeadError(f"engine is dead: {reason}")
-            try:
-                conn = listener.accept()
-            except socket.timeout:
-                continue
-            conns[conn.recv()] = conn
+        try:
+            while len(conns) < self.world_size:
+                dead = [r for r, p in enumerate(self.procs) if p.poll() is not None]
+                if dead or time.monotonic() > end:
+                    reason = self._death(dead[0]) if dead else f"rank processes did not connect in {timeout_s:.0f} s"
+                    self.shutdown_procs(0.0)  # the others wait for a boot that will never come
+                    raise EngineDeadError(f"engine is dead: {reason}")
+                conn = acceptor.next(self.poll_s)
+                if conn is not None:
+                    conns[conn.recv()] = conn
+        finally:
+            acceptor.stop()
         return [conns[r] for r in range(self.world_size)]
 
     def _collect(self, replies: dict | None = None, progress=None, until: float | None = None) -> list:
@@ -265,6 +268,51 @@ class ProcessRanks:
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait(1.0)
+
+
+class _Acceptor:
+    """Accepts up to `count` connections on `listener` in a daemon thread and hands them over one at
+    a time, so the caller can wait with a timeout (Listener.accept has none)."""
+
+    def __init__(self, listener, count: int):
+        self.listener = listener
+        self.accepted: queue.Queue = queue.Queue()   # connections, or the exception that ended accepting
+        self.stopping = threading.Event()
+        self.thread = threading.Thread(target=self._run, args=(count,), name="phaseflip-accept", daemon=True)
+        self.thread.start()
+
+    def _run(self, count: int) -> None:
+        for _ in range(count):
+            try:
+                conn = self.listener.accept()
+            except Exception as e:  # noqa: BLE001 — raised by next() in the caller's thread
+                if not self.stopping.is_set():
+                    self.accepted.put(e)
+                return
+            if self.stopping.is_set():
+                conn.close()
+                return
+            self.accepted.put(conn)
+
+    def next(self, timeout_s: float):
+        """The next accepted connection, or None when none came within timeout_s."""
+        try:
+            got = self.accepted.get(timeout=timeout_s)
+        except queue.Empty:
+            return None
+        if isinstance(got, Exception):
+            raise got
+        return got
+
+    def stop(self) -> None:
+        """End the thread: a connection of our own wakes an accept still waiting (its handshake fails)."""
+        self.stopping.set()
+        if self.thread.is_alive():
+            try:
+                socket.create_connection(self.listener.address, timeout=1.0).close()
+            except OSError:
+                pass
+            self.thread.join(1.0)
 
 
 def _name(exc: BaseException) -> str:

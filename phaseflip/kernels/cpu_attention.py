@@ -8,7 +8,8 @@ against); what differs is how the work is laid out:
   which rows are decodes, which cache rows each decode reads, its padding mask) is done ONCE per step
   in an `AttentionPlan` and reused by all layers. The plan is remembered by value: the metadata it was
   built from is kept and compared (torch.equal, a few microseconds), never trusted by identity, so a
-  reused buffer with new contents gets a new plan.
+  reused buffer with new contents gets a new plan. One `PlanCache` per process keeps it: the op takes
+  tensors only, so no caller can hand it an owner.
 - The layer's K and V caches are read and written as rows of D elements of one view: K of (block b,
   offset o, kv head h) is row b * rows_per_block + o * Hkv + h, its V block_size * Hkv rows further
   (the region is block-major, layouts/kvcache.py: a block holds each layer's K then V, and a layer's
@@ -18,9 +19,8 @@ against); what differs is how the work is laid out:
 - Decode rows gather their context straight into the layout attention wants ([rows, Hkv, L, D], one
   row of D per (sequence, kv head, position)), so each layer moves its KV once into place and runs one
   fused SDPA call for all rows (a kv head's query heads as its query block): no per-row Python, no GQA
-  head expansion, no permute copies. Per layer the ops are few because each one pays for caches the
-  layer's projections have just flushed (one SDPA call measured ~25-60 us a layer below bmm + scale +
-  softmax + bmm on SmolLM2's shapes).
+  head expansion, no permute copies: one fused call per layer is cheaper than bmm + scale + softmax +
+  bmm, each of which pays for caches the layer's projections have just flushed.
 - Rows are grouped by context length (sorted, a new group when padding would exceed a quarter of the
   real work), so a short row does not pay for the longest one.
 """
@@ -61,9 +61,6 @@ class AttentionPlan:
     decode: tuple[DecodeGroup, ...]
     prefill: tuple[PrefillRow, ...]
     covers_all: bool              # one decode group holding tokens 0..T-1 in order: no scatter needed
-
-
-_last: AttentionPlan | None = None
 
 
 def _same(key: tuple, meta: tuple) -> bool:
@@ -154,14 +151,21 @@ def build_plan(slot_mapping, block_tables, seq_lens, query_start_loc, block_size
     return AttentionPlan(key, store_tokens, store_rows, groups, prefill, covers_all)
 
 
-def plan_for(slot_mapping, block_tables, seq_lens, query_start_loc, block_size: int, hkv: int,
-             group: int, rows_per_block: int) -> AttentionPlan:
-    """The step's plan: the last one built when the metadata is unchanged, else a new one."""
-    global _last
-    meta = (slot_mapping, block_tables, seq_lens, query_start_loc, block_size, hkv, group, rows_per_block)
-    if _last is None or not _same(_last.key, meta):
-        _last = build_plan(*meta)
-    return _last
+class PlanCache:
+    """The last plan built, reused while the metadata is unchanged (compared by value), else rebuilt."""
+
+    def __init__(self):
+        self.last: AttentionPlan | None = None
+
+    def get(self, slot_mapping, block_tables, seq_lens, query_start_loc, block_size: int, hkv: int,
+            group: int, rows_per_block: int) -> AttentionPlan:
+        meta = (slot_mapping, block_tables, seq_lens, query_start_loc, block_size, hkv, group, rows_per_block)
+        if self.last is None or not _same(self.last.key, meta):
+            self.last = build_plan(*meta)
+        return self.last
+
+
+_plans = PlanCache()   # the process's one cache: the op passes tensors only, so no caller can own it
 
 
 def _attend_decode(q, rows, g: DecodeGroup, scale: float) -> torch.Tensor:
@@ -209,8 +213,8 @@ def paged_attention_cpu(q, k, v, kv_layer, slot_mapping, block_tables, seq_lens,
     """Store this step's K/V, then attend; the contract of kernels/attention.py, with the layer's caches
     as one [num_blocks, 2, block_size, Hkv, D] view. Returns [T, Hq, D]."""
     t, hkv, d = k.shape
-    plan = plan_for(slot_mapping, block_tables, seq_lens, query_start_loc, kv_layer.shape[2], hkv,
-                    q.shape[1] // hkv, kv_layer.stride(0) // d)
+    plan = _plans.get(slot_mapping, block_tables, seq_lens, query_start_loc, kv_layer.shape[2], hkv,
+                      q.shape[1] // hkv, kv_layer.stride(0) // d)
     rows = _as_rows(kv_layer)
     new_k, new_v = k, v
     if plan.store_tokens is not None:

@@ -1,26 +1,19 @@
 """Dense projections (x @ W^T) for the model maths on the CPU: oneDNN's GEMM on a ladder of row counts,
-and the form measured fastest on this machine for a few rows.
+and, for a few rows, the form measured fastest on this machine.
 
-Owns: `linear`, the row ladder (`row_bucket`), `warm`, which builds every ladder GEMM at boot, and the
-boot measurements of the small-rows forms (`choose_small_forms`) and of a compiled step's one-row
-form (`choose_gemv`: inductor's reduction or the eager product).
-- torch's CPU F.linear calls MKL's sgemm, which on the project's AMD CPUs (Zen, AVX-512) runs its AVX2
-  code: ~210 GFLOPS on 2 cores at 512 rows. oneDNN, which torch also ships (the op inductor's CPU
-  fusions call, `mkldnn::_linear_pointwise`), picks its kernel by the CPU's features and reaches ~460 on
-  the same shapes (SmolLM2-135M's projections, torch 2.13; at 64 rows 260-350 against 150-180).
-- oneDNN builds (JIT-compiles) one GEMM per row count and keeps it; with the heap the allocator keeps
-  for its scratch, each costs ~0.5 MB plus ~4 bytes per output element (measured: 0.7 MB at 64 x 3072,
-  4.7 MB at ~400 x 3072). Fed every row count a server meets, a rank grew by 200 MB in 200 calls. So
-  rows are padded up to a ladder (multiples of 8 to 64, then 8 steps per doubling: padding <= 12.5%; a
-  full 512-token chunk is on it and pays no copy) and `warm` builds every ladder GEMM a rank can meet
-  at boot, like a graph capture: nothing is built later, and what the GEMMs hold is measured then.
-- For a handful of rows (decode) which product streams the weight fastest depends on the machine, so
-  it is measured at boot (`choose_small_forms`, once per process and dtype, over the booted layout's
-  own projections): the library's product (F.linear: MKL's GEMV/GEMM), the weight-stationary W @ x^T
-  (one row run as two, so that MKL takes its skinny GEMM rather than its GEMV), or oneDNN padded to
-  its ladder. On a Zen 3 with MKL's generic code the stationary form streamed the projections of a
-  step in 16 ms against 34 for the library; on an Intel Xeon the library took 23.5 ms against 48 for
-  the stationary form at 1 and 2 rows. Unmeasured, the stationary form is used.
+Owns: `linear`, the row ladder (`row_bucket`), `warm` (builds every ladder GEMM at boot), and the boot
+measurements of the small-rows forms (`choose_small_forms`) and of a compiled step's one-row form
+(`choose_gemv`: inductor's reduction or the eager product).
+
+Why: torch's CPU F.linear calls MKL, which on AMD CPUs runs its AVX2 code whatever the CPU offers;
+oneDNN (shipped with torch: `mkldnn::_linear_pointwise`, what inductor's CPU fusions call) picks its
+kernel by the CPU's features. But oneDNN JIT-builds and keeps one GEMM per row count, so a server fed
+every row count grows without bound: rows are padded up to a ladder (multiples of 8 to 64, then 8
+steps per doubling: padding <= 12.5%) and `warm` builds all of it at boot, like a graph capture, so
+what the GEMMs hold is measured then. For a handful of rows (decode) the fastest product differs from
+machine to machine, so it is timed at boot: the library's product (F.linear), the weight-stationary
+W @ x^T (one row run as two, so that MKL takes its skinny GEMM rather than its GEMV) or oneDNN padded
+to its ladder; unmeasured, the stationary form is used.
 The plain weight is used as it lies in the arena (no packed copy: a flip refills the arena in place).
 CUDA tensors take F.linear; oneDNN's ladder serves float32 alone; traced CPU code: `_traced_cpu_linear`.
 """

@@ -3,7 +3,7 @@
 Owns: `install_rebuild_fence`, which replaces the arena allocation, the weight packing, the KV region
 allocation and the step capture entry points — wherever they are looked up — with functions that raise
 RebuildError. A flip that only copies never notices; one that rebuilds fails loudly. The refill copy is
-deliberately NOT fenced: a fence that forbids the work proves nothing (LESSONS 1).
+deliberately NOT fenced: it is the work a flip must do, and a fence that forbids it proves nothing.
 """
 from __future__ import annotations
 

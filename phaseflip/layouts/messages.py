@@ -6,9 +6,13 @@ and its replies. Plain picklable dataclasses: a command is a type, never a metho
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
 
 from phaseflip.layouts.plan import SampledToken, StepPlan
+
+if TYPE_CHECKING:  # annotations only: runner.py imports torch, and messages stay plain data
+    from phaseflip.layouts.planner import LayoutPlan
+    from phaseflip.layouts.runner import StepShapes
 
 FLIP_STAGES = ("read", "exchange", "refill", "write", "cutover")
 CHUNKED_STAGES = ("read", "exchange", "write")   # run once per chunk of live blocks
@@ -21,9 +25,9 @@ class RankBoot:
     model_dir: str
     dtype: str                 # torch dtype name, e.g. "float32"
     device: str                # "cpu" | "cuda" (a rank uses cuda:<rank>)
-    layout_plan: Any           # planner.LayoutPlan
+    layout_plan: LayoutPlan
     layouts: tuple[str, ...]   # captured layouts, the first is active after boot
-    shapes: Any                # runner.StepShapes
+    shapes: StepShapes
     num_kv_blocks: int
     max_model_len: int
     park: str                  # "auto" | "always" | "never"

@@ -19,7 +19,7 @@ from phaseflip.graphs.capture import StepKey, capture_cuda, capture_eager
 from phaseflip.graphs.compile import compile_region, time_step
 from phaseflip.graphs.registry import GraphRegistry
 from phaseflip.kernels.linear import GEMV_ROWS, gemv_reduces
-from phaseflip.layouts.comm import NoComm
+from phaseflip.layouts.comm import NoComm, RankComm
 from phaseflip.layouts.forward import compute_logits, decoder_layer, forward
 from phaseflip.layouts.kvcache import KVView
 from phaseflip.layouts.model_config import ModelConfig
@@ -45,19 +45,42 @@ class StepShapes:
         return max(self.max_num_batched_tokens, *self.decode_buckets, *self.prefill_buckets)
 
 
+@dataclass(frozen=True)
+class RankContext:
+    """What one rank's runners share, whatever their layout: the model, the rank's index and step
+    shapes, and the per-rank resources (one set of static buffers, graph registry, sampler, group)."""
+    cfg: ModelConfig
+    rank: int
+    shapes: StepShapes
+    rope_table: torch.Tensor
+    buffers: StaticBuffers
+    registry: GraphRegistry
+    sampler: Sampler
+    comm: RankComm | NoComm       # NoComm at world size 1
+
+
+@dataclass(frozen=True)
+class LayoutPart:
+    """This rank's part in one layout: every rank's shard of it, where its logits are sampled, and the
+    rank's weights and KV view in it."""
+    layout: str
+    shards: tuple[RankShard, ...]
+    output_rank: int              # the layout spec's: where logits are sampled
+    weights: RankWeights
+    kv: KVView
+
+
 class LayoutRunner:
-    def __init__(self, layout: str, cfg: ModelConfig, shards: tuple[RankShard, ...], rank: int,
-                 weights: RankWeights, kv: KVView, rope_table: torch.Tensor, shapes: StepShapes,
-                 buffers: StaticBuffers, registry: GraphRegistry, sampler: Sampler, comm, output_rank: int):
-        self.layout, self.cfg, self.rank = layout, cfg, rank
-        self.shards, self.shard = shards, shards[rank]
-        self.weights, self.kv, self.rope_table = weights, kv, rope_table
-        self.shapes, self.buffers, self.registry = shapes, buffers, registry
-        self.sampler, self.comm = sampler, comm
-        self.is_pp = self.shard.tp_size == 1 and len(shards) > 1
-        self.output_rank = output_rank  # the layout spec's: where logits are sampled
+    def __init__(self, ctx: RankContext, part: LayoutPart):
+        self.layout, self.cfg, self.rank = part.layout, ctx.cfg, ctx.rank
+        self.shards, self.shard = part.shards, part.shards[ctx.rank]
+        self.weights, self.kv, self.rope_table = part.weights, part.kv, ctx.rope_table
+        self.shapes, self.buffers, self.registry = ctx.shapes, ctx.buffers, ctx.registry
+        self.sampler, self.comm = ctx.sampler, ctx.comm
+        self.is_pp = self.shard.tp_size == 1 and len(self.shards) > 1
+        self.output_rank = part.output_rank
         # The maths reduces partial sums over the ranks sharing a layer: nobody in PP.
-        self.tp_comm = comm if self.shard.tp_size > 1 else NoComm()
+        self.tp_comm = self.comm if self.shard.tp_size > 1 else NoComm()
         self.compiled_steps: dict[Phase, object] = {}              # role -> its compiled step
         self.choices: dict[tuple[str, int], str] = {}              # (role, bucket) -> "compiled" | "eager"
         self.compile_report: dict[str, dict] = {}

@@ -25,7 +25,7 @@ from phaseflip.layouts.kvcache import KVRegion, KVShape
 from phaseflip.layouts.messages import (ArmFault, FlipCommand, FlipReport, RankBoot, RankManifest,
                                         RankReady, RankStats, RunStep, StepReply)
 from phaseflip.layouts.model_config import ModelConfig
-from phaseflip.layouts.runner import LayoutRunner
+from phaseflip.layouts.runner import LayoutPart, LayoutRunner, RankContext
 from phaseflip.layouts.sampler import Sampler
 from phaseflip.layouts.shard import RankWeights, shard_weights
 from phaseflip.layouts.step_inputs import buffer_specs
@@ -134,11 +134,12 @@ class RankRuntime:
         self.buffers = StaticBuffers(specs, self.device)  # one set per rank, shared by both layouts
         rope = cos_sin_table(self.cfg.head_dim, boot.max_model_len, self.cfg.rope_theta,
                              self.cfg.rope_scaling).to(self.device)
-        return {name: LayoutRunner(name, self.cfg, self.layout_plan.spec(name).shards, self.rank,
-                                   self.arena.weights[name], self.kv.view(name), rope, s, self.buffers,
-                                   self.registry, self.sampler, self.comm,
-                                   self.layout_plan.spec(name).output_rank)
-                for name in boot.layouts}
+        ctx = RankContext(self.cfg, self.rank, s, rope, self.buffers, self.registry, self.sampler, self.comm)
+        return {name: LayoutRunner(ctx, self._layout_part(name)) for name in boot.layouts}
+
+    def _layout_part(self, name: str) -> LayoutPart:
+        spec = self.layout_plan.spec(name)
+        return LayoutPart(name, spec.shards, spec.output_rank, self.arena.weights[name], self.kv.view(name))
 
     def _capture(self, boot: RankBoot) -> None:
         """Compile each layout's roles, then capture every bucket with that layout's image in the

@@ -9,7 +9,8 @@ import time
 from phaseflip.tools.gpu_context import Context
 
 
-def _sync(device: str) -> None:
+def sync_device(device: str) -> None:
+    """Wait for the device's queued work (CUDA); nothing to wait for elsewhere."""
     import torch
     if device == "cuda":
         torch.cuda.synchronize()
@@ -19,7 +20,7 @@ def _time_ms(device: str, fn, repeats: int) -> float:
     """Mean ms of fn() over `repeats` runs after one warm-up: CUDA events on the GPU, wall time elsewhere."""
     import torch
     fn()
-    _sync(device)
+    sync_device(device)
     if device == "cuda":
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()

@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 from phaseflip.tools.gpu_context import GRACE_S, Context
-from phaseflip.tools.gpu_sections_device import _sync
+from phaseflip.tools.gpu_sections_device import sync_device
 
 
 def write_model(out_dir: Path, shape: dict, device: str, seed: int = 0) -> Path:
@@ -212,12 +212,12 @@ def hf_decode(ctx: Context) -> dict:
         ids = torch.tensor(_prompts(batch, p.prompt_len, seed=7)[0][:p.prompt_len], device=p.device).repeat(batch, 1)
 
         def gen(n):
-            _sync(p.device)
+            sync_device(p.device)
             t0 = time.perf_counter()
             with torch.no_grad():
                 model.generate(ids, do_sample=False, max_new_tokens=n, min_new_tokens=n, cache_implementation="static",
                                pad_token_id=0, eos_token_id=None)
-            _sync(p.device)
+            sync_device(p.device)
             return time.perf_counter() - t0
         gen(p.bench_tokens)                          # warm-up: compiles for this batch size
         full, prefill = gen(p.bench_tokens), gen(1)  # decode = the difference

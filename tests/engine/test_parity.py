@@ -25,7 +25,7 @@ VARIANTS = {
 }
 
 
-def _prompts(vocab_size: int, seed: int = 0) -> list[list[int]]:
+def parity_prompts(vocab_size: int, seed: int = 0) -> list[list[int]]:
     rng = random.Random(seed)
     return [[rng.randrange(3, vocab_size) for _ in range(n)] for n in LENGTHS]
 
@@ -51,7 +51,7 @@ def references(tiny_model_dir):
     def get(kind):
         if kind not in cache:
             model_dir = tiny_model_dir(kind)
-            prompts = _prompts(384)
+            prompts = parity_prompts(384)
             cache[kind] = (model_dir, prompts, hf_greedy(model_dir, prompts, NEW_TOKENS))
         return cache[kind]
     return get

@@ -8,7 +8,7 @@ import torch
 from torch._dynamo.utils import counters
 
 from phaseflip import LLM, SamplingParams
-from tests.engine.test_parity import _prompts
+from tests.engine.test_parity import parity_prompts
 from tests.models import compare_greedy, hf_greedy
 
 ROLES = ("prefill", "decode")
@@ -27,7 +27,7 @@ def _boot(d, compile_mode, tmp_path, monkeypatch):
 @pytest.mark.slow
 def test_auto_measures_each_bucket_matches_hf_and_writes_no_kv(tiny_model_dir, tmp_path, monkeypatch):
     d = tiny_model_dir("llama")
-    prompts = _prompts(384)[:4]
+    prompts = parity_prompts(384)[:4]
     expected = hf_greedy(d, prompts, 16)
     with _boot(d, "auto", tmp_path, monkeypatch) as llm:
         kv = llm.ranks.runtime.kv.buffer
@@ -51,7 +51,7 @@ def test_auto_measures_each_bucket_matches_hf_and_writes_no_kv(tiny_model_dir, t
 def test_one_layer_compiles_once_for_every_layer_and_nothing_compiles_after_boot(tiny_model_dir, tmp_path,
                                                                                   monkeypatch):
     d = tiny_model_dir("llama", num_layers=6)
-    prompts = _prompts(384)[:3] + _prompts(384)[5:6]  # 1+5+17+100 tokens: the 128-token prefill bucket too
+    prompts = parity_prompts(384)[:3] + parity_prompts(384)[5:6]  # 1+5+17+100 tokens: the 128-token prefill bucket too
     expected = hf_greedy(d, prompts, 8)
     with _boot(d, "on", tmp_path, monkeypatch) as llm:
         graphs_at_boot = counters["stats"]["unique_graphs"]
@@ -75,7 +75,7 @@ def test_two_ranks_compile_both_layouts_and_flip_with_hf_tokens(tiny_model_dir, 
     """A later PP stage's layer reads hidden states of the bucket's size, and TP's layer breaks its graph
     at each all-reduce: both layouts compile at boot and give HF's tokens across forced flips."""
     d = tiny_model_dir("llama")
-    prompts = _prompts(384)[:4]
+    prompts = parity_prompts(384)[:4]
     expected = hf_greedy(d, prompts, 12)
     monkeypatch.setenv("PHASEFLIP_CACHE", str(tmp_path))
     with LLM(model=str(d), dtype="float32", compile="auto", world_size=2, max_num_seqs=4,

@@ -8,7 +8,7 @@ import torch
 
 from phaseflip import LLM, SamplingParams
 from phaseflip.layouts.messages import PoisonArena
-from tests.engine.test_parity import _prompts
+from tests.engine.test_parity import parity_prompts
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: no GPU on this machine")]
@@ -28,7 +28,7 @@ def model(tiny_model_dir):
 
 
 def test_both_layouts_captured_and_replay_equals_eager(model):
-    prompts = _prompts(384)[:6]
+    prompts = parity_prompts(384)[:6]
     with LLM(model=model, enforce_eager=True, **KW) as llm:
         eager = ids(llm.generate(prompts, GREEDY, use_tqdm=False))
     with LLM(model=model, layouts=("pp", "tp"), park="always", **KW) as llm:
@@ -43,7 +43,7 @@ def test_both_layouts_captured_and_replay_equals_eager(model):
 
 
 def test_ten_park_restore_cycles_keep_outputs_and_pointers(model):
-    prompts = _prompts(384)[:4]
+    prompts = parity_prompts(384)[:4]
     with LLM(model=model, layouts=("pp", "tp"), park="always", **KW) as llm:
         first = ids(llm.generate(prompts, GREEDY, use_tqdm=False))
         ptrs = llm.stats()["arena_ptrs"]

@@ -6,7 +6,7 @@ import torch
 from phaseflip import LLM, SamplingParams
 from phaseflip.layouts.kvcache import KVRegion, KVShape
 from phaseflip.layouts.messages import ArmFault, FenceRebuild, PoisonArena
-from tests.engine.test_parity import _prompts
+from tests.engine.test_parity import parity_prompts
 from tests.models import compare_greedy, hf_greedy
 
 NEW = 24
@@ -16,7 +16,7 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True)
 @pytest.fixture(scope="module")
 def ref(tiny_model_dir):
     d = tiny_model_dir("llama")
-    prompts = _prompts(384)[:6]
+    prompts = parity_prompts(384)[:6]
     return d, prompts, hf_greedy(d, prompts, NEW)
 
 

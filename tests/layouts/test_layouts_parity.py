@@ -6,7 +6,7 @@ The tiny models here have 3 KV heads (6 query heads) so that TP over 3 ranks is 
 import pytest
 
 from phaseflip import LLM, SamplingParams
-from tests.engine.test_parity import _prompts
+from tests.engine.test_parity import parity_prompts
 from tests.models import compare_greedy, hf_greedy
 
 NEW = 24
@@ -34,7 +34,7 @@ def ref(tiny_model_dir):
     def get(kind):
         if kind not in cache:
             d = tiny_model_dir(kind, **THREE_KV)
-            prompts = _prompts(384)[:6]  # 1 to 100 tokens
+            prompts = parity_prompts(384)[:6]  # 1 to 100 tokens
             cache[kind] = d, prompts, hf_greedy(d, prompts, NEW)
         return cache[kind]
     return get
