@@ -8,7 +8,7 @@ from __future__ import annotations
 import time
 from typing import Callable
 
-from phaseflip.engine.policy_rule import StepSummary
+from phaseflip.engine.policy.rules import StepSummary
 from phaseflip.engine.requests import Sequence
 from phaseflip.engine.scheduler import Scheduler
 from phaseflip.engine.stopping import check_stop
@@ -57,7 +57,7 @@ class EngineCore:
         t0 = time.perf_counter()
         result = self.execute(plan)
         now = time.perf_counter()
-        decodes = sum(1 for c in plan.chunks if c.num_tokens == 1 and self._is_output(c))
+        decodes = sum(1 for c in plan.chunks if c.decode)
         sampled = {s.seq_id: s.token_id for s in result.sampled}
         self.scheduler.on_step_done(plan, sampled)
         self.num_steps += 1
@@ -73,11 +73,6 @@ class EngineCore:
             prefill_tokens=plan.num_tokens - decodes, decode_tokens=decodes, seconds=now - t0,
             finished_output_lengths=tuple(s.num_output_tokens for s in finished)))
         return finished
-
-    def _is_output(self, chunk) -> bool:
-        """The chunk's token is a generated one (a decode), not part of a prompt."""
-        seq = self.seqs.get(chunk.seq_id)
-        return seq is not None and chunk.start_pos >= seq.num_prompt_tokens
 
     def live_blocks(self) -> list[int]:
         """Every KV block a flip must carry over: live sequences' (each once) and cached ones."""

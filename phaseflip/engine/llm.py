@@ -22,7 +22,7 @@ from phaseflip.engine.blocks import BlockAllocator
 from phaseflip.engine.boot import make_plan, rank_boot
 from phaseflip.engine.config import EngineConfig
 from phaseflip.engine.core import EngineCore
-from phaseflip.engine.layout_control import LayoutControl
+from phaseflip.engine.policy.control import LayoutControl
 from phaseflip.engine.loader import load_model_config
 from phaseflip.engine.tokenizer import load_tokenizer
 from phaseflip.engine.ranks import EngineDeadError, LocalRanks, ProcessRanks
@@ -34,8 +34,7 @@ from phaseflip.engine.sampling_params import SamplingParams
 from phaseflip.engine.scheduler import Scheduler, SchedulerConfig
 from phaseflip.engine.stopping import final_text
 from phaseflip.engine.manifest import build_manifest
-from phaseflip.engine.policy import PolicyConfig
-from phaseflip.engine.policy_rule import PolicyRule
+from phaseflip.engine.policy.rules import make_rule
 from phaseflip.layouts.messages import ForgetRequests, LiveStateQuery, ManifestQuery, RunStep, StatsQuery
 from phaseflip.layouts.timing import timed
 from phaseflip.layouts.plan import StepPlan, StepResult
@@ -72,10 +71,9 @@ class LLM:
                                               max_num_batched_tokens=shapes.max_num_batched_tokens,
                                               max_prefill_chunk=shapes.max_num_batched_tokens,
                                               block_size=shapes.block_size), self.allocator)
-        rule = None if cfg.policy == "drain" else PolicyRule(
-            PolicyConfig(mode=cfg.policy, ttft_budget_s=cfg.ttft_budget_s), cfg.layouts, scheduler,
-            self.plan.max_model_len)
-        self.control = LayoutControl(self.ranks, cfg.layouts, cfg.flip_every_steps, rule)
+        rule = make_rule(cfg.policy, cfg.ttft_budget_s, cfg.layouts, cfg.flip_every_steps, scheduler,
+                         self.plan.max_model_len)
+        self.control = LayoutControl(self.ranks, cfg.layouts, rule)
         eos = set(mc.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
@@ -141,10 +139,11 @@ class LLM:
 
     def _forget_finished(self) -> None:
         """Ranks drop finished sequences' state when the next plan says so; with no next plan, now."""
-        seq_ids = self.core.scheduler.pending_finished_ids()
+        notices = self.core.scheduler.notices
+        seq_ids = notices.pending_finished()
         if seq_ids:
             self.ranks.call(ForgetRequests(seq_ids))
-            self.core.scheduler.forget_finished(seq_ids)
+            notices.told(seq_ids)
 
     def chat(self, messages, sampling_params=None, use_tqdm: bool = True,
              add_generation_prompt: bool = True) -> list[RequestOutput]:
@@ -201,8 +200,8 @@ class LLM:
             "flips": self.control.num_flips,
             "failed_flips": self.control.num_failed_flips,
             "flip_log": list(self.control.flip_log),
-            "decisions": list(self.control.rule.decisions) if self.control.rule else [],
-            "num_decisions": self.control.rule.num_decisions if self.control.rule else 0,
+            "decisions": list(self.control.rule.decisions),
+            "num_decisions": self.control.rule.num_decisions,
             "rank_pids": list(self.ranks.pids),
             "request_state": {**self.core.scheduler.live_state(), "core_seqs": len(self.core.seqs)},
             "rank_sampler_seqs": [r.num_sampler_seqs for r in self.ranks.call(LiveStateQuery())],

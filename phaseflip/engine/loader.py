@@ -50,7 +50,7 @@ class CheckpointError(ValueError):
 def load_model_config(model_dir: str | Path) -> ModelConfig:
     """Parse <model_dir>/config.json into a ModelConfig (HF defaults for omitted optional fields)."""
     path = Path(model_dir) / CONFIG_FILE
-    raw = _read_json(path)
+    raw = read_json(path)
     archs = raw.get("architectures")
     if not isinstance(archs, list) or not archs:
         raise CheckpointError(f"{path}: missing required field 'architectures'")
@@ -102,7 +102,7 @@ def _check_unsupported(raw: dict, arch: str, path: Path) -> None:
             raise CheckpointError(f"{path}: field {name!r}=true is not supported for {arch}")
 
 
-def _read_json(path: Path) -> dict:
+def read_json(path: Path) -> dict:
     if not path.is_file():
         raise CheckpointError(f"{path}: file not found")
     try:
@@ -259,7 +259,7 @@ def safetensors_files(model_dir: Path) -> list[Path]:
     """The files the index names (when there is one), else every *.safetensors in the directory."""
     index = model_dir / INDEX_FILE
     if index.is_file():
-        weight_map = _read_json(index).get("weight_map")
+        weight_map = read_json(index).get("weight_map")
         if not isinstance(weight_map, dict) or not weight_map:
             raise CheckpointError(f"{index}: missing required field 'weight_map'")
         files = [model_dir / name for name in sorted(set(weight_map.values()))]

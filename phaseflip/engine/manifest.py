@@ -49,7 +49,7 @@ def build_manifest(llm, ranks: list) -> dict:
         "boot_ms": dict(llm.boot_ms),
         "flips": list(llm.control.flip_log),
         "num_flips": llm.control.num_flips, "num_failed_flips": llm.control.num_failed_flips,
-        "decisions": list(llm.control.rule.decisions) if llm.control.rule else [],
+        "decisions": list(llm.control.rule.decisions),
         "eager_fallbacks": fallbacks,
         "captures_at_boot": len(steps),
     }

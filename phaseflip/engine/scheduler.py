@@ -1,8 +1,9 @@
 """Continuous batching over paged KV: forms the next StepPlan from the waiting and running sequences.
 
 Owns: the FIFO waiting queue, the running list (in admission order), preemption by recompute and the
-bookkeeping after a step (num_computed_tokens, sampled tokens). It decides WHAT runs in a step; which
-layout runs it is engine/policy.py's business.
+bookkeeping after a step (num_computed_tokens, sampled tokens). What the ranks are told about requests
+(new and finished ones, carried by each plan) is engine/rank_notices.py's. It decides WHAT runs in a step; which
+layout runs it is the layout policy's (engine/policy/).
 
 One step (vLLM-V1 style, a single token budget `max_num_batched_tokens`):
   1. Running sequences, in admission order, each take their next tokens: 1 when only the last sampled
@@ -28,8 +29,9 @@ from collections import deque
 from dataclasses import dataclass, fields
 
 from phaseflip.engine.blocks import BlockAllocator
+from phaseflip.engine.rank_notices import RankNotices
 from phaseflip.engine.requests import Sequence, SeqStatus
-from phaseflip.layouts.plan import NewRequest, Phase, SeqChunk, StepPlan
+from phaseflip.layouts.plan import Phase, SeqChunk, StepPlan
 
 
 @dataclass(frozen=True)
@@ -57,8 +59,7 @@ class Scheduler:
         self.running: list[Sequence] = []           # admission order
         self.num_preemptions = 0                    # total, over all sequences
         self._step_id = 0
-        self._announced: set[int] = set()           # seq ids already sent as NewRequest
-        self._finished_ids: list[int] = []          # finished since the last plan
+        self.notices = RankNotices()                # new and finished requests, for the ranks
         self._live: dict[int, Sequence] = {}        # waiting + running, by seq_id
         self._in_flight: int | None = None          # step_id of the plan awaiting on_step_done
 
@@ -106,15 +107,11 @@ class Scheduler:
         if not scheduled:
             return None
         chunks = [self._make_chunk(seq, n) for seq, n in scheduled]
-        is_decode = [self._is_decode(seq, c) for (seq, _), c in zip(scheduled, chunks)]
-        ordered = [c for c, d in zip(chunks, is_decode) if d] + \
-                  [c for c, d in zip(chunks, is_decode) if not d]
-        new_requests = tuple(self._announce(seq) for seq, _ in scheduled
-                             if seq.seq_id not in self._announced)
+        ordered = [c for c in chunks if c.decode] + [c for c in chunks if not c.decode]
         self._step_id += 1
-        plan = StepPlan(step_id=self._step_id, phase=Phase.DECODE if all(is_decode) else Phase.PREFILL,
-                        chunks=tuple(ordered), new_requests=new_requests,
-                        finished_seq_ids=tuple(self._finished_ids))
+        plan = StepPlan(step_id=self._step_id, phase=Phase.DECODE if all(c.decode for c in chunks) else Phase.PREFILL,
+                        chunks=tuple(ordered), new_requests=self.notices.announce([seq for seq, _ in scheduled]),
+                        finished_seq_ids=self.notices.pending_finished())
         self._in_flight = plan.step_id
         return plan
 
@@ -211,22 +208,12 @@ class Scheduler:
         start = seq.num_computed_tokens
         return SeqChunk(seq_id=seq.seq_id, token_ids=tuple(seq.tokens_slice(start, start + n)),
                         start_pos=start, block_ids=tuple(seq.block_ids),
-                        sample=start + n == seq.num_tokens)
+                        sample=start + n == seq.num_tokens, decode=self.wants_decode(seq))
 
     @staticmethod
     def wants_decode(seq: Sequence) -> bool:
         """seq's next step is a decode: everything but its last (generated) token is in the cache."""
         return seq.num_computed_tokens == seq.num_tokens - 1 and seq.num_output_tokens > 0
-
-    @staticmethod
-    def _is_decode(seq: Sequence, chunk: SeqChunk) -> bool:
-        """Exactly the sequence's final token, and that token is a generated (output) one."""
-        return (chunk.num_tokens == 1 and chunk.start_pos == seq.num_tokens - 1
-                and chunk.start_pos >= seq.num_prompt_tokens)
-
-    def _announce(self, seq: Sequence) -> NewRequest:
-        self._announced.add(seq.seq_id)
-        return NewRequest(seq_id=seq.seq_id, params=seq.params, num_prompt_tokens=seq.num_prompt_tokens)
 
     # -- after a step ----------------------------------------------------------------------------
     def on_step_done(self, plan: StepPlan, sampled_token_ids: dict[int, int]) -> None:
@@ -245,9 +232,7 @@ class Scheduler:
             if chunk.sample and chunk.seq_id not in sampled_token_ids:
                 raise KeyError(f"step {plan.step_id}: no sampled token for seq {seq.seq_id}")
         self._in_flight = None
-        # Forget finished ids only once a plan carrying them ran: an interrupted plan's ids go again.
-        reported = set(plan.finished_seq_ids)
-        self._finished_ids = [i for i in self._finished_ids if i not in reported]
+        self.notices.told(plan.finished_seq_ids)  # only once the plan ran: an interrupted plan's go again
         cache = self.allocator.cache
         for chunk, seq in live:
             seq.num_computed_tokens += chunk.num_tokens
@@ -269,23 +254,12 @@ class Scheduler:
         self.allocator.release(seq)
         seq.status = SeqStatus.FINISHED
         seq.finish_reason = reason
-        self._announced.discard(seq.seq_id)
-        self._finished_ids.append(seq.seq_id)
-
-    def pending_finished_ids(self) -> tuple[int, ...]:
-        """Finished sequences the ranks have not been told about yet (no plan carried them)."""
-        return tuple(self._finished_ids)
-
-    def forget_finished(self, seq_ids) -> None:
-        """The ranks were told (outside a plan) that these sequences finished."""
-        told = set(seq_ids)
-        self._finished_ids = [i for i in self._finished_ids if i not in told]
+        self.notices.finished(seq.seq_id)
 
     def live_state(self) -> dict[str, int]:
         """Counts of every piece of per-request state held here: all 0 when no request is left."""
         return {"waiting": len(self.waiting), "running": len(self.running), "live": len(self._live),
-                "announced": len(self._announced), "unreported_finished": len(self._finished_ids),
-                "in_flight": int(self._in_flight is not None)}
+                **self.notices.counts(), "in_flight": int(self._in_flight is not None)}
 
     def abort_all(self, reason: str = "abort") -> list[Sequence]:
         """Finish every waiting and running sequence; returns them (running first, admission order)."""

@@ -10,7 +10,7 @@ import json
 from datetime import datetime
 from pathlib import Path
 
-from phaseflip.engine.loader import CheckpointError, _read_json
+from phaseflip.engine.loader import CheckpointError, read_json
 
 class Tokenizer:
     """tokenizer.json through the `tokenizers` library, with HF's special-token and chat-template rules."""
@@ -26,9 +26,9 @@ class Tokenizer:
         except Exception as e:  # the tokenizers library raises plain Exception on bad JSON
             raise CheckpointError(f"{path}: unreadable tokenizer ({e})") from e
         cfg_path = model_dir / "tokenizer_config.json"
-        cfg = _read_json(cfg_path) if cfg_path.is_file() else {}
+        cfg = read_json(cfg_path) if cfg_path.is_file() else {}
         smap_path = model_dir / "special_tokens_map.json"
-        smap = _read_json(smap_path) if smap_path.is_file() else {}
+        smap = read_json(smap_path) if smap_path.is_file() else {}
         self.special_tokens = {key: tok for key in ("bos_token", "eos_token", "unk_token", "pad_token")
                                if (tok := _token_text(cfg.get(key, smap.get(key)))) is not None}
         self.bos_token_id = self._id_of("bos_token")

@@ -23,6 +23,7 @@ class SeqChunk:
     start_pos: int             # == num_computed_tokens before the step
     block_ids: tuple[int, ...]  # the sequence's block table; covers start_pos + len(token_ids) tokens
     sample: bool               # the chunk reaches the sequence's last known token: sample the next one
+    decode: bool               # one generated token of a running sequence (Scheduler.wants_decode)
 
     @property
     def num_tokens(self) -> int:

@@ -2,7 +2,7 @@
 layouts, as one table.
 
 Owns: the comparison (which runs, in which regimes) and its printing. The model and the runs are
-engine/simulator.py's; the rules are engine/policy.py's. Shipped inputs live in tools/rigs/: rig profiles
+engine/simulator/run.py's; the rules are engine/policy/decide.py's. Shipped inputs live in tools/rigs/: rig profiles
 (hetero-3card.json, pcie4-4card.json: every number labelled measured / derived / assumption) and a mixed
 arrival trace (mixed-trace.jsonl: 400 requests, Poisson arrivals at 2/s, seed 5; 50% chat: prompt 64-512,
 output 32-384, max_tokens 512; 30% long documents: prompt 1500-6000, output 64-256, max_tokens 256; 20% long
@@ -18,8 +18,10 @@ from dataclasses import dataclass
 
 import click
 
-from phaseflip.engine import simulator as sim
-from phaseflip.engine.policy import PolicyConfig
+from phaseflip.engine.policy.decide import PolicyConfig
+from phaseflip.engine.simulator import run as sim
+from phaseflip.engine.simulator.rig import Rig, load_rig
+from phaseflip.engine.simulator.trace import load_trace
 
 
 @dataclass(frozen=True)
@@ -40,7 +42,7 @@ def runs(ttft_budget_s: float) -> list[tuple[str, dict]]:
     ]
 
 
-def compare(rig: sim.Rig, trace, ttft_budget_s: float) -> list[Row]:
+def compare(rig: Rig, trace, ttft_budget_s: float) -> list[Row]:
     rows = []
     for label, kwargs in runs(ttft_budget_s):
         config = kwargs.pop("config")
@@ -53,7 +55,7 @@ def best_static_tok_s(rows: list[Row]) -> float:
     return max(r.offline.tok_s for r in rows if r.label.startswith("static"))
 
 
-def format_table(rig: sim.Rig, rows: list[Row], ttft_budget_s: float) -> str:
+def format_table(rig: Rig, rows: list[Row], ttft_budget_s: float) -> str:
     first = rows[0].offline
     best = best_static_tok_s(rows)
     lines = [f"rig {rig.name}: {first.num_requests} requests, {first.prompt_tokens:,} prompt + "
@@ -77,7 +79,7 @@ def _done(r: sim.SimResult) -> str:
     return "yes" if r.completed else "NO"
 
 
-def as_dict(rig: sim.Rig, rows: list[Row], ttft_budget_s: float) -> dict:
+def as_dict(rig: Rig, rows: list[Row], ttft_budget_s: float) -> dict:
     def one(r: sim.SimResult) -> dict:
         return {"tok_s": r.tok_s, "makespan_s": r.makespan_s, "flips": r.flips, "failed_flips": r.failed_flips,
                 "flip_time_s": r.flip_time_s, "ttft_p50_s": r.ttft_pct(50), "ttft_p95_s": r.ttft_pct(95),
@@ -106,12 +108,12 @@ def _load(load, path: str, option: str):
 def simulate(rig_path: str, trace_path: str, ttft_budget_s: float, as_json: bool) -> None:
     """Simulate the layout policy, static PP and static TP on a modelled rig and an arrival trace.
 
-    The policy is the engine's own code (engine/policy.py); the rig is a model whose every number is
+    The policy is the engine's own code (engine/policy/decide.py); the rig is a model whose every number is
     labelled in its file. Prints throughput (offline), time to first token (online) and flips."""
     if ttft_budget_s <= 0:
         raise click.BadParameter(f"must be > 0, got {ttft_budget_s}", param_hint="--ttft-budget-s")
-    rig = _load(sim.load_rig, rig_path, "--rig")
-    trace = _load(sim.load_trace, trace_path, "--trace")
+    rig = _load(load_rig, rig_path, "--rig")
+    trace = _load(load_trace, trace_path, "--trace")
     rows = compare(rig, trace, ttft_budget_s)
     if as_json:
         click.echo(json.dumps(as_dict(rig, rows, ttft_budget_s), indent=2))

@@ -1,12 +1,12 @@
-"""The flip log (engine/layout_control.py) and the policy's decision log (engine/policy_rule.py) keep
+"""The flip log (engine/policy/control.py) and the policy's decision log (engine/policy/rules.py) keep
 only their newest records over a long run, while the counts stay exact. Plain Python: no model, no
 ranks (a fake rank group answers the flips)."""
 from phaseflip.engine.blocks import BlockAllocator
-from phaseflip.engine.layout_control import COMPONENTS, MAX_FLIP_LOG, LayoutControl
-from phaseflip.engine.policy import PolicyConfig
-from phaseflip.engine.policy_rule import MAX_DECISIONS, PolicyRule
+from phaseflip.engine.policy.control import MAX_FLIP_LOG, LayoutControl
+from phaseflip.engine.policy.decide import PolicyConfig
+from phaseflip.engine.policy.rules import MAX_DECISIONS, DrainRule, PolicyRule
 from phaseflip.engine.scheduler import Scheduler, SchedulerConfig
-from phaseflip.layouts.messages import FlipCommand, FlipReport
+from phaseflip.layouts.messages import FLIP_STAGES, FlipCommand, FlipReport
 from phaseflip.tools.inspect_cmd import flips_table
 
 
@@ -25,13 +25,13 @@ class FakeRanks:
         return [FlipReport(rank=r, source="?", target=msg.target, ok=not (fails and r == 1),
                            failed_stage="exchange" if fails and r == 1 else None,
                            error="boom" if fails and r == 1 else None,
-                           ms={**dict.fromkeys(COMPONENTS, 1.0), "total": 5.0}, kv_bytes=self.num_calls)
+                           ms={**dict.fromkeys(FLIP_STAGES, 1.0), "total": 5.0}, kv_bytes=self.num_calls)
                 for r in range(self.world_size)]
 
 
 def test_flip_log_keeps_the_newest_flips_and_exact_counts():
     num_calls = 3 * MAX_FLIP_LOG + 7
-    control = LayoutControl(FakeRanks(), ("pp", "tp"), flip_every_steps=None)
+    control = LayoutControl(FakeRanks(), ("pp", "tp"), DrainRule(("pp", "tp")))
     for _ in range(num_calls):
         control.flip(control.other(), [])
     assert len(control.flip_log) == MAX_FLIP_LOG
@@ -58,6 +58,6 @@ def test_decision_log_keeps_the_newest_records_and_counts_them_all():
     assert len(rule.decisions) == MAX_DECISIONS
     assert rule.num_decisions == num_records
     assert rule.decisions[-1]["count"] == 2 and rule.decisions[0]["count"] == 1
-    control = LayoutControl(FakeRanks(), ("pp", "tp"), flip_every_steps=None, rule=rule)
+    control = LayoutControl(FakeRanks(), ("pp", "tp"), rule)
     assert control.last_decisions(2) == list(rule.decisions)[-2:]
 

@@ -1,15 +1,16 @@
-"""The layout policy (engine/policy.py): estimators, counters, configuration, and the acceptance scenarios
-of issue 5 that a pure decision can show (frozen-pending wedge, ping-pong, per-leg pricing, a hold's
-bound). Each scenario also runs a naive rule, defined here, and shows it fails the same scenario."""
+"""The layout policy (engine/policy/decide.py and estimators.py): estimators, counters, configuration,
+and the acceptance scenarios of issue 5 that a pure decision can show (frozen-pending wedge, ping-pong,
+per-leg pricing, a hold's bound). Each scenario also runs a naive rule, defined here, and shows it fails
+the same scenario."""
 import random
 import subprocess
 import sys
 
 import pytest
 
-from phaseflip.engine.policy import (Decision, FlipCostEstimator, LayoutRates, LegCost, OutputLengthEstimator,
-                                     PolicyConfig, PolicyInputs, ProgressTracker, RateEstimator, decide,
-                                     round_trip)
+from phaseflip.engine.policy.decide import Decision, PolicyConfig, PolicyInputs, decide
+from phaseflip.engine.policy.estimators import (FlipCostEstimator, LayoutRates, LegCost, OutputLengthEstimator,
+                                                ProgressTracker, RateEstimator, round_trip)
 
 RATES = {"pp": LayoutRates("pp", 4000.0, ((1, 0.040), (64, 0.060))),
          "tp": LayoutRates("tp", 1500.0, ((1, 0.012), (64, 0.020)))}
@@ -50,15 +51,15 @@ def carried_in_pp(**kw):
 
 # -- import hygiene ---------------------------------------------------------------------------------
 def test_importing_policy_and_simulator_loads_no_torch():
-    code = ("import sys, phaseflip.engine.policy, phaseflip.engine.simulator; "
+    code = ("import sys, phaseflip.engine.policy.rules, phaseflip.engine.simulator.run; "
             "print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
 
 
-# -- flip cost per direction (LESSONS 5) ------------------------------------------------------------
+# -- flip cost per direction (the two directions cost differently) ----------------------------------
 def blended_ema_price(totals, alpha=0.3):
-    """The naive estimator of LESSONS 5: ONE EMA fed both directions, read as the round-trip price."""
+    """The naive estimator: ONE EMA fed both directions, read as the round-trip price."""
     ema = None
     for t in totals:
         ema = t if ema is None else ema + alpha * (t - ema)
@@ -188,7 +189,7 @@ def test_drain_prefills_first_then_sends_the_bundle_when_it_pays():
 
 
 def test_the_bar_applied_is_the_bar_logged():
-    """One value (LESSONS 14): a saving just under the logged bar stays, just over it flips."""
+    """One value (the bar applied is the bar logged): a saving just under it stays, just over it flips."""
     probe = decide(carried_in_pp(), PolicyConfig())
     saving = probe.numbers["saving_s"]
     for rt, action in ((saving / 2 + 1e-6, "stay"), (saving / 2 - 1e-6, "flip")):
@@ -268,7 +269,7 @@ def test_latency_mode_prefills_here_when_no_cycle_fits_the_budget():
 
 
 def test_never_idle_with_work_pending_over_random_inputs():
-    """A stay always opens a phase that has work, whenever some work can run (LESSONS 10)."""
+    """A stay always opens a phase that has work, whenever some work can run (never a wedge)."""
     rng = random.Random(0)
     cfgs = (PolicyConfig(), PolicyConfig(mode="latency", ttft_budget_s=5.0))
     for _ in range(3000):
@@ -292,7 +293,7 @@ def test_never_idle_with_work_pending_over_random_inputs():
             assert (d.prefill and admissible) or (d.decode and carried), (w, d)
 
 
-# -- acceptance: the frozen-pending wedge (LESSONS 9) --------------------------------------------------
+# -- acceptance: the frozen-pending wedge (every exit from a wedge must be reachable) ----------------
 def naive_wait_for_pending(w: PolicyInputs) -> bool:
     """Leave PP only once the backlog has drained: waits for an event that can no longer happen."""
     return w.pending_prefill_tokens == 0
@@ -305,7 +306,7 @@ def naive_timer(w: PolicyInputs, since_s: float, limit_s: float = 5.0) -> bool:
 
 def replay_pp(prefill_every: int | None, polls: int, dt: float = 0.05):
     """PP for a while; carried decodes hold every slot; the caller's counter still promises an admissible
-    chunk (LESSONS 4: a counter promising what the actuator cannot pay). Yields
+    chunk (a counter promising what the actuator cannot pay). Yields
     (poll, inputs, decision); prefill_every=None: nothing is ever admitted (frozen), else one token per
     window of that many polls (a slow but real drain)."""
     tracker, pending = ProgressTracker(-10.0), 5000     # in PP for a while: past settle and min dwell
@@ -341,7 +342,7 @@ def test_slow_real_drain_trips_the_naive_timer():
     assert any(naive_timer(w, since_s=0.0) for _, w, _ in replay_pp(PolicyConfig().stall_polls - 1, 300))
 
 
-# -- acceptance: ping-pong right after cutovers (LESSONS 11) -------------------------------------------
+# -- acceptance: ping-pong right after cutovers (judge a layout only after it could run) -------------
 def arms_after_cutovers(settled_index: int = 7):
     """12 alternating arms, each right after a cutover: PP looks drained (decodes carried, no prefill),
     TP looks drained (no decodes, prefill waiting). Only arm `settled_index` comes after its layout
@@ -378,7 +379,7 @@ def test_ping_pong_arms_every_time_under_the_naive_rule():
     assert sum(naive_flip_when_home_phase_is_empty(w) for _, w in arms_after_cutovers()) == 12
 
 
-# -- acceptance: a hold's counter advances and its bound releases (LESSONS 12) -------------------------
+# -- acceptance: a hold's counter advances and its bound releases ------------------------------------
 def test_failed_flip_hold_is_bounded_by_a_counter_that_advances():
     cfg, tracker = PolicyConfig(), settled_tracker()
     tracker.on_flip_failed()
@@ -406,7 +407,7 @@ def test_settle_hold_releases_after_its_polls():
 
 
 class NaiveHold:
-    """LESSONS 12's bug: a hold whose counter only a flip writes back, so nothing advances it while held."""
+    """The bug: a hold whose counter only a flip writes back, so nothing advances it while held."""
 
     def __init__(self, bound: int = 8):
         self.bound, self.polls_since_failure, self.failed = bound, 0, False

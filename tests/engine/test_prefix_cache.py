@@ -216,8 +216,8 @@ def test_carried_blocks_are_each_block_once_and_the_cached_free_ones():
 
 
 def test_policy_inputs_do_not_count_a_cached_prefix_as_prefill_work():
-    from phaseflip.engine.policy import PolicyConfig
-    from phaseflip.engine.policy_rule import PolicyRule
+    from phaseflip.engine.policy.decide import PolicyConfig
+    from phaseflip.engine.policy.rules import PolicyRule
     from phaseflip.engine.sampling_params import SamplingParams as SP
     counts = {}
     for caching in (True, False):

@@ -1,4 +1,4 @@
-"""The simulator (engine/simulator.py): rig profiles and their labels, traces, the step model, and the
+"""The simulator (engine/simulator/): rig profiles and their labels, traces, the step model, and the
 acceptance scenarios that need a run: the drain cycle, equal-speed layouts, the unfundable flip, and
 the simulated comparison on both shipped rigs (printed with -s). Naive rules are defined here."""
 import copy
@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from phaseflip.engine import simulator as sim
-from phaseflip.engine.policy import Decision, PolicyConfig, PolicyInputs
+from phaseflip.engine.simulator import rig as sim_rig, run as sim, trace as sim_trace
+from phaseflip.engine.policy.decide import Decision, PolicyConfig, PolicyInputs, decide
 from phaseflip.tools.simulate import best_static_tok_s, compare, format_table
 
 BUDGET_S = 5.0
@@ -34,12 +34,12 @@ def rig_dict(pp_prefill=8000, tp_prefill=2000, pp_steps=None, tp_steps=None, fli
 
 
 def batch(n, prompt, output, max_tokens=None):
-    return [sim.TraceRequest(0.0, prompt, output, max_tokens or output) for _ in range(n)]
+    return [sim_trace.TraceRequest(0.0, prompt, output, max_tokens or output) for _ in range(n)]
 
 
 @pytest.fixture(scope="module")
 def trace():
-    return sim.load_trace("mixed-trace.jsonl")
+    return sim_trace.load_trace("mixed-trace.jsonl")
 
 
 # -- naive rules ----------------------------------------------------------------------------------------
@@ -56,14 +56,14 @@ def naive_drain_rule(w: PolicyInputs, config: PolicyConfig) -> Decision:
 
 
 def naive_pending_threshold(w: PolicyInputs, config: PolicyConfig, n: int = 1000) -> Decision:
-    """LESSONS 7's rule: leave TP because pending > N (pending is always above N in a batch)."""
+    """The naive drain rule: leave TP because pending > N (pending is always above N in a batch)."""
     if w.active == "tp" and w.pending_prefill_tokens > n and w.progress.polls_in_layout >= 2:
         return Decision("flip", "pp", "naive", True, False)
     return naive_drain_rule(w, config)
 
 
 def naive_no_fallback(w: PolicyInputs, config: PolicyConfig) -> Decision:
-    """LESSONS 10's rule: after a failed flip, keep the home phases and retry after a pause."""
+    """The naive fallback: after a failed flip, keep the home phases and retry after a pause."""
     d = naive_drain_rule(w, config)
     p = w.progress
     if d.action == "flip" and p.failed_flips_in_row and p.polls_since_failed_flip < 8:
@@ -92,31 +92,31 @@ def labels_in(node):
 
 @pytest.mark.parametrize("name", ["hetero-3card", "pcie4-4card"])
 def test_shipped_rigs_load_with_every_number_labelled(name):
-    raw = json.loads((sim.RIGS_DIR / f"{name}.json").read_text())
+    raw = json.loads((sim_rig.RIGS_DIR / f"{name}.json").read_text())
     assert numbers_in(raw) == []
     labels = labels_in(raw)
-    assert all(b.startswith(sim.BASES) for b in labels)
+    assert all(b.startswith(sim_rig.BASES) for b in labels)
     assert any(b.startswith("assumption") for b in labels)
-    rig = sim.load_rig(name)
+    rig = sim_rig.load_rig(name)
     assert set(rig.layouts) == {"pp", "tp"} and rig.num_kv_blocks > 0
 
 
 def test_hetero_rig_carries_the_lessons_measurements():
-    raw = json.loads((sim.RIGS_DIR / "hetero-3card.json").read_text())
+    raw = json.loads((sim_rig.RIGS_DIR / "hetero-3card.json").read_text())
     hw = raw["hardware"]
     assert hw["cards_gb"]["value"] == [32, 10, 10] and hw["peer_to_peer"]["value"] is False
     assert hw["host_links_gb_s"]["value"] == [13, 13, 6.4]
     assert hw["refill_gib_per_card"]["value"] == 9.6 and hw["copy_floor_s"]["value"] == 0.74
     split = raw["flips"]["component_split"]
     assert split["basis"].startswith("measured") and split["value"]["refill"] == 0.43
-    rig = sim.load_rig("hetero-3card")
+    rig = sim_rig.load_rig("hetero-3card")
     for samples in rig.flip_samples_s.values():
         assert min(samples) == 2.0 and max(samples) == 4.2
         assert sorted(samples)[len(samples) // 2 - 1: len(samples) // 2 + 1] == [3.36, 3.36]   # median
 
 
 def test_pcie4_rig_is_four_cards_on_25_gb_s_host_links():
-    raw = json.loads((sim.RIGS_DIR / "pcie4-4card.json").read_text())
+    raw = json.loads((sim_rig.RIGS_DIR / "pcie4-4card.json").read_text())
     assert raw["hardware"]["host_links_gb_s"]["value"] == [25, 25, 25, 25]
     assert len(raw["hardware"]["cards_gb"]["value"]) == 4
 
@@ -125,34 +125,34 @@ def test_an_unlabelled_number_is_refused_by_path():
     raw = rig_dict()
     raw["engine"]["chunk_tokens"] = 512
     with pytest.raises(ValueError, match=r"rig\.engine\.chunk_tokens"):
-        sim.rig_from_dict(raw)
+        sim_rig.rig_from_dict(raw)
     raw = rig_dict()
     raw["engine"]["chunk_tokens"]["basis"] = "a guess"
     with pytest.raises(ValueError, match="basis"):
-        sim.rig_from_dict(raw)
+        sim_rig.rig_from_dict(raw)
 
 
 def test_missing_or_bad_rig_fields_are_named():
     raw = rig_dict()
     del raw["layouts"]["tp"]["prefill_tok_s"]
     with pytest.raises(ValueError, match=r"rig\.layouts\.tp\.prefill_tok_s"):
-        sim.rig_from_dict(raw)
+        sim_rig.rig_from_dict(raw)
     raw = rig_dict()
     raw["layouts"]["pp"]["mixed_step_shared"]["value"] = 2
     with pytest.raises(ValueError, match="mixed_step_shared"):
-        sim.rig_from_dict(raw)
+        sim_rig.rig_from_dict(raw)
     with pytest.raises(ValueError, match="no rig profile"):
-        sim.load_rig("no-such-rig")
+        sim_rig.load_rig("no-such-rig")
 
 
 def test_trace_errors_name_the_line(tmp_path):
     path = tmp_path / "t.jsonl"
     path.write_text('{"arrival_s": 0, "prompt_tokens": 5, "output_tokens": 3}\n{"arrival_s": 1}\n')
     with pytest.raises(ValueError, match="line 2"):
-        sim.load_trace(path)
+        sim_trace.load_trace(path)
     path.write_text('{"arrival_s": 0, "prompt_tokens": 5, "output_tokens": 9, "max_tokens": 4}\n')
     with pytest.raises(ValueError, match="max_tokens"):
-        sim.load_trace(path)
+        sim_trace.load_trace(path)
 
 
 def test_shipped_trace_is_mixed(trace):
@@ -164,12 +164,12 @@ def test_shipped_trace_is_mixed(trace):
 
 def test_a_request_larger_than_the_pool_is_refused():
     with pytest.raises(ValueError, match="cannot fit"):
-        sim.simulate(sim.rig_from_dict(rig_dict(num_kv_blocks=8)), batch(1, 200, 10), PolicyConfig())
+        sim.simulate(sim_rig.rig_from_dict(rig_dict(num_kv_blocks=8)), batch(1, 200, 10), PolicyConfig())
 
 
 # -- the step model ---------------------------------------------------------------------------------------
 def test_static_layouts_never_flip_and_finish_every_request(trace):
-    rig = sim.load_rig("pcie4-4card")
+    rig = sim_rig.load_rig("pcie4-4card")
     for start in ("pp", "tp"):
         r = sim.simulate(rig, trace, PolicyConfig(), decide_fn=sim.static_decide, start=start)
         assert r.completed and r.flips == 0 and r.idle_polls_with_work == 0
@@ -179,7 +179,7 @@ def test_static_layouts_never_flip_and_finish_every_request(trace):
 
 
 def test_step_times_follow_the_rig():
-    rig = sim.rig_from_dict(rig_dict())
+    rig = sim_rig.rig_from_dict(rig_dict())
     one = sim.simulate(rig, batch(1, 512, 1), PolicyConfig(), decide_fn=sim.static_decide)
     assert one.makespan_s == pytest.approx(512 / 8000)        # one prefill step, first token = last
     two = sim.simulate(rig, batch(1, 512, 3), PolicyConfig(), decide_fn=sim.static_decide, start="tp")
@@ -187,9 +187,9 @@ def test_step_times_follow_the_rig():
 
 
 # -- acceptance: the drain cycle -------------------------------------------------------------------------
-def drain_run(decide_fn=sim.decide):
+def drain_run(decide_fn=decide):
     # 48 equal requests; KV (640 blocks x 16) holds 16 of them (512 + 128 tokens = 40 blocks each)
-    return sim.simulate(sim.rig_from_dict(rig_dict()), batch(48, 512, 128), PolicyConfig(), decide_fn=decide_fn)
+    return sim.simulate(sim_rig.rig_from_dict(rig_dict()), batch(48, 512, 128), PolicyConfig(), decide_fn=decide_fn)
 
 
 def test_drain_cycle_one_flip_out_decode_to_empty_one_flip_back():
@@ -216,7 +216,7 @@ def test_drain_cycle_is_cut_by_the_naive_pending_threshold():
 # -- acceptance: layouts of equal speed ------------------------------------------------------------------
 def equal_rig():
     steps = {"1": 0.02, "64": 0.03}
-    return sim.rig_from_dict(rig_dict(pp_prefill=5000, tp_prefill=5000, pp_steps=steps, tp_steps=steps,
+    return sim_rig.rig_from_dict(rig_dict(pp_prefill=5000, tp_prefill=5000, pp_steps=steps, tp_steps=steps,
                                       num_kv_blocks=20000, max_num_seqs=128))
 
 
@@ -234,7 +234,7 @@ def test_equal_speed_layouts_flip_under_the_naive_drain_rule(trace):
 
 # -- acceptance: the unfundable flip (it raises, twice) --------------------------------------------------
 def test_unfundable_flip_runs_the_work_here_never_idle():
-    r = sim.simulate(sim.rig_from_dict(rig_dict()), batch(48, 256, 64), PolicyConfig(), flip_faults={0, 1})
+    r = sim.simulate(sim_rig.rig_from_dict(rig_dict()), batch(48, 256, 64), PolicyConfig(), flip_faults={0, 1})
     assert r.completed and r.failed_flips == 2
     assert r.idle_polls_with_work == 0
     assert r.reasons.get("flip failed: run here", 0) > 0
@@ -242,7 +242,7 @@ def test_unfundable_flip_runs_the_work_here_never_idle():
 
 
 def test_unfundable_flip_idles_under_the_naive_rule():
-    r = sim.simulate(sim.rig_from_dict(rig_dict()), batch(48, 256, 64), PolicyConfig(),
+    r = sim.simulate(sim_rig.rig_from_dict(rig_dict()), batch(48, 256, 64), PolicyConfig(),
                      decide_fn=naive_no_fallback, flip_faults={0, 1})
     assert r.failed_flips == 2 and r.idle_polls_with_work > 0
 
@@ -252,7 +252,7 @@ def test_unfundable_flip_idles_under_the_naive_rule():
 def tables(trace):
     out = {}
     for name in ("hetero-3card", "pcie4-4card"):
-        rig = sim.load_rig(name)
+        rig = sim_rig.load_rig(name)
         out[name] = (rig, compare(rig, trace, BUDGET_S))
         print("\n" + format_table(rig, out[name][1], BUDGET_S))
     return out
@@ -298,7 +298,7 @@ def test_policy_beats_the_better_static_layout_by_1_2x_on_hetero(tables):
 def test_naive_drain_rule_fails_the_simulated_acceptance(trace, name):
     """Today's drain rule: on pcie4 it reaches ~1.2x offline but its online p95 TTFT blows the budget;
     on hetero it loses to static PP."""
-    rig = sim.load_rig(name)
+    rig = sim_rig.load_rig(name)
     static = max(sim.simulate(rig, trace, PolicyConfig(), decide_fn=sim.static_decide, start=s, offline=True).tok_s
                  for s in ("pp", "tp"))
     offline = sim.simulate(rig, trace, PolicyConfig(), decide_fn=naive_drain_rule, offline=True)
@@ -307,7 +307,7 @@ def test_naive_drain_rule_fails_the_simulated_acceptance(trace, name):
 
 
 def test_the_shipped_rig_json_round_trips_through_a_copy(tmp_path):
-    raw = json.loads((sim.RIGS_DIR / "pcie4-4card.json").read_text())
+    raw = json.loads((sim_rig.RIGS_DIR / "pcie4-4card.json").read_text())
     path = tmp_path / "rig.json"
     path.write_text(json.dumps(copy.deepcopy(raw)))
-    assert sim.load_rig(path).layouts == sim.load_rig("pcie4-4card").layouts
+    assert sim_rig.load_rig(path).layouts == sim_rig.load_rig("pcie4-4card").layouts

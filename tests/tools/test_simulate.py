@@ -5,7 +5,7 @@ import json
 import pytest
 from click.testing import CliRunner
 
-from phaseflip.engine import simulator as sim
+from phaseflip.engine.simulator import rig as sim_rig
 from phaseflip.tools.simulate import simulate
 
 ROWS = ("static pp", "static tp", "policy throughput", "policy latency")
@@ -40,7 +40,7 @@ def test_prints_the_table_for_a_shipped_rig(rig):
 
 
 def test_accepts_files_by_path_and_prints_json(tmp_path):
-    rig_path = sim.RIGS_DIR / "pcie4-4card.json"
+    rig_path = sim_rig.RIGS_DIR / "pcie4-4card.json"
     result = _invoke("--rig", rig_path, "--trace", _small_trace(tmp_path), "--ttft-budget-s", 5, "--json")
     assert result.exit_code == 0, result.output
     data = json.loads(result.output)

@@ -3,8 +3,8 @@ a rig profile (JSON), requests from an arrival trace (JSONL); reports throughput
 percentiles and flips for the policy and for the static layouts.
 
 Owns: the discrete step model and its result (SimResult); rig profiles are loaded and validated in
-sim_rig.py (every number labelled measured / derived / assumption), arrival traces in sim_trace.py, and
-both are re-exported here. The step model, and what it assumes:
+rig.py (every number labelled measured / derived / assumption), arrival traces in trace.py. The step
+model, and what it assumes:
   - a step runs the decodes of every decode-ready sequence (if decode is open) and up to `chunk_tokens`
     prompt tokens (if prefill is open; running prefills first, then FIFO admission);
   - a prefill step takes tokens / prefill_tok_s, a decode step the rig's step time at its batch, a mixed
@@ -14,9 +14,9 @@ both are re-exported here. The step model, and what it assumes:
   - a flip takes the next of its direction's sampled totals; a failed one wastes `failed_flip_fraction`
     of it and changes nothing; an idle poll (nothing could run) costs `idle_poll_s`.
 The policy sees only what LayoutControl would measure: rates and flip costs through the estimators of
-engine/policy.py (seeded as boot calibration would), counters through its ProgressTracker.
+policy/estimators.py (seeded as boot calibration would), counters through its ProgressTracker.
 
-Must never: import torch, or re-implement a policy rule (it calls policy.decide).
+Must never: import torch, or re-implement a policy rule (it calls policy/decide.py).
 """
 from __future__ import annotations
 
@@ -25,11 +25,11 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Callable, Mapping
 
-from phaseflip.engine.policy import (Decision, FlipCostEstimator, LayoutRates, OutputLengthEstimator,  # noqa: F401
-                                     PolicyConfig, PolicyInputs, ProgressTracker, RateEstimator, decide,
-                                     direction)
-from phaseflip.engine.sim_rig import BASES, RIGS_DIR, Rig, check_labels, load_rig, rig_from_dict  # noqa: F401
-from phaseflip.engine.sim_trace import TraceRequest, load_trace  # noqa: F401
+from phaseflip.engine.policy.decide import Decision, PolicyConfig, PolicyInputs, decide
+from phaseflip.engine.policy.estimators import (FlipCostEstimator, OutputLengthEstimator, ProgressTracker,
+                                                RateEstimator, direction)
+from phaseflip.engine.simulator.rig import Rig
+from phaseflip.engine.simulator.trace import TraceRequest
 
 DecideFn = Callable[[PolicyInputs, PolicyConfig], Decision]
 

@@ -13,10 +13,11 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Mapping
 
-from phaseflip.engine.policy import LayoutRates, direction
+from phaseflip.engine.policy.estimators import LayoutRates, direction
+from phaseflip.engine.validate import count
 
 BASES = ("measured", "derived", "assumption")
-RIGS_DIR = Path(__file__).resolve().parent.parent / "tools" / "rigs"
+RIGS_DIR = Path(__file__).resolve().parents[2] / "tools" / "rigs"
 
 
 def check_labels(node, path: str = "rig") -> None:
@@ -46,12 +47,6 @@ def _positive(x, path: str) -> float:
     if not isinstance(x, (int, float)) or isinstance(x, bool) or not math.isfinite(x) or x <= 0:
         raise ValueError(f"{path} must be a number > 0, got {x!r}")
     return float(x)
-
-
-def _count(x, path: str) -> int:
-    if not isinstance(x, int) or isinstance(x, bool) or x < 1:
-        raise ValueError(f"{path} must be an integer >= 1, got {x!r}")
-    return x
 
 
 @dataclass(frozen=True)
@@ -98,10 +93,10 @@ def rig_from_dict(raw: dict) -> Rig:
     fraction = _fraction(_value(flips, "failed_flip_fraction", "rig.flips"), "rig.flips.failed_flip_fraction")
     return Rig(name, MappingProxyType(layouts), MappingProxyType(shared), MappingProxyType(samples),
                MappingProxyType(priors),
-               max_num_seqs=_count(_value(eng, "max_num_seqs", "rig.engine"), "rig.engine.max_num_seqs"),
-               chunk_tokens=_count(_value(eng, "chunk_tokens", "rig.engine"), "rig.engine.chunk_tokens"),
-               block_size=_count(_value(eng, "block_size", "rig.engine"), "rig.engine.block_size"),
-               num_kv_blocks=_count(_value(eng, "num_kv_blocks", "rig.engine"), "rig.engine.num_kv_blocks"),
+               max_num_seqs=count(_value(eng, "max_num_seqs", "rig.engine"), "rig.engine.max_num_seqs"),
+               chunk_tokens=count(_value(eng, "chunk_tokens", "rig.engine"), "rig.engine.chunk_tokens"),
+               block_size=count(_value(eng, "block_size", "rig.engine"), "rig.engine.block_size"),
+               num_kv_blocks=count(_value(eng, "num_kv_blocks", "rig.engine"), "rig.engine.num_kv_blocks"),
                idle_poll_s=_positive(_value(eng, "idle_poll_s", "rig.engine"), "rig.engine.idle_poll_s"),
                failed_flip_fraction=fraction)
 
@@ -118,7 +113,7 @@ def _layout_from_dict(name: str, node: dict) -> LayoutRates:
     table = _value(node, "decode_step_s", path)
     if not isinstance(table, dict) or not table:
         raise ValueError(f"{path}.decode_step_s must be a non-empty {{batch: seconds}} object")
-    steps = sorted((_count(int(b), f"{path}.decode_step_s batch"), _positive(s, f"{path}.decode_step_s[{b}]"))
+    steps = sorted((count(int(b), f"{path}.decode_step_s batch"), _positive(s, f"{path}.decode_step_s[{b}]"))
                    for b, s in table.items())
     return LayoutRates(name, prefill, tuple(steps))
 

@@ -1,37 +1,30 @@
 """The meters the layout policy reads: flip cost per direction, token rates per layout, output
 lengths, and the progress stamps and hold counters every hold is bounded by.
 
-Owns: FlipCostEstimator (one per direction; provenance seed / half-measured / measured; a round trip is
-the sum of its two legs, LESSONS 5), RateEstimator (one per layout), OutputLengthEstimator and
-ProgressTracker. Unmeasured is None, never 0. No torch, no clock reads: the caller passes the times.
+Owns: FlipCostEstimator (one per direction, since the two directions cost differently; provenance
+seed / half-measured / measured; a round trip is the sum of its two legs), RateEstimator (one per
+layout), OutputLengthEstimator, ProgressTracker, and Meters (the four, as one policy holds them).
+Unmeasured is None, never 0. No torch, no clock reads: the caller passes the times.
 """
 from __future__ import annotations
 
 import bisect
 import itertools
-import math
 import statistics
 from collections import deque
 from dataclasses import dataclass, replace
 from typing import Mapping
 
+from phaseflip.engine.validate import is_number, require
+
 SEED, HALF, MEASURED, UNPRICED = "seed", "half-measured", "measured", "unpriced"
-
-
-def _check(cond: bool, msg: str) -> None:
-    if not cond:
-        raise ValueError(msg)
-
-
-def _is_num(x) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
 
 def direction(source: str, target: str) -> str:
     return f"{source}->{target}"
 
 
-# -- flip cost, per direction (LESSONS 5) ------------------------------------------------------------
+# -- flip cost, per direction (one blended figure misprices both) --------------------------------------
 @dataclass(frozen=True)
 class LegCost:
     """One direction's price: `seconds` (median of the recent totals, else the seed, else None),
@@ -54,15 +47,15 @@ class FlipCostEstimator:
     a mean lie), seeded by a prior until the first measurement arrives."""
 
     def __init__(self, direction: str, seed_s: float | None = None, window: int = 5):
-        _check(seed_s is None or (_is_num(seed_s) and seed_s > 0),
+        require(seed_s is None or (is_number(seed_s) and seed_s > 0),
                f"FlipCostEstimator({direction!r}): seed_s={seed_s!r} must be > 0 or None")
-        _check(isinstance(window, int) and window >= 1, f"window={window!r} must be an int >= 1")
+        require(isinstance(window, int) and window >= 1, f"window={window!r} must be an int >= 1")
         self.direction = direction
         self.seed_s = seed_s
         self._totals: deque[float] = deque(maxlen=window)
 
     def observe(self, total_s: float) -> None:
-        _check(_is_num(total_s) and total_s > 0, f"flip {self.direction}: total_s={total_s!r} must be > 0")
+        require(is_number(total_s) and total_s > 0, f"flip {self.direction}: total_s={total_s!r} must be > 0")
         self._totals.append(float(total_s))
 
     def reading(self) -> LegCost:
@@ -118,8 +111,8 @@ class RateEstimator:
 
     def __init__(self, layout: str, prefill_tok_s: float | None = None,
                  decode_step_s: Mapping[int, float] | None = None, alpha: float = 0.25):
-        _check(0 < alpha <= 1, f"alpha={alpha!r} must be in (0, 1]")
-        _check(prefill_tok_s is None or (_is_num(prefill_tok_s) and prefill_tok_s > 0),
+        require(0 < alpha <= 1, f"alpha={alpha!r} must be in (0, 1]")
+        require(prefill_tok_s is None or (is_number(prefill_tok_s) and prefill_tok_s > 0),
                f"RateEstimator({layout!r}): prefill_tok_s={prefill_tok_s!r} must be > 0 or None")
         self.layout, self.alpha = layout, alpha
         self.prefill_tok_s = prefill_tok_s
@@ -129,7 +122,7 @@ class RateEstimator:
             self._step_s[int(batch)] = float(seconds)
 
     def _check_step(self, batch: int, seconds: float) -> None:
-        _check(batch >= 1 and _is_num(seconds) and seconds > 0,
+        require(batch >= 1 and is_number(seconds) and seconds > 0,
                f"RateEstimator({self.layout!r}): decode step {batch} -> {seconds!r} must be batch >= 1, s > 0")
 
     def _ema(self, old: float | None, new: float) -> float:
@@ -153,13 +146,13 @@ class OutputLengthEstimator:
     residual length of those that outgrew it); max_tokens bounds it, and is the answer until measured."""
 
     def __init__(self, window: int = 512):
-        _check(isinstance(window, int) and window >= 1, f"window={window!r} must be an int >= 1")
+        require(isinstance(window, int) and window >= 1, f"window={window!r} must be an int >= 1")
         self._lengths: deque[int] = deque(maxlen=window)
         self._sorted: list[int] | None = None
         self._prefix: list[int] = [0]     # prefix sums of _sorted
 
     def observe(self, num_output_tokens: int) -> None:
-        _check(isinstance(num_output_tokens, int) and num_output_tokens >= 0,
+        require(isinstance(num_output_tokens, int) and num_output_tokens >= 0,
                f"num_output_tokens={num_output_tokens!r} must be an int >= 0")
         self._lengths.append(num_output_tokens)
         self._sorted = None
@@ -177,7 +170,7 @@ class OutputLengthEstimator:
         return max(1, round(capped / longer) - generated)
 
 
-# -- progress stamps and hold counters (LESSONS 9, 11, 12) -------------------------------------------
+# -- progress stamps and hold counters (every hold needs a bound that advances) ------------------------
 @dataclass(frozen=True)
 class Progress:
     """What the caller's ProgressTracker counted; every hold of decide() is bounded by one of these."""
@@ -233,3 +226,19 @@ def _since(stamp: float | None, now_s: float, waiting: bool, progressed: bool) -
     return now_s if stamp is None else stamp
 
 
+
+
+@dataclass
+class Meters:
+    """The live meters one policy reads: progress, a rate per layout, a flip cost per direction (all
+    unseeded: unpriced until measured) and the output lengths seen."""
+    tracker: ProgressTracker
+    rates: dict[str, RateEstimator]
+    legs: dict[str, FlipCostEstimator]
+    outputs: OutputLengthEstimator
+
+    @classmethod
+    def unseeded(cls, layouts: tuple[str, ...], now_s: float) -> Meters:
+        return cls(ProgressTracker(now_s), {name: RateEstimator(name) for name in layouts},
+                   {direction(a, b): FlipCostEstimator(direction(a, b)) for a in layouts for b in layouts if a != b},
+                   OutputLengthEstimator())

@@ -1,13 +1,14 @@
 """What the layout policy reads, measured from the live engine at the moment of a decision.
 
 Owns: `measure(...) -> PolicyInputs` from the scheduler's queues, the block allocator's free count and
-the meters (engine/estimators.py). Capacity figures are exactly what the allocator could deliver
-(LESSONS 4): a waiting prompt counts as admissible only if its blocks fit beside what the running
-sequences still need to reach max_tokens. No torch.
+the meters (estimators.py). Capacity figures are exactly what the allocator could deliver (a counter
+must never promise what the actuator cannot pay): a waiting prompt counts as admissible only if its
+blocks fit beside what the running sequences still need to reach max_tokens. No torch.
 """
 from __future__ import annotations
 
-from phaseflip.engine.policy import PolicyInputs
+from phaseflip.engine.policy.decide import PolicyInputs
+from phaseflip.engine.policy.estimators import Meters
 from phaseflip.engine.requests import Sequence
 from phaseflip.engine.scheduler import Scheduler
 
@@ -34,8 +35,7 @@ def _walk(waiting, blocks_free: int, slots_free: int, blocks_needed, tokens_of) 
     return tokens
 
 
-def measure(scheduler: Scheduler, active: str, now_s: float, max_model_len: int, tracker, rates, legs,
-            outputs) -> PolicyInputs:
+def measure(scheduler: Scheduler, meters: Meters, active: str, now_s: float, max_model_len: int) -> PolicyInputs:
     alloc, cfg = scheduler.allocator, scheduler.config
     running, waiting = scheduler.running, list(scheduler.waiting)
     carried = [s for s in running if Scheduler.wants_decode(s)]
@@ -57,9 +57,9 @@ def measure(scheduler: Scheduler, active: str, now_s: float, max_model_len: int,
         active=active, now_s=now_s, pending_prefill_tokens=pending, admissible_prefill_tokens=admissible,
         fillable_prefill_tokens=min(fillable, pending), num_waiting=len(waiting), num_running=len(running),
         num_carried_decodes=len(carried),
-        carried_decode_tokens=sum(outputs.expected_left(s.num_output_tokens, _max_tokens(s, max_model_len))
+        carried_decode_tokens=sum(meters.outputs.expected_left(s.num_output_tokens, _max_tokens(s, max_model_len))
                                   for s in carried),
         free_kv_blocks=free, bundle_kv_blocks=bundle,
         oldest_wait_s=now_s - min(unstarted) if unstarted else None,
-        progress=tracker.snapshot(), rates={k: e.reading() for k, e in rates.items()},
-        legs={k: e.reading() for k, e in legs.items()})
+        progress=meters.tracker.snapshot(), rates={k: e.reading() for k, e in meters.rates.items()},
+        legs={k: e.reading() for k, e in meters.legs.items()})

@@ -10,7 +10,8 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from phaseflip.engine.sim_rig import RIGS_DIR, _count
+from phaseflip.engine.simulator.rig import RIGS_DIR
+from phaseflip.engine.validate import count
 
 
 @dataclass(frozen=True)
@@ -24,7 +25,7 @@ class TraceRequest:
         if not (isinstance(self.arrival_s, (int, float)) and math.isfinite(self.arrival_s) and self.arrival_s >= 0):
             raise ValueError(f"arrival_s must be a number >= 0, got {self.arrival_s!r}")
         for name in ("prompt_tokens", "output_tokens", "max_tokens"):
-            _count(getattr(self, name), name)
+            count(getattr(self, name), name)
         if self.output_tokens > self.max_tokens:
             raise ValueError(f"output_tokens={self.output_tokens} exceeds max_tokens={self.max_tokens}")
 

@@ -1,28 +1,26 @@
-"""Which captured layout runs next: a pure decision over measured inputs, and the meters feeding it.
+"""Which captured layout runs next: the throughput/latency policy as a pure decision over measured inputs.
 
-Owns: the layout policy of DESIGN.md ("The scheduler and the policy", LESSONS 5-14) — drain semantics,
-break-even against a per-leg round trip, min dwell, a settle window after a cutover, the progress exit
-from a stalled prefill layout, starvation caps as outer backstops, the failed-flip fallback and the
-latency mode's cycle ceiling — plus the meters the caller feeds: FlipCostEstimator (one per direction),
-RateEstimator (one per layout) and ProgressTracker (the counters and stamps every hold is bounded by).
+Owns: PolicyConfig, PolicyInputs, Decision and `decide` — drain semantics, break-even against a round
+trip priced per leg, min dwell, a settle window after a cutover, the progress exit from a stalled
+prefill layout, starvation caps as outer backstops, the failed-flip fallback and the latency mode's
+cycle ceiling. The meters it reads are estimators.py's; the caller measures the inputs (inputs.py).
 
 decide(inputs, config) is a pure function: it reads no clock, keeps no state and never returns a stay
 that leaves runnable work with no phase open. Every Decision carries its reason and the numbers its rule
-compared; the bar a rule applied is the bar the log reports, one value (LESSONS 14).
+compared; the bar a rule applied is the bar the log reports, one value (two readings of one bar drift
+apart, and then the log explains a decision that was not the one taken).
 
 Must never: import torch, read a clock, price an unmeasured quantity as 0 (unmeasured is None).
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 from typing import Mapping
 
-from phaseflip.engine.estimators import (HALF, MEASURED, SEED, UNPRICED, FlipCostEstimator,  # noqa: F401
-                                         _check, _is_num,
-                                         LayoutRates, LegCost, OutputLengthEstimator, Progress,
-                                         ProgressTracker, RateEstimator, RoundTrip, direction, round_trip)
+from phaseflip.engine.policy.estimators import (UNPRICED, LayoutRates, LegCost, Progress, RoundTrip, direction,
+                                                round_trip)
+from phaseflip.engine.validate import is_number, require
 
 MODES = ("throughput", "latency")
 
@@ -46,23 +44,23 @@ class PolicyConfig:
     max_backoff_polls: int = 1024
 
     def __post_init__(self) -> None:
-        _check(self.mode in MODES, f"policy mode={self.mode!r} is invalid: allowed are {', '.join(MODES)}")
+        require(self.mode in MODES, f"policy mode={self.mode!r} is invalid: allowed are {', '.join(MODES)}")
         if self.mode == "latency":
-            _check(_is_num(self.ttft_budget_s) and self.ttft_budget_s > 0,
+            require(is_number(self.ttft_budget_s) and self.ttft_budget_s > 0,
                    f"policy='latency' needs ttft_budget_s > 0, got {self.ttft_budget_s!r}")
         else:
-            _check(self.ttft_budget_s is None, "ttft_budget_s applies to policy='latency' only")
-        _check(self.prefill_layout != self.decode_layout, "prefill_layout and decode_layout must differ")
+            require(self.ttft_budget_s is None, "ttft_budget_s applies to policy='latency' only")
+        require(self.prefill_layout != self.decode_layout, "prefill_layout and decode_layout must differ")
         for name in ("settle_polls", "stall_polls", "failed_flip_backoff_polls", "max_backoff_polls"):
             value = getattr(self, name)
-            _check(isinstance(value, int) and not isinstance(value, bool) and value >= 1,
+            require(isinstance(value, int) and not isinstance(value, bool) and value >= 1,
                    f"PolicyConfig.{name}={value!r} must be an int >= 1")
         for name in ("min_dwell_s", "max_decode_wait_s", "max_prefill_wait_s"):
-            _check(_is_num(getattr(self, name)) and getattr(self, name) >= 0,
+            require(is_number(getattr(self, name)) and getattr(self, name) >= 0,
                    f"PolicyConfig.{name}={getattr(self, name)!r} must be a number >= 0")
-        _check(_is_num(self.thin_fraction) and 0 <= self.thin_fraction < 1,
+        require(is_number(self.thin_fraction) and 0 <= self.thin_fraction < 1,
                f"PolicyConfig.thin_fraction={self.thin_fraction!r} must be in [0, 1)")
-        _check(_is_num(self.hold_gain) and self.hold_gain >= 1,
+        require(is_number(self.hold_gain) and self.hold_gain >= 1,
                f"PolicyConfig.hold_gain={self.hold_gain!r} must be a number >= 1")
 
     def other(self, layout: str) -> str:
@@ -94,10 +92,10 @@ class PolicyInputs:
                      "num_waiting", "num_running",
                      "num_carried_decodes", "carried_decode_tokens", "free_kv_blocks", "bundle_kv_blocks"):
             value = getattr(self, name)
-            _check(isinstance(value, int) and value >= 0, f"PolicyInputs.{name}={value!r} must be an int >= 0")
-        _check(self.admissible_prefill_tokens <= self.fillable_prefill_tokens <= self.pending_prefill_tokens,
+            require(isinstance(value, int) and value >= 0, f"PolicyInputs.{name}={value!r} must be an int >= 0")
+        require(self.admissible_prefill_tokens <= self.fillable_prefill_tokens <= self.pending_prefill_tokens,
                "need admissible_prefill_tokens <= fillable_prefill_tokens <= pending_prefill_tokens")
-        _check(self.num_carried_decodes <= self.num_running, "num_carried_decodes cannot exceed num_running")
+        require(self.num_carried_decodes <= self.num_running, "num_carried_decodes cannot exceed num_running")
         object.__setattr__(self, "rates", MappingProxyType(dict(self.rates)))
         object.__setattr__(self, "legs", MappingProxyType(dict(self.legs)))
 
@@ -132,7 +130,7 @@ class _View:
 
     @classmethod
     def of(cls, w: PolicyInputs, c: PolicyConfig) -> "_View":
-        _check(w.active in (c.prefill_layout, c.decode_layout),
+        require(w.active in (c.prefill_layout, c.decode_layout),
                f"active layout {w.active!r} is neither {c.prefill_layout!r} nor {c.decode_layout!r}")
         here, there = w.active, c.other(w.active)
         out, back = _leg(w, here, there), _leg(w, there, here)
@@ -176,7 +174,8 @@ def _idle(v: _View) -> Decision | None:
 
 
 def _failed_flip(v: _View) -> Decision | None:
-    """After a failed flip, run everything here for a bound that doubles per failure (LESSONS 10)."""
+    """After a failed flip, run everything here for a bound that doubles per failure: a failure degrades
+    to the fallback, never to a wedge."""
     p = v.w.progress
     if p.failed_flips_in_row == 0:
         return None
@@ -189,7 +188,8 @@ def _failed_flip(v: _View) -> Decision | None:
 
 
 def _settle(v: _View) -> Decision | None:
-    """A layout just cut over to is not judged until it had the chance to run (LESSONS 11)."""
+    """A layout just cut over to is not judged until it had the chance to run (it is empty at first, and
+    judged then it looks useless: the flip back ping-pongs)."""
     polls = v.w.progress.polls_in_layout
     if polls >= v.c.settle_polls:
         return None
@@ -280,7 +280,8 @@ def _place_prefill(v: _View, trigger: str, numbers: dict, backstop: bool = False
 
 
 def _ttft_deadline(v: _View) -> Decision | None:
-    """LESSONS 6's cycle ceiling, per request: leave the decode layout when the oldest waiting prompt,
+    """The cycle ceiling flip cost sets (a cycle long enough to pay its flips may be too long for a
+    prompt's first token), per request: leave the decode layout when the oldest waiting prompt,
     after the worst recent leg back and the prefill queue, would just make the budget. If prefilling here
     is sooner than flipping (the window closed: no cycle fits), prefill here instead."""
     w, budget = v.w, v.c.ttft_budget_s
@@ -332,7 +333,7 @@ def _dwell_numbers(v: _View) -> dict:
 
 
 def _never_idle(d: Decision, w: PolicyInputs) -> Decision:
-    """A stay must leave a phase open that has work, whenever any work can run (LESSONS 10)."""
+    """A stay must leave a phase open that has work, whenever any work can run (never a wedge)."""
     can_prefill, can_decode = w.admissible_prefill_tokens > 0, w.num_carried_decodes > 0
     if d.action == "flip" or (d.prefill and can_prefill) or (d.decode and can_decode):
         return d
@@ -341,7 +342,3 @@ def _never_idle(d: Decision, w: PolicyInputs) -> Decision:
     return replace(d, prefill=d.prefill or can_prefill, decode=d.decode or can_decode,
                    reason=f"{d.reason} (+open: nothing else runs here)")
 
-
-__all__ = ["FlipCostEstimator", "RateEstimator", "OutputLengthEstimator", "ProgressTracker", "PolicyConfig",
-           "PolicyInputs", "Decision", "LegCost", "RoundTrip", "LayoutRates", "Progress", "round_trip",
-           "direction", "decide"]
