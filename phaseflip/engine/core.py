@@ -40,7 +40,7 @@ class EngineCore:
 
     def step(self) -> list[Sequence]:
         """Run one step; return the sequences that finished in it."""
-        prefill, decode = self.control.allowed(self.live_blocks)
+        prefill, decode = self.control.allowed()
         plan = self.scheduler.schedule(prefill=prefill, decode=decode)
         if plan is None:
             if self.scheduler.has_unfinished():
@@ -48,7 +48,7 @@ class EngineCore:
                 if self._idle_polls > MAX_IDLE_POLLS:
                     raise RuntimeError(f"no step could run for {MAX_IDLE_POLLS} polls in a row with work "
                                        f"pending (engine bug); decisions: {self.control.last_decisions()}")
-                self.control.on_idle(self.live_blocks)  # the work is for the other layout
+                self.control.on_idle()  # the work may be for the other layout
             return []
         self._idle_polls = 0
         # The scheduler itself finishes a sequence that outgrew the whole KV pool ("length").
@@ -69,14 +69,10 @@ class EngineCore:
                 seq.stop_reason = decision.stop_reason
                 self.scheduler.finish(seq, decision.finish_reason)
                 finished.append(self.seqs.pop(seq.seq_id))
-        self.control.after_step(self.live_blocks, StepSummary(
+        self.control.after_step(StepSummary(
             prefill_tokens=plan.num_tokens - decodes, decode_tokens=decodes, seconds=now - t0,
             finished_output_lengths=tuple(s.num_output_tokens for s in finished)))
         return finished
-
-    def live_blocks(self) -> list[int]:
-        """Every KV block a flip must carry over: live sequences' (each once) and cached ones."""
-        return self.scheduler.allocator.carried_blocks()
 
     @staticmethod
     def _record(seq: Sequence, s, now: float) -> None:

@@ -73,7 +73,7 @@ class LLM:
                                               block_size=shapes.block_size), self.allocator)
         rule = make_rule(cfg.policy, cfg.ttft_budget_s, cfg.layouts, cfg.flip_every_steps, scheduler,
                          self.plan.max_model_len)
-        self.control = LayoutControl(self.ranks, cfg.layouts, rule)
+        self.control = LayoutControl(self.ranks, cfg.layouts, rule, self.allocator.carried_blocks)
         eos = set(mc.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
@@ -92,7 +92,7 @@ class LLM:
         """Flip to `target` ("pp" | "tp") now; returns the flip's log entry (components in ms, bytes)."""
         self._check_open()
         with self._settled():
-            return self.control.flip(target, self.core.live_blocks())
+            return self.control.flip(target)
 
     # -- the offline API ---------------------------------------------------------------------------
     def get_tokenizer(self):

@@ -31,9 +31,9 @@ class FakeRanks:
 
 def test_flip_log_keeps_the_newest_flips_and_exact_counts():
     num_calls = 3 * MAX_FLIP_LOG + 7
-    control = LayoutControl(FakeRanks(), ("pp", "tp"), DrainRule(("pp", "tp")))
+    control = LayoutControl(FakeRanks(), ("pp", "tp"), DrainRule(("pp", "tp")), list)
     for _ in range(num_calls):
-        control.flip(control.other(), [])
+        control.flip(control.other())
     assert len(control.flip_log) == MAX_FLIP_LOG
     assert control.num_failed_flips == num_calls // 3
     assert control.num_flips == num_calls - num_calls // 3
@@ -58,6 +58,6 @@ def test_decision_log_keeps_the_newest_records_and_counts_them_all():
     assert len(rule.decisions) == MAX_DECISIONS
     assert rule.num_decisions == num_records
     assert rule.decisions[-1]["count"] == 2 and rule.decisions[0]["count"] == 1
-    control = LayoutControl(FakeRanks(), ("pp", "tp"), rule)
+    control = LayoutControl(FakeRanks(), ("pp", "tp"), rule, list)
     assert control.last_decisions(2) == list(rule.decisions)[-2:]
 

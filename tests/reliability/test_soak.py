@@ -41,10 +41,10 @@ def random_request(rng: random.Random):
 def force_random_flips(llm, rng: random.Random) -> None:
     after_step = llm.control.after_step
 
-    def maybe_flip(live_blocks, summary=None):
-        after_step(live_blocks, summary)
+    def maybe_flip(summary):
+        after_step(summary)
         if rng.random() < FLIP_CHANCE:
-            llm.control.flip(llm.control.other(), live_blocks())
+            llm.control.flip(llm.control.other())
     llm.control.after_step = maybe_flip
 
 

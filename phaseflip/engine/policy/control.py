@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
+from typing import Callable
 
 from phaseflip.engine.policy.rules import Rule, StepSummary
 from phaseflip.layouts.messages import FLIP_STAGES, FlipCommand
@@ -20,21 +21,22 @@ MAX_FLIP_LOG = 256  # flip log entries kept (~2 KB each); num_flips and num_fail
 
 
 class LayoutControl:
-    def __init__(self, ranks, layouts: tuple[str, ...], rule: Rule):
+    def __init__(self, ranks, layouts: tuple[str, ...], rule: Rule, live_blocks: Callable[[], list[int]]):
+        """live_blocks: the KV blocks a flip carries over (asked only when flipping)."""
         self.ranks = ranks
         self.rule = rule
+        self.live_blocks = live_blocks
         self.layouts = layouts
         self.active = layouts[0]
         self.flip_log: deque[dict] = deque(maxlen=MAX_FLIP_LOG)
         self.num_flips = 0
         self.num_failed_flips = 0
 
-    def allowed(self, live_blocks) -> tuple[bool, bool]:
-        """(prefill, decode) the active layout may run now; the rule may flip first. live_blocks: a
-        callable giving the KV blocks a flip carries (computed only to flip)."""
+    def allowed(self) -> tuple[bool, bool]:
+        """(prefill, decode) the active layout may run now; the rule may flip first."""
         d = self.rule.decide(self.active)
         if d.action == "flip":
-            self.flip(d.target, live_blocks())
+            self.flip(d.target)
             d = self.rule.decide(self.active)  # the phases after the cutover (or the fallback)
         return d.prefill, d.decode
 
@@ -44,25 +46,25 @@ class LayoutControl:
     def other(self) -> str:
         return next(name for name in self.layouts if name != self.active)
 
-    def after_step(self, live_blocks, summary: StepSummary) -> None:
+    def after_step(self, summary: StepSummary) -> None:
         """summary: what the step computed (feeds the rule's meters); the rule may flip now."""
         target = self.rule.after_step(self.active, summary)
         if target is not None:
-            self.flip(target, live_blocks())
+            self.flip(target)
 
-    def on_idle(self, live_blocks) -> None:
+    def on_idle(self) -> None:
         """Nothing could run with the open phases: the rule counts an idle poll or flips to the work."""
         target = self.rule.on_idle(self.active)
         if target is not None:
-            self.flip(target, live_blocks())
+            self.flip(target)
 
-    def flip(self, target: str, live_blocks) -> dict:
+    def flip(self, target: str) -> dict:
         if target not in self.layouts:
             raise ValueError(f"cannot flip to {target!r}: captured layouts are {', '.join(self.layouts)}")
         if target == self.active:
             return {}
         t0 = time.perf_counter()
-        reports = self.ranks.call(FlipCommand(target, tuple(sorted(live_blocks))))
+        reports = self.ranks.call(FlipCommand(target, tuple(sorted(self.live_blocks()))))
         entry = _log_entry(self.active, target, reports, (time.perf_counter() - t0) * 1e3)
         self.flip_log.append(entry)
         self.rule.observe_flip(entry)
