@@ -12,7 +12,7 @@ import time
 from collections import deque
 from typing import Callable
 
-from phaseflip.engine.policy.rules import Rule, StepSummary
+from phaseflip.engine.policy.rules import Rule, StepSummary, other_layout
 from phaseflip.layouts.messages import FLIP_STAGES, FlipCommand
 
 log = logging.getLogger("phaseflip")
@@ -44,7 +44,7 @@ class LayoutControl:
         return list(self.rule.decisions)[-n:]
 
     def other(self) -> str:
-        return next(name for name in self.layouts if name != self.active)
+        return other_layout(self.layouts, self.active)
 
     def after_step(self, summary: StepSummary) -> None:
         """summary: what the step computed (feeds the rule's meters); the rule may flip now."""

@@ -33,6 +33,11 @@ class StepSummary:
     finished_output_lengths: tuple[int, ...]
 
 
+def other_layout(layouts: tuple[str, ...], active: str) -> str:
+    """The layout that is not `active` (of two)."""
+    return next(name for name in layouts if name != active)
+
+
 class Rule(Protocol):
     decisions: deque            # the decision log, newest last
     num_decisions: int          # records ever logged
@@ -64,9 +69,6 @@ class DrainRule:
         self.fallback_until = -1
         self._steps = 0
 
-    def _other(self, active: str) -> str:
-        return next(name for name in self.layouts if name != active)
-
     def decide(self, active: str) -> Decision:
         if len(self.layouts) == 1 or self.flip_every_steps or self._steps < self.fallback_until:
             return Decision("stay", active, "drain: both phases open", True, True)
@@ -76,13 +78,13 @@ class DrainRule:
     def after_step(self, active: str, summary: StepSummary) -> str | None:
         self._steps += 1
         forced = self.flip_every_steps and len(self.layouts) > 1 and self._steps % self.flip_every_steps == 0
-        return self._other(active) if forced else None
+        return other_layout(self.layouts, active) if forced else None
 
     def on_idle(self, active: str) -> str | None:
         d = self.decide(active)
         if d.prefill and d.decode:
             raise RuntimeError("no step could be scheduled with both phases open (engine bug)")
-        return self._other(active)  # the work is for the other layout
+        return other_layout(self.layouts, active)  # the work is for the other layout
 
     def observe_flip(self, entry: dict) -> None:
         self.fallback_until = -1 if entry["ok"] else self._steps + FALLBACK_STEPS
