@@ -108,10 +108,9 @@ def choose_gemv(weight: torch.Tensor, others: Iterable[torch.Tensor] = (), repea
     """Measure once per process and dtype whether inductor's reduction or the eager one-row product
     (its measured small-rows form) multiplies one row by `weight` faster (the largest weight a rank
     holds), best of `repeats`, each timed run right after a pass over `others` (the rest of the step's
-    weights) has pushed `weight` out of the caches, as a step meets it. (Timed back to back, a 56 MB
+    weights) has pushed `weight` out of the caches, as a step meets it (timed back to back, a 56 MB
     bfloat16 head stayed cache-resident and the eager product read it at 34 GB/s, twice what DRAM
-    gives: the probe chose the eager form, while over a whole step the reduction is the faster.)
-    Call before any step is compiled: the choice is read when a step is traced. Returns the report
+    gives). Call before any step is compiled: the choice is read when a step is traced. Returns the report
     (later calls for the dtype, the first)."""
     if weight.dtype not in _gemv_reports:
         x = torch.randn(1, weight.shape[1], dtype=weight.dtype)
