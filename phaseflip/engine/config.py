@@ -16,7 +16,7 @@ def _int_tuple(name: str, values) -> tuple[int, ...] | None:
         return None
     out = tuple(values)
     require(len(out) > 0 and all(isinstance(v, int) and v >= 1 for v in out),
-           f"{name}={values!r} is invalid: must be a non-empty list of integers >= 1")
+            f"{name}={values!r} is invalid: must be a non-empty list of integers >= 1")
     return tuple(sorted(set(out)))
 
 
@@ -53,52 +53,52 @@ class EngineConfig:
     ttft_budget_s: float | None = None  # policy="latency": the time-to-first-token budget
     def __post_init__(self):
         require(self.dtype in ("auto", "float32", "fp32", "bfloat16", "bf16", "float16", "fp16", "half"),
-               f"dtype={self.dtype!r} is invalid: allowed are auto, float32, bfloat16, float16")
+                f"dtype={self.dtype!r} is invalid: allowed are auto, float32, bfloat16, float16")
         require(self.device in ("auto", "cpu", "cuda"),
-               f"device={self.device!r} is invalid: allowed are auto, cpu, cuda")
+                f"device={self.device!r} is invalid: allowed are auto, cpu, cuda")
         require(self.max_model_len is None or self.max_model_len >= 2,
-               f"max_model_len={self.max_model_len} is invalid: must be >= 2 (or None)")
+                f"max_model_len={self.max_model_len} is invalid: must be >= 2 (or None)")
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
             require(isinstance(getattr(self, name), int) and getattr(self, name) >= 1,
-                   f"{name}={getattr(self, name)!r} is invalid: must be an integer >= 1")
+                    f"{name}={getattr(self, name)!r} is invalid: must be an integer >= 1")
         require(self.num_kv_blocks is None or self.num_kv_blocks >= 1,
-               f"num_kv_blocks={self.num_kv_blocks} is invalid: must be >= 1 (or None)")
+                f"num_kv_blocks={self.num_kv_blocks} is invalid: must be >= 1 (or None)")
         require(self.kv_cache_memory_gib > 0,
-               f"kv_cache_memory_gib={self.kv_cache_memory_gib} is invalid: must be > 0")
+                f"kv_cache_memory_gib={self.kv_cache_memory_gib} is invalid: must be > 0")
         require(isinstance(self.enable_prefix_caching, bool),
-               f"enable_prefix_caching={self.enable_prefix_caching!r} is invalid: must be True or False")
+                f"enable_prefix_caching={self.enable_prefix_caching!r} is invalid: must be True or False")
         require(self.num_threads is None or self.num_threads >= 1,
-               f"num_threads={self.num_threads} is invalid: must be >= 1 (or None)")
+                f"num_threads={self.num_threads} is invalid: must be >= 1 (or None)")
         require(isinstance(self.world_size, int) and self.world_size >= 1,
-               f"world_size={self.world_size!r} is invalid: must be an integer >= 1")
+                f"world_size={self.world_size!r} is invalid: must be an integer >= 1")
         require(self.park in ("auto", "always", "never"),
-               f"park={self.park!r} is invalid: allowed are auto, always, never")
+                f"park={self.park!r} is invalid: allowed are auto, always, never")
         require(self.flip_every_steps is None or self.flip_every_steps >= 1,
-               f"flip_every_steps={self.flip_every_steps} is invalid: must be >= 1 (or None)")
+                f"flip_every_steps={self.flip_every_steps} is invalid: must be >= 1 (or None)")
         require(self.flip_staging_mib is None or self.flip_staging_mib > 0,
-               f"flip_staging_mib={self.flip_staging_mib} is invalid: must be > 0 (or None)")
+                f"flip_staging_mib={self.flip_staging_mib} is invalid: must be > 0 (or None)")
         self._check_layouts()
         require(self.policy in ("throughput", "latency", "drain"),
-               f"policy={self.policy!r} is invalid: allowed are throughput, latency, drain")
+                f"policy={self.policy!r} is invalid: allowed are throughput, latency, drain")
         require((self.policy == "latency") == (self.ttft_budget_s is not None),
-               f"ttft_budget_s={self.ttft_budget_s!r} is invalid with policy={self.policy!r}: "
-               f"policy='latency' needs a ttft_budget_s > 0, the others take none")
+                f"ttft_budget_s={self.ttft_budget_s!r} is invalid with policy={self.policy!r}: "
+                f"policy='latency' needs a ttft_budget_s > 0, the others take none")
         require(self.compile in (None, "auto", "on", "off"),
-               f"compile={self.compile!r} is invalid: allowed are auto, on, off (or None)")
+                f"compile={self.compile!r} is invalid: allowed are auto, on, off (or None)")
         for name in ("pp_split", "tp_kv_split", "rank_budgets", "rank_memory_gib"):
             value = getattr(self, name)
             if value is not None:
                 object.__setattr__(self, name, tuple(value))
                 require(len(value) == self.world_size,
-                       f"{name}={list(value)} has {len(value)} entries for world_size={self.world_size}")
+                        f"{name}={list(value)} has {len(value)} entries for world_size={self.world_size}")
         object.__setattr__(self, "decode_buckets", _int_tuple("decode_buckets", self.decode_buckets))
         object.__setattr__(self, "prefill_buckets", _int_tuple("prefill_buckets", self.prefill_buckets))
         require(self.decode_buckets is None or max(self.decode_buckets) <= self.max_num_seqs,
-               f"decode_buckets={list(self.decode_buckets or ())} is invalid: a decode bucket is a batch "
-               f"of sequences and cannot exceed max_num_seqs={self.max_num_seqs}")
+                f"decode_buckets={list(self.decode_buckets or ())} is invalid: a decode bucket is a batch "
+                f"of sequences and cannot exceed max_num_seqs={self.max_num_seqs}")
         require(self.prefill_buckets is None or max(self.prefill_buckets) <= self.max_num_batched_tokens,
-               f"prefill_buckets={list(self.prefill_buckets or ())} is invalid: a prefill bucket cannot "
-               f"exceed max_num_batched_tokens={self.max_num_batched_tokens}")
+                f"prefill_buckets={list(self.prefill_buckets or ())} is invalid: a prefill bucket cannot "
+                f"exceed max_num_batched_tokens={self.max_num_batched_tokens}")
 
     def _check_layouts(self) -> None:
         layouts = self.layouts
@@ -106,7 +106,7 @@ class EngineConfig:
             layouts = ("pp", "tp") if self.world_size > 1 else ("pp",)
         layouts = (layouts,) if isinstance(layouts, str) else tuple(layouts)
         require(len(layouts) > 0 and set(layouts) <= {"pp", "tp"} and len(set(layouts)) == len(layouts),
-               f"layouts={self.layouts!r} is invalid: give ('pp', 'tp'), ('pp',) or ('tp',)")
+                f"layouts={self.layouts!r} is invalid: give ('pp', 'tp'), ('pp',) or ('tp',)")
         object.__setattr__(self, "layouts", layouts)
 
     @classmethod

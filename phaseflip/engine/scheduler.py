@@ -2,8 +2,8 @@
 
 Owns: the FIFO waiting queue, the running list (in admission order), preemption by recompute and the
 bookkeeping after a step (num_computed_tokens, sampled tokens). What the ranks are told about requests
-(new and finished ones, carried by each plan) is engine/rank_notices.py's. It decides WHAT runs in a step; which
-layout runs it is the layout policy's (engine/policy/).
+(new and finished ones, carried by each plan) is engine/rank_notices.py's. It decides WHAT runs in a
+step; which layout runs it is the layout policy's (engine/policy/).
 
 One step (vLLM-V1 style, a single token budget `max_num_batched_tokens`):
   1. Running sequences, in admission order, each take their next tokens: 1 when only the last sampled

@@ -47,21 +47,21 @@ class PolicyConfig:
         require(self.mode in MODES, f"policy mode={self.mode!r} is invalid: allowed are {', '.join(MODES)}")
         if self.mode == "latency":
             require(is_number(self.ttft_budget_s) and self.ttft_budget_s > 0,
-                   f"policy='latency' needs ttft_budget_s > 0, got {self.ttft_budget_s!r}")
+                    f"policy='latency' needs ttft_budget_s > 0, got {self.ttft_budget_s!r}")
         else:
             require(self.ttft_budget_s is None, "ttft_budget_s applies to policy='latency' only")
         require(self.prefill_layout != self.decode_layout, "prefill_layout and decode_layout must differ")
         for name in ("settle_polls", "stall_polls", "failed_flip_backoff_polls", "max_backoff_polls"):
             value = getattr(self, name)
             require(isinstance(value, int) and not isinstance(value, bool) and value >= 1,
-                   f"PolicyConfig.{name}={value!r} must be an int >= 1")
+                    f"PolicyConfig.{name}={value!r} must be an int >= 1")
         for name in ("min_dwell_s", "max_decode_wait_s", "max_prefill_wait_s"):
             require(is_number(getattr(self, name)) and getattr(self, name) >= 0,
-                   f"PolicyConfig.{name}={getattr(self, name)!r} must be a number >= 0")
+                    f"PolicyConfig.{name}={getattr(self, name)!r} must be a number >= 0")
         require(is_number(self.thin_fraction) and 0 <= self.thin_fraction < 1,
-               f"PolicyConfig.thin_fraction={self.thin_fraction!r} must be in [0, 1)")
+                f"PolicyConfig.thin_fraction={self.thin_fraction!r} must be in [0, 1)")
         require(is_number(self.hold_gain) and self.hold_gain >= 1,
-               f"PolicyConfig.hold_gain={self.hold_gain!r} must be a number >= 1")
+                f"PolicyConfig.hold_gain={self.hold_gain!r} must be a number >= 1")
 
     def other(self, layout: str) -> str:
         return self.decode_layout if layout == self.prefill_layout else self.prefill_layout
@@ -94,7 +94,7 @@ class PolicyInputs:
             value = getattr(self, name)
             require(isinstance(value, int) and value >= 0, f"PolicyInputs.{name}={value!r} must be an int >= 0")
         require(self.admissible_prefill_tokens <= self.fillable_prefill_tokens <= self.pending_prefill_tokens,
-               "need admissible_prefill_tokens <= fillable_prefill_tokens <= pending_prefill_tokens")
+                "need admissible_prefill_tokens <= fillable_prefill_tokens <= pending_prefill_tokens")
         require(self.num_carried_decodes <= self.num_running, "num_carried_decodes cannot exceed num_running")
         object.__setattr__(self, "rates", MappingProxyType(dict(self.rates)))
         object.__setattr__(self, "legs", MappingProxyType(dict(self.legs)))
@@ -131,7 +131,7 @@ class _View:
     @classmethod
     def of(cls, w: PolicyInputs, c: PolicyConfig) -> "_View":
         require(w.active in (c.prefill_layout, c.decode_layout),
-               f"active layout {w.active!r} is neither {c.prefill_layout!r} nor {c.decode_layout!r}")
+                f"active layout {w.active!r} is neither {c.prefill_layout!r} nor {c.decode_layout!r}")
         here, there = w.active, c.other(w.active)
         out, back = _leg(w, here, there), _leg(w, there, here)
         return cls(w, c, here, there, out, round_trip(out, back))

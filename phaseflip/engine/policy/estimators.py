@@ -48,7 +48,7 @@ class FlipCostEstimator:
 
     def __init__(self, direction: str, seed_s: float | None = None, window: int = 5):
         require(seed_s is None or (is_number(seed_s) and seed_s > 0),
-               f"FlipCostEstimator({direction!r}): seed_s={seed_s!r} must be > 0 or None")
+                f"FlipCostEstimator({direction!r}): seed_s={seed_s!r} must be > 0 or None")
         require(isinstance(window, int) and window >= 1, f"window={window!r} must be an int >= 1")
         self.direction = direction
         self.seed_s = seed_s
@@ -113,7 +113,7 @@ class RateEstimator:
                  decode_step_s: Mapping[int, float] | None = None, alpha: float = 0.25):
         require(0 < alpha <= 1, f"alpha={alpha!r} must be in (0, 1]")
         require(prefill_tok_s is None or (is_number(prefill_tok_s) and prefill_tok_s > 0),
-               f"RateEstimator({layout!r}): prefill_tok_s={prefill_tok_s!r} must be > 0 or None")
+                f"RateEstimator({layout!r}): prefill_tok_s={prefill_tok_s!r} must be > 0 or None")
         self.layout, self.alpha = layout, alpha
         self.prefill_tok_s = prefill_tok_s
         self._step_s: dict[int, float] = {}
@@ -123,7 +123,7 @@ class RateEstimator:
 
     def _check_step(self, batch: int, seconds: float) -> None:
         require(batch >= 1 and is_number(seconds) and seconds > 0,
-               f"RateEstimator({self.layout!r}): decode step {batch} -> {seconds!r} must be batch >= 1, s > 0")
+                f"RateEstimator({self.layout!r}): decode step {batch} -> {seconds!r} must be batch >= 1, s > 0")
 
     def _ema(self, old: float | None, new: float) -> float:
         return new if old is None else old + self.alpha * (new - old)
@@ -153,7 +153,7 @@ class OutputLengthEstimator:
 
     def observe(self, num_output_tokens: int) -> None:
         require(isinstance(num_output_tokens, int) and num_output_tokens >= 0,
-               f"num_output_tokens={num_output_tokens!r} must be an int >= 0")
+                f"num_output_tokens={num_output_tokens!r} must be an int >= 0")
         self._lengths.append(num_output_tokens)
         self._sorted = None
 
