@@ -188,6 +188,7 @@ class LLM:
             "captures_at_boot": sum(r.captures_at_boot for r in ranks),
             "captures_after_boot": sum(r.captures_after_boot for r in ranks),
             "eager_fallbacks": dict(ranks[-1].eager_fallbacks),  # every rank runs the same steps
+            "chunked_runs": dict(ranks[-1].chunked_runs),
             "boot_ms": dict(self.boot_ms),
             "rank_boot_ms": [dict(r.boot_ms) for r in self.ranks.ready],
             "arena_bytes": [r.arena_bytes for r in ranks],

@@ -51,5 +51,6 @@ def build_manifest(llm, ranks: list) -> dict:
         "num_flips": llm.control.num_flips, "num_failed_flips": llm.control.num_failed_flips,
         "decisions": list(llm.control.rule.decisions),
         "eager_fallbacks": fallbacks,
+        "chunked_runs": dict(ranks[-1].chunked_runs),   # batches above every bucket, run as its chunks
         "captures_at_boot": len(steps),
     }

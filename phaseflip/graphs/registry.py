@@ -1,7 +1,7 @@
 """The catalogue of captured steps: bucket lookup for replay, and the list `inspect` reports.
 
 Owns: GraphRegistry. Lookup picks the smallest captured bucket >= the live size; a size above every
-bucket is run uncaptured by the caller and counted here.
+bucket is run by the caller (as chunks of the largest, or uncaptured) and counted here.
 """
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ class GraphRegistry:
         self._steps: dict[StepKey, CapturedStep] = {}
         self._buckets: dict[tuple[str, str], list[int]] = {}
         self.eager_fallbacks: Counter = Counter()   # (layout, phase) -> uncaptured runs
+        self.chunked_runs: Counter = Counter()      # (layout, phase) -> runs as chunks of the largest bucket
         self.captures_at_boot = 0
         self.captures_after_boot = 0   # must stay 0: restore, never rebuild
         self._sealed = False
@@ -42,6 +43,10 @@ class GraphRegistry:
             self.eager_fallbacks[(layout, phase)] += 1
             return None
         return self._steps[StepKey(layout, phase, buckets[i])]
+
+    def largest(self, layout: str, phase: str) -> int | None:
+        buckets = self._buckets.get((layout, phase))
+        return buckets[-1] if buckets else None
 
     def steps(self) -> list[CapturedStep]:
         return list(self._steps.values())

@@ -154,6 +154,7 @@ class RankStats:
     captures_at_boot: int
     captures_after_boot: int
     eager_fallbacks: dict[str, int]
+    chunked_runs: dict[str, int]       # "layout:phase" -> batches run as chunks of the largest bucket
     arena_ptr: int
     arena_bytes: int
 
@@ -176,6 +177,7 @@ class RankManifest:
     compile: dict[str, dict]           # layout -> role -> choice and measurements
     memory: dict                       # what was measured at the end of boot
     eager_fallbacks: dict[str, int]
+    chunked_runs: dict[str, int]
 
 
 @dataclass(frozen=True)

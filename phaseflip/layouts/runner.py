@@ -4,7 +4,8 @@ Owns: executing a StepPlan in one layout — PP: receive the hidden states from 
 this stage's layers, send them to the next (explicit send/recv); TP: run every layer on this rank's
 head/MLP share (all-reduces inside the maths), gather the vocab-parallel logits to the output rank.
 The output rank (the last one in both layouts) samples. Replays the smallest captured bucket that
-fits; an uncaptured size runs eagerly and is counted.
+fits; a decode batch above every bucket replays the largest one chunk by chunk; any other uncaptured
+size runs eagerly and is counted.
 """
 from __future__ import annotations
 
@@ -27,7 +28,7 @@ from phaseflip.layouts.plan import Phase, SampledToken, StepPlan
 from phaseflip.layouts.sampler import Sampler
 from phaseflip.layouts.shard import RankWeights
 from phaseflip.layouts.spec import RankShard
-from phaseflip.layouts.step_inputs import bucket_sizes, prepare_inputs
+from phaseflip.layouts.step_inputs import bucket_sizes, decode_rows, prepare_inputs
 
 
 @dataclass(frozen=True)
@@ -210,26 +211,65 @@ class LayoutRunner:
     def _run(self, plan: StepPlan, meta: dict[str, torch.Tensor]) -> torch.Tensor:
         """This stage's hidden states: a replay when a bucket fits, else an eager run. An eager replay
         runs at the exact size; a compiled or CUDA-graph one over its padded bucket. Between PP stages
-        only the real rows travel (padding rows of a padded receiver keep stale, never-read values)."""
+        only the real rows travel (padding rows of a padded receiver keep stale, never-read values).
+        A decode batch above the largest decode bucket runs as chunks of that bucket (`_run_chunks`)."""
+        chunk = self._decode_chunk(plan)
+        if chunk is not None:
+            return self._run_chunks(plan, meta, chunk)
         size = plan.num_seqs if plan.phase is Phase.DECODE else plan.num_tokens
         step = self.registry.lookup(self.layout, plan.phase.value, size)
         padded = step is not None and not step.exact_size
         rows = plan.num_tokens
-        device = self.kv.tensor.device
         if self.is_pp and not self.shard.has_embed:
             hidden_in = self.buffers.tensors["hidden_in"]
             self.comm.recv(hidden_in[:rows], self.rank - 1)
             meta["hidden_in"] = hidden_in[:step.views["input_ids"].shape[0] if padded else rows]
-        if not padded:
-            exact = {k: v.to(device) for k, v in meta.items()}
-            hidden = self.step_fn(exact) if step is None else step.replay(exact)
-        else:
-            for name, view in step.views.items():
-                if name != "hidden_in":
-                    self.buffers.fill(name, meta[name], view.shape[0])
-            hidden = step.replay()
+        hidden = self._replay(step, meta)
         if self.is_pp and not self.shard.has_head:
             self.comm.send(hidden[:rows], self.rank + 1)
+        return hidden
+
+    def _replay(self, step, meta: dict[str, torch.Tensor]) -> torch.Tensor:
+        """One step over meta's rows: an exact-size run (eager replay, or uncaptured when step is None),
+        or the step's bucket filled (hidden_in too, unless it already lies in the buffer) and replayed."""
+        if step is None or step.exact_size:
+            exact = {k: v.to(self.kv.tensor.device) for k, v in meta.items()}
+            return self.step_fn(exact) if step is None else step.replay(exact)
+        for name, view in step.views.items():
+            if name in meta and not (name == "hidden_in" and meta[name].data_ptr() == view.data_ptr()):
+                self.buffers.fill(name, meta[name], view.shape[0])
+        return step.replay()
+
+    def _decode_chunk(self, plan: StepPlan) -> int | None:
+        """The largest decode bucket where a decode batch exceeds it and that bucket replays a recorded
+        step (compiled or a CUDA graph; an eager step runs any size as it is), else None."""
+        if plan.phase is not Phase.DECODE:
+            return None
+        largest = self.registry.largest(self.layout, plan.phase.value)
+        if largest is None or plan.num_seqs <= largest:
+            return None
+        return None if self.registry.lookup(self.layout, plan.phase.value, largest).exact_size else largest
+
+    def _run_chunks(self, plan: StepPlan, meta: dict[str, torch.Tensor], chunk: int) -> torch.Tensor:
+        """A decode batch above every bucket as replays of `chunk` sequences each (the rest in the bucket
+        that fits it), not one uncaptured step: decode rows are independent (one token each, attending
+        only its own sequence's cache), so the chunks give the rows the whole batch would. A later PP
+        stage receives all rows first."""
+        n = plan.num_seqs
+        if self.is_pp and not self.shard.has_embed:
+            buffer = self.buffers.tensors["hidden_in"]
+            hidden_in = buffer.new_empty((n, buffer.shape[1]))
+            self.comm.recv(hidden_in, self.rank - 1)
+            meta = {**meta, "hidden_in": hidden_in}
+        parts = []
+        for a in range(0, n, chunk):
+            b = min(a + chunk, n)
+            step = self.registry.lookup(self.layout, plan.phase.value, b - a)   # the last chunk may be smaller
+            parts.append(self._replay(step, decode_rows(meta, a, b))[:b - a])
+        self.registry.chunked_runs[(self.layout, plan.phase.value)] += 1
+        hidden = torch.cat(parts)
+        if self.is_pp and not self.shard.has_head:
+            self.comm.send(hidden, self.rank + 1)
         return hidden
 
     def execute(self, plan: StepPlan) -> list[SampledToken] | None:

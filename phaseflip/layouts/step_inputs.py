@@ -35,6 +35,13 @@ def bucket_sizes(num_tokens: int, num_seqs: int) -> dict[str, int]:
     return sizes
 
 
+def decode_rows(meta: dict[str, torch.Tensor], a: int, b: int) -> dict[str, torch.Tensor]:
+    """Sequences a..b-1 of a decode step's inputs (one token per sequence) as a step of their own."""
+    part = {name: meta[name][a:b] for name in meta if name != "query_start_loc"}
+    part["query_start_loc"] = meta["query_start_loc"][a:b + 1] - meta["query_start_loc"][a]
+    return part
+
+
 def prepare_inputs(plan: StepPlan, block_size: int) -> tuple[dict[str, torch.Tensor], list[int]]:
     """Exact-size input tensors for `plan`, and the rows whose hidden state is sampled."""
     ids, pos, slots, starts, sample_rows = [], [], [], [0], []

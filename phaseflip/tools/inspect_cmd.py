@@ -40,7 +40,8 @@ def steps_table(m: dict) -> list[str]:
         lines.append(f"  {layout:3} {phase:8} {backend:9} {len(steps):3} steps  buckets {buckets}  "
                      f"capture {ms:.1f} ms  pool {pool_txt}")
     lines.append(f"  total {len(m['steps'])} steps over {m['world_size']} rank(s); eager fallbacks so far: "
-                 f"{m['eager_fallbacks'] or 'none'}")
+                 f"{m['eager_fallbacks'] or 'none'}; run as chunks of the largest bucket: "
+                 f"{m.get('chunked_runs') or 'none'}")
     return lines
 
 

@@ -14,14 +14,14 @@ from tests.models import compare_greedy, hf_greedy
 ROLES = ("prefill", "decode")
 
 
-def _boot(d, compile_mode, tmp_path, monkeypatch):
+def _boot(d, compile_mode, tmp_path, monkeypatch, decode_buckets=(1, 2, 4)):
     monkeypatch.setenv("PHASEFLIP_CACHE", str(tmp_path))  # a cold compile cache of the test's own
     for name in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR"):
         monkeypatch.delenv(name, raising=False)
     torch._dynamo.reset()  # forget graphs an earlier test compiled for the same layer function
     counters.clear()
     return LLM(model=str(d), dtype="float32", compile=compile_mode, max_num_seqs=4, max_num_batched_tokens=128,
-               decode_buckets=(1, 2, 4), prefill_buckets=(64, 128))
+               decode_buckets=decode_buckets, prefill_buckets=(64, 128))
 
 
 @pytest.mark.slow
@@ -53,13 +53,18 @@ def test_one_layer_compiles_once_for_every_layer_and_nothing_compiles_after_boot
     d = tiny_model_dir("llama", num_layers=6)
     prompts = parity_prompts(384)[:3] + parity_prompts(384)[5:6]  # 1+5+17+100 tokens: the 128-token prefill bucket too
     expected = hf_greedy(d, prompts, 8)
-    with _boot(d, "on", tmp_path, monkeypatch) as llm:
+    # decode buckets 1 and 2 for 4 sequences: a decode of 3 or 4 runs as chunks of the compiled
+    # 2-row step, not as one uncompiled step
+    with _boot(d, "on", tmp_path, monkeypatch, decode_buckets=(1, 2)) as llm:
         graphs_at_boot = counters["stats"]["unique_graphs"]
         outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
         m = llm.inspect()
+        stats = llm.stats()
     ok, _, msg = compare_greedy([o.outputs[0].token_ids for o in outs], expected)
     assert ok, msg
-    # 6 layers, 3 decode buckets, 2 prefill buckets: decode's whole step at one row (0/1 specialisation)
+    assert stats["chunked_runs"].get("pp:decode", 0) > 0, stats["chunked_runs"]
+    assert "pp:decode" not in stats["eager_fallbacks"], stats["eager_fallbacks"]
+    # 6 layers, 2 decode buckets, 2 prefill buckets: decode's whole step at one row (0/1 specialisation)
     # and at more; prefill's first layer (nothing to add yet) and the others, each at the probed bucket
     # and dynamic for the larger ones (compiled at boot, not at the first long prompt); never one per
     # layer; plus the LM head for one sampled row
