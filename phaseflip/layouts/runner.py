@@ -4,8 +4,8 @@ Owns: executing a StepPlan in one layout — PP: receive the hidden states from 
 this stage's layers, send them to the next (explicit send/recv); TP: run every layer on this rank's
 head/MLP share (all-reduces inside the maths), gather the vocab-parallel logits to the output rank.
 The output rank (the last one in both layouts) samples. Replays the smallest captured bucket that
-fits; a decode batch above every bucket replays the largest one chunk by chunk; any other uncaptured
-size runs eagerly and is counted.
+fits; a decode batch above every bucket replays the largest CUDA graph chunk by chunk; any other
+uncaptured size runs eagerly and is counted.
 """
 from __future__ import annotations
 
@@ -208,11 +208,18 @@ class LayoutRunner:
                     step = capture_eager(key, fn, self.buffers, self._sizes(sizes), backend=backend)
                 self.registry.add(step)
 
+    # Step kinds a decode batch above every bucket replays chunk by chunk. CUDA graphs: the uncaptured
+    # step pays a launch per kernel (17x the graph step, measured on an H200). Not the CPU's compiled
+    # step: chunks read every weight once per chunk, and a decode step is bound by those reads
+    # (SmolLM2 fp32, 32 sequences, buckets up to 8: 4 compiled chunks 227-271 ms per step, one eager
+    # 32-row step 164-218 ms).
+    CHUNKED_BACKENDS = ("cuda",)
+
     def _run(self, plan: StepPlan, meta: dict[str, torch.Tensor]) -> torch.Tensor:
         """This stage's hidden states: a replay when a bucket fits, else an eager run. An eager replay
         runs at the exact size; a compiled or CUDA-graph one over its padded bucket. Between PP stages
         only the real rows travel (padding rows of a padded receiver keep stale, never-read values).
-        A decode batch above the largest decode bucket runs as chunks of that bucket (`_run_chunks`)."""
+        A decode batch above the largest decode bucket may run as chunks of that bucket (`_run_chunks`)."""
         chunk = self._decode_chunk(plan)
         if chunk is not None:
             return self._run_chunks(plan, meta, chunk)
@@ -241,14 +248,15 @@ class LayoutRunner:
         return step.replay()
 
     def _decode_chunk(self, plan: StepPlan) -> int | None:
-        """The largest decode bucket where a decode batch exceeds it and that bucket replays a recorded
-        step (compiled or a CUDA graph; an eager step runs any size as it is), else None."""
+        """The largest decode bucket where a decode batch exceeds it and that bucket's step is of a
+        CHUNKED_BACKENDS kind, else None (the batch runs uncaptured at its own size)."""
         if plan.phase is not Phase.DECODE:
             return None
         largest = self.registry.largest(self.layout, plan.phase.value)
         if largest is None or plan.num_seqs <= largest:
             return None
-        return None if self.registry.lookup(self.layout, plan.phase.value, largest).exact_size else largest
+        step = self.registry.lookup(self.layout, plan.phase.value, largest)
+        return largest if step.backend in self.CHUNKED_BACKENDS else None
 
     def _run_chunks(self, plan: StepPlan, meta: dict[str, torch.Tensor], chunk: int) -> torch.Tensor:
         """A decode batch above every bucket as replays of `chunk` sequences each (the rest in the bucket

@@ -8,6 +8,7 @@ import torch
 from torch._dynamo.utils import counters
 
 from phaseflip import LLM, SamplingParams
+from phaseflip.layouts.runner import LayoutRunner
 from tests.engine.test_parity import parity_prompts
 from tests.models import compare_greedy, hf_greedy
 
@@ -53,8 +54,9 @@ def test_one_layer_compiles_once_for_every_layer_and_nothing_compiles_after_boot
     d = tiny_model_dir("llama", num_layers=6)
     prompts = parity_prompts(384)[:3] + parity_prompts(384)[5:6]  # 1+5+17+100 tokens: the 128-token prefill bucket too
     expected = hf_greedy(d, prompts, 8)
-    # decode buckets 1 and 2 for 4 sequences: a decode of 3 or 4 runs as chunks of the compiled
-    # 2-row step, not as one uncompiled step
+    # decode buckets 1 and 2 for 4 sequences: a decode of 3 or 4 runs as chunks of the compiled 2-row
+    # step (what CUDA graphs do; the CPU's own choice is one uncaptured step, so the test opts it in)
+    monkeypatch.setattr(LayoutRunner, "CHUNKED_BACKENDS", ("cuda", "compiled"))
     with _boot(d, "on", tmp_path, monkeypatch, decode_buckets=(1, 2)) as llm:
         graphs_at_boot = counters["stats"]["unique_graphs"]
         outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
