@@ -245,6 +245,7 @@ class LayoutRunner:
         for name, view in step.views.items():
             if name in meta and not (name == "hidden_in" and meta[name].data_ptr() == view.data_ptr()):
                 self.buffers.fill(name, meta[name], view.shape[0])
+        self.buffers.upload()
         return step.replay()
 
     def _decode_chunk(self, plan: StepPlan) -> int | None:
@@ -286,7 +287,11 @@ class LayoutRunner:
         hidden = self._run(plan, meta)
         if not self.shard.has_head or not sample_rows:
             return [] if self.rank == self.output_rank else None
-        rows = hidden[torch.tensor(sample_rows, device=hidden.device)]
+        n = len(sample_rows)
+        if sample_rows == list(range(n)):   # a decode: every row samples; no index to copy to the device
+            rows = hidden[:n]
+        else:
+            rows = hidden[torch.tensor(sample_rows, device=hidden.device)]
         head = self.compiled_head if len(sample_rows) <= GEMV_ROWS else None
         logits = (head or compute_logits)(self.weights.lm_head, rows)  # [N, V_r]
         if self.shard.tp_size > 1:

@@ -110,3 +110,23 @@ def test_step_input_specs_declare_the_documented_sentinels():
     assert views["input_ids"].shape == (32,) and views["slot_mapping"].shape == (32,)
     assert views["seq_lens"].shape == (3,) and views["query_start_loc"].shape == (4,)
     assert views["block_tables"].shape == (3, 6)
+
+
+def test_staged_buffers_show_a_fill_after_one_upload_of_the_whole_mirror():
+    """What CUDA runs (staged=True by default there): the int64 buffers are views of one flat tensor,
+    written through a host mirror and moved by one copy per step; other dtypes are filled in place."""
+    specs = {"ids": BufferSpec((8,), I64, 0), "tables": BufferSpec((4, 5), I64, 0),
+             "hidden": BufferSpec((8, 2), torch.float32, 0)}
+    b = StaticBuffers(specs, staged=True)
+    before = _ptrs(b)
+    assert b.tensors["tables"].data_ptr() == b.tensors["ids"].data_ptr() + 8 * 8, "one flat tensor"
+    b.fill("ids", torch.tensor([4, 5], dtype=I64), 4)
+    b.fill("tables", torch.tensor([[1, 2]], dtype=I64), 2)
+    b.fill("hidden", torch.ones(3, 2), 4)
+    assert (b.tensors["ids"] == 0).all() and (b.tensors["tables"] == 0).all(), "visible before upload"
+    assert b.tensors["hidden"][:3].eq(1).all(), "a float buffer is not staged"
+    b.upload()
+    assert b.uploads == 1 and _ptrs(b) == before
+    assert b.tensors["ids"].tolist() == [4, 5, 0, 0, 0, 0, 0, 0]
+    assert b.tensors["tables"][:2].tolist() == [[1, 2, 0, 0, 0], [0, 0, 0, 0, 0]]
+    assert not StaticBuffers(specs).staged, "the CPU fills its buffers in place unless asked"

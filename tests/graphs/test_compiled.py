@@ -3,11 +3,15 @@ decode: the whole step as one graph): the
 measured choice per bucket is recorded and used, outputs match HF, compiling and capturing write nothing
 into the KV region, the layer compiles once whatever the number of layers, and no step compiles after
 boot. Slow-marked where inductor compiles cold for tens of seconds on 2 cores."""
+import functools
+
 import pytest
 import torch
 from torch._dynamo.utils import counters
 
 from phaseflip import LLM, SamplingParams
+from phaseflip.graphs.buffers import StaticBuffers
+from phaseflip.layouts import runtime as runtime_module
 from phaseflip.layouts.runner import LayoutRunner
 from tests.engine.test_parity import parity_prompts
 from tests.models import compare_greedy, hf_greedy
@@ -57,13 +61,17 @@ def test_one_layer_compiles_once_for_every_layer_and_nothing_compiles_after_boot
     # decode buckets 1 and 2 for 4 sequences: a decode of 3 or 4 runs as chunks of the compiled 2-row
     # step (what CUDA graphs do; the CPU's own choice is one uncaptured step, so the test opts it in)
     monkeypatch.setattr(LayoutRunner, "CHUNKED_BACKENDS", ("cuda", "compiled"))
+    # and the inputs staged through one host mirror and one copy per step, as on CUDA
+    monkeypatch.setattr(runtime_module, "StaticBuffers", functools.partial(StaticBuffers, staged=True))
     with _boot(d, "on", tmp_path, monkeypatch, decode_buckets=(1, 2)) as llm:
         graphs_at_boot = counters["stats"]["unique_graphs"]
         outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
         m = llm.inspect()
         stats = llm.stats()
+        buffers = llm.ranks.runtime.buffers
     ok, _, msg = compare_greedy([o.outputs[0].token_ids for o in outs], expected)
     assert ok, msg
+    assert buffers.staged and buffers.uploads == sum(s["replays"] for s in m["steps"]), "one copy per replay"
     assert stats["chunked_runs"].get("pp:decode", 0) > 0, stats["chunked_runs"]
     assert "pp:decode" not in stats["eager_fallbacks"], stats["eager_fallbacks"]
     # 6 layers, 2 decode buckets, 2 prefill buckets: decode's whole step at one row (0/1 specialisation)
