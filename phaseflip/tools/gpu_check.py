@@ -45,11 +45,12 @@ from phaseflip.tools.gpu_context import (DRY, DRY_KERNEL_CASES, FULL, GRACE_S, L
 from phaseflip.tools.gpu_sections_device import bandwidth, environment, kernels
 from phaseflip.tools.gpu_sections_engine import (capture, decode_throughput, fp32_parity, hf_decode,
                                                  park_restore, replay_vs_eager, restore, write_model)  # noqa: F401
+from phaseflip.tools.gpu_sections_step import decode_step
 
 log = logging.getLogger("phaseflip.gpu_check")
 
 SECTIONS = (environment, kernels, bandwidth, capture, replay_vs_eager, park_restore, restore,
-            decode_throughput, fp32_parity, hf_decode)
+            decode_throughput, decode_step, fp32_parity, hf_decode)
 
 
 # -- driver ------------------------------------------------------------------------------------------

@@ -10,7 +10,7 @@ from phaseflip.tools import gpu_check
 
 ROOT = Path(__file__).resolve().parents[2]
 SECTIONS = ("environment", "kernels", "bandwidth", "capture", "replay_vs_eager", "park_restore", "restore",
-            "decode_throughput", "fp32_parity", "hf_decode")
+            "decode_throughput", "decode_step", "fp32_parity", "hf_decode")
 
 
 def test_dry_run_writes_every_section(tmp_path):

@@ -1,0 +1,74 @@
+"""The GPU check's decode_step section: what one batch-1 decode step costs the host and the device.
+
+Owns: `decode_step`, which runs the shared engine (section capture) for two lengths of one greedy
+request and takes the difference, so the prefill, the flip to the decode layout and the first token
+cancel out: per decode step, the host syncs (torch.cuda's sync debug mode, which reports every
+synchronising call it knows), the device operations (kernels, copies, fills) and their summed time
+against the wall time (torch profiler), and the copies of step inputs to the device (the static
+buffers' upload count). Issue targets: at most one host sync per decode step, one input copy. On the
+CPU (dry run) only the upload count and the wall time exist; the device figures are None with the
+reason.
+"""
+from __future__ import annotations
+
+import time
+import warnings
+
+from phaseflip.tools.gpu_context import Context
+
+SHORT, LONG = 4, 20   # new tokens of the two runs: LONG - SHORT decode steps are compared
+
+
+def _one_run(llm, prompt: list[int], new_tokens: int, cuda: bool) -> dict:
+    import torch
+    from phaseflip.tools.gpu_sections_engine import _greedy
+    buffers = llm.ranks.runtime.buffers
+    uploads0, steps0 = buffers.uploads, llm.stats()["steps"]
+    out = {"syncs": None, "kernels": None, "kernel_ms": None}   # device figures (CUDA)
+    activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
+    with warnings.catch_warnings(record=True) as caught, torch.profiler.profile(activities=activities) as prof:
+        warnings.simplefilter("always")
+        if cuda:
+            torch.cuda.set_sync_debug_mode("warn")
+        t0 = time.perf_counter()
+        try:
+            llm.generate([prompt], _greedy(new_tokens), use_tqdm=False)
+        finally:
+            if cuda:
+                torch.cuda.set_sync_debug_mode("default")
+        out["wall_ms"] = (time.perf_counter() - t0) * 1e3
+    if cuda:
+        out["syncs"] = sum("synchroniz" in str(w.message) for w in caught)
+        device = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+        out["kernels"] = len(device)
+        out["kernel_ms"] = sum(e.device_time_total for e in device) / 1e3   # µs each
+    out["uploads"] = buffers.uploads - uploads0
+    out["steps"] = llm.stats()["steps"] - steps0
+    return out
+
+
+def _per_step(short: dict, long: dict, key: str):
+    if short[key] is None or long[key] is None:
+        return None
+    return (long[key] - short[key]) / (long["steps"] - short["steps"])
+
+
+def decode_step(ctx: Context) -> dict:
+    import torch
+    llm = ctx.need("llm", "capture")
+    cuda = ctx.profile.device == "cuda" and torch.cuda.is_available()
+    prompt = list(range(3, 3 + ctx.profile.prompt_len))
+    _one_run(llm, prompt, LONG, cuda)                      # warm: every size these runs use
+    short, long = _one_run(llm, prompt, SHORT, cuda), _one_run(llm, prompt, LONG, cuda)
+    per = {key: _per_step(short, long, key) for key in ("syncs", "kernels", "kernel_ms", "wall_ms", "uploads")}
+    busy = None if per["kernel_ms"] is None else per["kernel_ms"] / per["wall_ms"]
+    out = {"decode_steps_compared": long["steps"] - short["steps"], "syncs_per_step": per["syncs"],
+           "kernels_per_step": per["kernels"], "gpu_busy_fraction": busy, "wall_ms_per_step": per["wall_ms"],
+           "input_uploads_per_step": per["uploads"], "runs": {"short": short, "long": long},
+           "targets": {"syncs_per_step": "<= 1", "input_uploads_per_step": "1 (CUDA)"}}
+    if not cuda:
+        out["why_none"] = "no CUDA device: syncs, kernels and GPU-busy time are device figures"
+        out["ok"] = per["wall_ms"] is not None and per["wall_ms"] > 0
+    else:
+        out["ok"] = per["syncs"] is not None and per["syncs"] <= 1 and per["uploads"] == 1
+    return out
