@@ -20,6 +20,7 @@ from phaseflip.graphs.registry import GraphRegistry
 from phaseflip.kernels import linear
 from phaseflip.kernels.rotary import cos_sin_table
 from phaseflip.layouts.arena import WeightArena, allocate_arena, arena_bases, image_slots, pack_image
+from phaseflip.layouts.comm import break_graphs_at_collectives
 from phaseflip.layouts.flip import InjectedFault, allocate_staging, run_flip
 from phaseflip.layouts.kvcache import KVRegion, KVShape
 from phaseflip.layouts.messages import (ArmFault, FlipCommand, FlipReport, RankBoot, RankManifest,
@@ -147,8 +148,10 @@ class RankRuntime:
         cuda = self.device != "cpu"
         self.pool = torch.cuda.graph_pool_handle() if cuda and boot.capture else None
         stream = torch.cuda.Stream(self.device) if self.pool is not None else None
-        if boot.compile != "off" and boot.compile_cache_dir is not None:
-            self.compile_caches = use_cache_dir(boot.compile_cache_dir)
+        if boot.compile != "off":
+            break_graphs_at_collectives()
+            if boot.compile_cache_dir is not None:
+                self.compile_caches = use_cache_dir(boot.compile_cache_dir)
         for name in boot.layouts:
             self.arena.refill(name)
             runner = self.runners[name]

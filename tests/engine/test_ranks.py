@@ -112,3 +112,11 @@ def test_torchrun_runs_the_same_boot(model, tmp_path):
         assert "flip pp->tp" in r.stdout and "== summary ==" in r.stdout
         outs[mode] = [json.loads(line)["token_ids"] for line in out.read_text().splitlines()]
     assert outs["torchrun"] == outs["spawn"]
+
+
+def test_a_rank_process_imports_no_compiler_until_it_compiles():
+    """torch._dynamo costs a rank ~1.6 s to import; comm's graph breaks are applied when a rank is about
+    to compile (break_graphs_at_collectives), not at import."""
+    code = ("import sys, phaseflip.engine.rank_process; "
+            "assert 'torch._dynamo' not in sys.modules, 'torch._dynamo imported at import'")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
