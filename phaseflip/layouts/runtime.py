@@ -207,12 +207,12 @@ class RankRuntime:
         steps = [{"layout": st.key.layout, "phase": st.key.phase, "bucket": st.key.bucket,
                   "backend": st.backend, "capture_ms": st.capture_ms, "pool_bytes": st.pool_bytes,
                   "replays": st.replays, "buffers": st.buffer_shapes()} for st in self.registry.steps()]
+        stats = self.stats()
         return RankManifest(
             rank=self.rank, pid=os.getpid(), device=self.device, active_layout=self.active,
             boot_ms=dict(self.boot_ms), ledger={name: rank_ledger(self, name, num_blocks) for name in self.runners},
             steps=steps, compile={name: dict(r.compile_report) for name, r in self.runners.items()},
-            memory=dict(self.memory), eager_fallbacks=self.stats().eager_fallbacks,
-            chunked_runs=self.stats().chunked_runs)
+            memory=dict(self.memory), eager_fallbacks=stats.eager_fallbacks, chunked_runs=stats.chunked_runs)
 
     def stats(self) -> RankStats:
         return RankStats(self.rank, self.active, self.registry.captures_at_boot,
