@@ -19,13 +19,22 @@ the next one runs; once the time budget is spent the rest are recorded as skippe
   fp32_parity        fp32 greedy tokens on a tiny model against HF transformers
   hf_decode          HF transformers at the same batches (static cache + torch.compile); a batch starts
                      only while it is expected to end within GRACE_S of the budget
+  decode_8b          a Llama-3.1-8B-shaped model (random bf16), TP layout: batch-1 decode against its bound;
+                     skipped with the reason when the budget left is too short
+  compile_boot       cold and warm boots (fresh processes, fresh then reused inductor/Triton caches) of the
+                     1B and 30-layer SmolLM2 shapes with compile="auto": compile seconds, choices, and
+                     decode tokens/s against the uncompiled engine
+--sections a,b,...   runs only those (in the order above); a section that needs an earlier one's results
+                     records that it did not get them. Two device runs of at most 8 minutes each cover all:
+                     the default, then `--sections environment,bandwidth,decode_8b,compile_boot`.
 --dry-run runs the same steps on the CPU with tiny shapes (kernels through Triton's interpreter, a
 subset; HF without torch.compile), so CI proves the script is wired; its numbers are CPU numbers.
 Every number is measured in this run, or null next to the reason: never made up. Needs the source
 checkout on PYTHONPATH (tests/models.py builds the tokenizer and the HF references).
 
-The sections live in gpu_sections_device.py (environment, kernels, bandwidth) and gpu_sections_engine.py
-(the engine and HF sections); profiles and the Context they share in gpu_context.py. This module owns the
+The sections live in gpu_sections_device.py (environment, kernels, bandwidth), gpu_sections_engine.py
+(the engine and HF sections), gpu_sections_step.py (decode_step) and gpu_sections_compile.py (decode_8b,
+compile_boot); profiles and the Context they share in gpu_context.py. This module owns the
 driver: argument parsing, the section loop with its time budget, and the JSON and log files.
 """
 from __future__ import annotations
@@ -42,6 +51,7 @@ from pathlib import Path
 
 from phaseflip.tools.gpu_context import (DRY, DRY_KERNEL_CASES, FULL, GRACE_S, LLAMA_1B, TINY,  # noqa: F401
                                          Context, Profile)
+from phaseflip.tools.gpu_sections_compile import compile_boot, decode_8b
 from phaseflip.tools.gpu_sections_device import bandwidth, environment, kernels
 from phaseflip.tools.gpu_sections_engine import (capture, decode_throughput, fp32_parity, hf_decode,
                                                  park_restore, replay_vs_eager, restore, write_model)  # noqa: F401
@@ -50,19 +60,23 @@ from phaseflip.tools.gpu_sections_step import decode_step
 log = logging.getLogger("phaseflip.gpu_check")
 
 SECTIONS = (environment, kernels, bandwidth, capture, replay_vs_eager, park_restore, restore,
-            decode_throughput, decode_step, fp32_parity, hf_decode)
+            decode_throughput, decode_step, fp32_parity, hf_decode, decode_8b, compile_boot)
 
 
 # -- driver ------------------------------------------------------------------------------------------
-def run(out: Path, dry_run: bool, budget_s: float, engine_compile: str = "off") -> dict:
+def run(out: Path, dry_run: bool, budget_s: float, engine_compile: str = "off",
+        sections: tuple[str, ...] | None = None) -> dict:
     start = time.monotonic()
     ctx = Context(DRY if dry_run else FULL, dry_run, Path(tempfile.mkdtemp(prefix="gpu_check_")), start + budget_s,
                   engine_compile)
     report = {"gpu_check": 1, "dry_run": dry_run, "budget_s": budget_s, "engine_compile": engine_compile,
+              "sections_asked": list(sections) if sections else "all",
               "sections": {}}
     try:
         for section in SECTIONS:
             name = section.__name__
+            if sections is not None and name not in sections:
+                continue
             if time.monotonic() > ctx.deadline:
                 report["sections"][name] = {"ok": None, "skipped": "time budget spent"}
                 continue
@@ -94,6 +108,15 @@ def _write(out: Path, report: dict) -> None:
     tmp.replace(out / "gpu_check.json")
 
 
+def _section_names(text: str) -> tuple[str, ...]:
+    names = tuple(n.strip() for n in text.split(",") if n.strip())
+    known = [s.__name__ for s in SECTIONS]
+    bad = [n for n in names if n not in known]
+    if bad or not names:
+        raise argparse.ArgumentTypeError(f"unknown section {bad[0] if bad else text!r}: allowed are {', '.join(known)}")
+    return names
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m phaseflip.tools.gpu_check", description=__doc__.split("\n")[0])
     parser.add_argument("--out", required=True, type=Path, help="folder for gpu_check.json and gpu_check.log")
@@ -103,6 +126,8 @@ def main(argv=None) -> int:
     parser.add_argument("--engine-compile", choices=("off", "auto", "on"), default="off",
                         help="the 1B engine's compile option (default off: inductor compiles of a 16-layer "
                              "step per layout and role do not fit the 8-minute check next to HF's)")
+    parser.add_argument("--sections", type=_section_names, default=None,
+                        help="comma-separated section names to run (default: all, in order)")
     args = parser.parse_args(argv)
     if args.dry_run:   # read when triton is first imported: before anything imports it
         os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -111,7 +136,7 @@ def main(argv=None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s",
                         handlers=handlers, force=True)
     budget = args.budget_s if args.budget_s is not None else (300.0 if args.dry_run else 400.0)
-    report = run(args.out, args.dry_run, budget, args.engine_compile)
+    report = run(args.out, args.dry_run, budget, args.engine_compile, args.sections)
     for name, s in report["sections"].items():
         log.info("%-18s ok=%s %s", name, s.get("ok"), s.get("error") or s.get("skipped") or "")
     return 0 if report["ok"] else 1

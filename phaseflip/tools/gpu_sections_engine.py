@@ -10,7 +10,7 @@ import statistics
 import time
 from pathlib import Path
 
-from phaseflip.tools.gpu_context import GRACE_S, Context
+from phaseflip.tools.gpu_context import GRACE_S, Context, Profile
 from phaseflip.tools.gpu_sections_device import sync_device
 
 
@@ -34,6 +34,8 @@ def write_model(out_dir: Path, shape: dict, device: str, seed: int = 0) -> Path:
                        p + "mlp.down_proj.weight": (h, c["intermediate_size"])})
     gen = torch.Generator(device=device).manual_seed(seed)
     tensors = {}
+    if not c.get("tie_word_embeddings", True):
+        shapes["lm_head.weight"] = (c["vocab_size"], h)
     for name, s in shapes.items():
         if name.endswith("norm.weight"):
             t = torch.rand(s, generator=gen, device=device) * 0.4 + 0.8
@@ -62,15 +64,19 @@ def _tokens(outputs) -> list[list[int]]:
     return [list(o.outputs[0].token_ids) for o in outputs]
 
 
-def _engine(ctx: Context, model_dir: Path, **overrides):
-    from phaseflip import LLM
-    p = ctx.profile
+def engine_kwargs(p: Profile, model_dir: Path, **overrides) -> dict:
+    """The LLM arguments every engine of the check shares (plain data: a child process gets them as JSON)."""
     kwargs = dict(model=str(model_dir), device=p.device, dtype="bfloat16", layouts=("pp", "tp"), park="always",
                   max_model_len=p.max_model_len, max_num_seqs=max(p.bench_batches),
                   max_num_batched_tokens=max(p.prefill_buckets), decode_buckets=p.decode_buckets,
                   prefill_buckets=p.prefill_buckets, seed=0)
     kwargs.update(overrides)
-    return LLM(**kwargs)
+    return kwargs
+
+
+def _engine(ctx: Context, model_dir: Path, **overrides):
+    from phaseflip import LLM
+    return LLM(**engine_kwargs(ctx.profile, model_dir, **overrides))
 
 
 def _first_mismatch(a: list[list[int]], b: list[list[int]]):
@@ -166,6 +172,18 @@ def restore(ctx: Context) -> dict:
             "flip_total_ms_median": statistics.median(c["total_ms"] for c in cycles)}
 
 
+def decode_rates(llm, batches, prompt_len: int, new_tokens: int) -> dict[int, float]:
+    """Decode tokens/s at each batch: token 0 comes from the prefill and token 1's step includes the flip
+    to the decode layout, so the rate is measured from token 1 to the last token."""
+    rates = {}
+    for batch in batches:
+        outs = llm.generate(_prompts(batch, prompt_len, seed=100 + batch), _greedy(new_tokens), use_tqdm=False)
+        starts = [o.metrics.arrival_time + o.metrics.token_times[1] for o in outs]
+        ends = [o.metrics.arrival_time + o.metrics.token_times[-1] for o in outs]
+        rates[batch] = batch * (new_tokens - 2) / (max(ends) - min(starts))
+    return rates
+
+
 def decode_throughput(ctx: Context) -> dict:
     p, llm = ctx.profile, ctx.need("llm", "capture")
     stats = llm.stats()
@@ -173,13 +191,7 @@ def decode_throughput(ctx: Context) -> dict:
     weight_bytes = stats["shard_bytes"][0][decode_layout]
     bw = ctx.shared.get("device_bw")
     rows = []
-    for batch in p.bench_batches:
-        outs = llm.generate(_prompts(batch, p.prompt_len, seed=100 + batch), _greedy(p.bench_tokens), use_tqdm=False)
-        # token 0 comes from the prefill and token 1's step includes the flip to the decode layout:
-        # the decode rate is measured from token 1 to the last token.
-        starts = [o.metrics.arrival_time + o.metrics.token_times[1] for o in outs]
-        ends = [o.metrics.arrival_time + o.metrics.token_times[-1] for o in outs]
-        tok_s = batch * (p.bench_tokens - 2) / (max(ends) - min(starts))
+    for batch, tok_s in decode_rates(llm, p.bench_batches, p.prompt_len, p.bench_tokens).items():
         bound = None if bw is None else batch * bw / weight_bytes
         rows.append({"batch": batch, "tokens_per_s": tok_s, "bandwidth_bound_tokens_per_s": bound,
                      "fraction_of_bound": None if bound is None else tok_s / bound})

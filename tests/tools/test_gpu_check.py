@@ -1,16 +1,22 @@
 """The GPU check is wired: its dry run (the same steps on the CPU with tiny shapes) writes every section,
 and a failing or late section is recorded without stopping the others."""
+import argparse
 import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
-from phaseflip.tools import gpu_check
+import pytest
+
+from phaseflip.tools import gpu_check, gpu_sections_compile
+from phaseflip.tools.gpu_context import DRY, GRACE_S, Context
+from phaseflip.tools.gpu_sections_engine import engine_kwargs
 
 ROOT = Path(__file__).resolve().parents[2]
 SECTIONS = ("environment", "kernels", "bandwidth", "capture", "replay_vs_eager", "park_restore", "restore",
-            "decode_throughput", "decode_step", "fp32_parity", "hf_decode")
+            "decode_throughput", "decode_step", "fp32_parity", "hf_decode", "decode_8b", "compile_boot")
 
 
 def test_dry_run_writes_every_section(tmp_path):
@@ -36,6 +42,28 @@ def test_dry_run_writes_every_section(tmp_path):
     assert all(r["tokens_per_s"] > 0 and r["bandwidth_bound_tokens_per_s"] > 0 for r in s["decode_throughput"]["rows"])
     assert [r["batch"] for r in s["hf_decode"]["rows"]] == [1, 8, 64]
     assert s["fp32_parity"]["ok"]
+    assert s["decode_8b"]["tokens_per_s_batch_1"] > 0 and s["decode_8b"]["fraction_of_bound"] > 0
+    for name in ("llama-1b", "smollm2-30"):   # each boot a process of its own
+        m = s["compile_boot"]["models"][name]
+        assert m["cold"]["finished"] and m["warm"]["finished"] and m["uncompiled"]["finished"], m
+        assert set(m["speedup"]) == {"1", "8", "64"} and m["targets_met"] is None   # dry run: compile="off"
+
+
+def test_sections_runs_only_those_named(tmp_path):
+    report = gpu_check.run(tmp_path, dry_run=True, budget_s=60, sections=("environment",))
+    assert list(report["sections"]) == ["environment"] and report["ok"]
+    with pytest.raises(argparse.ArgumentTypeError, match="unknown section 'bogus': allowed are environment"):
+        gpu_check._section_names("environment,bogus")
+
+
+def test_a_boot_that_fails_is_unfinished_with_its_reason(tmp_path):
+    ctx = Context(DRY, True, tmp_path, time.monotonic() + 60, "off")
+    spec = {"engine": engine_kwargs(DRY, tmp_path / "no-such-model"), "batches": [1], "prompt_len": 4, "new_tokens": 3}
+    run = gpu_sections_compile._boot(ctx, spec, tmp_path / "cache")
+    assert not run["finished"] and "exited 1" in run["reason"] and "no-such-model" in run["stderr_tail"]
+    ctx.deadline = time.monotonic() - GRACE_S - 1
+    assert gpu_sections_compile._boot(ctx, spec, tmp_path / "cache") == {"finished": False,
+                                                                         "reason": "time budget spent"}
 
 
 def test_a_failing_section_is_recorded_and_a_late_one_skipped(tmp_path, monkeypatch):
