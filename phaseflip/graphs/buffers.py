@@ -3,8 +3,8 @@
 Owns: StaticBuffers. A captured step reads its inputs from fixed addresses; replay copies the live
 inputs into a prefix of each buffer and pads the rest with a declared sentinel. Knows nothing of models.
 
-Staged (the default on CUDA): the host-built inputs (every int64 buffer: token ids, positions, slots,
-attention metadata) are one flat device tensor with a host mirror (pinned on CUDA); `fill` writes the
+Staged (the default on CUDA): the host-built inputs (every 8-byte buffer: token ids, positions, slots,
+attention metadata, sampling parameters) are one flat device tensor with a host mirror (pinned on CUDA); `fill` writes the
 mirror and `upload` moves all of it with ONE asynchronous copy, instead of a synchronous pageable copy
 and a padding kernel per buffer. Before the mirror is written again, the previous copy is waited for
 (it has normally long finished: the step that read it sampled since). Other buffers (a later PP
@@ -46,15 +46,15 @@ class StaticBuffers:
             for name in names:
                 spec = self.specs[name]
                 numel = math.prod(spec.shape)
-                self.tensors[name] = self._flat[offset:offset + numel].view(spec.shape)
-                self._host[name] = self._host_flat[offset:offset + numel].view(spec.shape)
+                self.tensors[name] = self._flat[offset:offset + numel].view(spec.dtype).view(spec.shape)
+                self._host[name] = self._host_flat[offset:offset + numel].view(spec.dtype).view(spec.shape)
                 self._host[name].fill_(spec.pad_value)
                 offset += numel
             self._flat.copy_(self._host_flat)
         self.tensors = {name: self.tensors[name] for name in self.specs}   # the specs' order
 
     def _is_staged(self, name: str) -> bool:
-        return self.staged and self.specs[name].dtype == torch.int64
+        return self.staged and self.specs[name].dtype.itemsize == 8
 
     def views(self, sizes: dict[str, int]) -> dict[str, torch.Tensor]:
         """Leading-dim prefixes of every buffer: `sizes[name]` rows (the full buffer when absent)."""

@@ -5,8 +5,10 @@ Owns: StepKey and CapturedStep, and the backends that record a step:
     buffer views; replay calls it. An eager step may instead be replayed on exact-size inputs.
   - "cuda": a torch.cuda.CUDAGraph captured over the same views after a warm-up, on a side stream, in
     the memory pool the caller passes (one per rank, shared by every layout's graphs).
-Replay = copy inputs into the views (the caller) + replay. Knows nothing of models or layouts beyond
-the opaque `layout` string in the key.
+Replay = copy inputs into the views (the caller) + replay. A step may have variants (e.g. a decode
+that ends in greedy ids only, or in the full sampler): one recording each over the same views (one CUDA
+graph each, in the same pool); the first is the default. Knows nothing of models or layouts beyond the
+opaque `layout` string in the key.
 """
 from __future__ import annotations
 
@@ -18,7 +20,11 @@ import torch
 
 from phaseflip.graphs.buffers import StaticBuffers
 
-StepFn = Callable[[dict[str, torch.Tensor]], torch.Tensor]
+StepFn = Callable[[dict[str, torch.Tensor]], object]
+
+
+def _variants(fn: StepFn | dict[str, StepFn]) -> dict[str, StepFn]:
+    return dict(fn) if isinstance(fn, dict) else {"step": fn}
 
 
 @dataclass(frozen=True)
@@ -33,54 +39,76 @@ class CapturedStep:
     key: StepKey
     backend: str
     views: dict[str, torch.Tensor]
-    run: Callable[[], torch.Tensor]
+    runs: dict[str, Callable[[], object]]  # variant -> its recording over `views`; the first is the default
     capture_ms: float
     pool_bytes: int | None = None          # graph pool bytes this capture added; None where not measured
     replays: int = field(default=0)
-    graph: object | None = None            # the torch.cuda.CUDAGraph (cuda backend)
-    fn: StepFn | None = None               # the step itself, for an eager step (shape-polymorphic)
+    graphs: dict[str, object] = field(default_factory=dict)   # variant -> torch.cuda.CUDAGraph (cuda)
+    fns: dict[str, StepFn] | None = None   # the steps themselves, for an eager step (shape-polymorphic)
 
     @property
     def exact_size(self) -> bool:
         """Whether replay may be handed exact-size inputs instead of the padded bucket: an eager step
         has no recorded shape, and on the CPU every padding row is wasted arithmetic."""
-        return self.backend == "eager" and self.fn is not None
+        return self.backend == "eager" and self.fns is not None
 
-    def replay(self, exact: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
+    @property
+    def variants(self) -> tuple[str, ...]:
+        return tuple(self.runs)
+
+    def replay(self, exact: dict[str, torch.Tensor] | None = None, variant: str | None = None):
+        variant = variant or next(iter(self.runs))
+        if variant not in self.runs:
+            raise ValueError(f"{self.key}: no variant {variant!r}; recorded are {', '.join(self.runs)}")
         self.replays += 1
         if exact is not None:
             if not self.exact_size:
                 raise ValueError(f"{self.key}: a {self.backend} step replays its bucket's views only")
-            return self.fn(exact)
-        return self.run()
+            return self.fns[variant](exact)
+        return self.runs[variant]()
 
     def buffer_shapes(self) -> dict[str, tuple[int, ...]]:
         return {name: tuple(t.shape) for name, t in self.views.items()}
 
 
-def capture_eager(key: StepKey, fn: StepFn, buffers: StaticBuffers, sizes: dict[str, int],
+def capture_eager(key: StepKey, fn: StepFn | dict[str, StepFn], buffers: StaticBuffers, sizes: dict[str, int],
                   warmup: bool = False, backend: str = "eager") -> CapturedStep:
-    """Record a step on the CPU: bind fn to the bucket's views. An eager step has nothing to record,
-    so the warm-up run (which proves the step runs at this size) is optional: on the CPU it costs a
-    full forward per bucket."""
+    """Record a step (each variant of it) on the CPU: bind it to the bucket's views. An eager step has
+    nothing to record, so the warm-up run (which proves the step runs at this size) is optional: on the
+    CPU it costs a full forward per bucket."""
     t0 = time.perf_counter()
-    views = buffers.views(sizes)
+    views, fns = buffers.views(sizes), _variants(fn)
     if warmup:
-        fn(views)
-    return CapturedStep(key=key, backend=backend, views=views, run=lambda: fn(views),
-                        capture_ms=(time.perf_counter() - t0) * 1e3, fn=fn if backend == "eager" else None)
+        for f in fns.values():
+            f(views)
+    return CapturedStep(key=key, backend=backend, views=views, runs={v: _bound(f, views) for v, f in fns.items()},
+                        capture_ms=(time.perf_counter() - t0) * 1e3, fns=fns if backend == "eager" else None)
 
 
-def capture_cuda(key: StepKey, fn: StepFn, buffers: StaticBuffers, sizes: dict[str, int], pool,
-                 stream, warmup_iters: int = 2) -> CapturedStep:
-    """Capture fn over the bucket's views as a CUDA graph (warm-up first: lazy init, autotuning and
-    compilation must not happen inside the capture)."""
+def _bound(fn: StepFn, views: dict[str, torch.Tensor]) -> Callable[[], object]:
+    return lambda: fn(views)
+
+
+def capture_cuda(key: StepKey, fn: StepFn | dict[str, StepFn], buffers: StaticBuffers, sizes: dict[str, int],
+                 pool, stream, warmup_iters: int = 2) -> CapturedStep:
+    """Capture each variant over the bucket's views as a CUDA graph (warm-up first: lazy init, autotuning
+    and compilation must not happen inside the capture)."""
     t0 = time.perf_counter()
     views = buffers.views(sizes)
     device = next(iter(views.values())).device
     torch.cuda.synchronize(device)
     reserved = torch.cuda.memory_reserved(device)
-    stream.wait_stream(torch.cuda.current_stream(device))
+    runs, graphs = {}, {}
+    for variant, f in _variants(fn).items():
+        graphs[variant], out = _record(f, views, pool, stream, warmup_iters)
+        runs[variant] = _replayer(graphs[variant], out)
+    torch.cuda.synchronize(device)
+    return CapturedStep(key=key, backend="cuda", views=views, runs=runs, capture_ms=(time.perf_counter() - t0) * 1e3,
+                        pool_bytes=torch.cuda.memory_reserved(device) - reserved, graphs=graphs)
+
+
+def _record(fn: StepFn, views: dict[str, torch.Tensor], pool, stream, warmup_iters: int):
+    stream.wait_stream(torch.cuda.current_stream(stream.device))
     with torch.cuda.stream(stream):
         for _ in range(warmup_iters):
             fn(views)
@@ -88,11 +116,11 @@ def capture_cuda(key: StepKey, fn: StepFn, buffers: StaticBuffers, sizes: dict[s
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph, pool=pool, stream=stream):
         out = fn(views)
-    torch.cuda.synchronize(device)
+    return graph, out
 
-    def run() -> torch.Tensor:
+
+def _replayer(graph, out) -> Callable[[], object]:
+    def run():
         graph.replay()
         return out
-    return CapturedStep(key=key, backend="cuda", views=views, run=run,
-                        capture_ms=(time.perf_counter() - t0) * 1e3,
-                        pool_bytes=torch.cuda.memory_reserved(device) - reserved, graph=graph)
+    return run

@@ -3,8 +3,9 @@
 Owns: executing a StepPlan in one layout — PP: receive the hidden states from the previous stage, run
 this stage's layers, send them to the next (explicit send/recv); TP: run every layer on this rank's
 head/MLP share (all-reduces inside the maths), gather the vocab-parallel logits to the output rank.
-The output rank (the last one in both layouts) samples. Replays the smallest captured bucket that
-fits; a decode batch above every bucket replays the largest CUDA graph chunk by chunk; any other
+The output rank (the last one in both layouts) samples; where it holds the whole vocabulary, a decode
+step ends in the sampled ids (LM head and sampler inside the recorded step, one read of the ids by the
+host; step_sampling.py). Replays the smallest captured bucket that fits; a decode batch above every bucket replays the largest CUDA graph chunk by chunk; any other
 uncaptured size runs eagerly and is counted.
 """
 from __future__ import annotations
@@ -29,6 +30,7 @@ from phaseflip.layouts.sampler import Sampler
 from phaseflip.layouts.shard import RankWeights
 from phaseflip.layouts.spec import RankShard
 from phaseflip.layouts.step_inputs import bucket_sizes, decode_rows, prepare_inputs
+from phaseflip.layouts.step_sampling import cat_outputs, sampling_variants, variant_for
 
 
 @dataclass(frozen=True)
@@ -86,10 +88,24 @@ class LayoutRunner:
         self.choices: dict[tuple[str, int], str] = {}              # (role, bucket) -> "compiled" | "eager"
         self.compile_report: dict[str, dict] = {}
         self.compiled_head = None    # the LM head compiled for a GEMV_ROWS-row decode (CPU), if any
+        # decode steps end in sampled ids where this rank samples from the whole vocabulary (set False
+        # after boot: the recorded steps' logits are sampled on the host instead)
+        self.samples_in_step = (self.rank == self.output_rank and self.shard.has_head
+                                and self.shard.vocab.count == self.cfg.vocab_size)
 
     def step_fn(self, meta: dict[str, torch.Tensor], layer_fn=decoder_layer) -> torch.Tensor:
         return forward(self.weights, self.cfg, self.shard, meta, self.kv, self.rope_table, self.tp_comm,
                        hidden_in=meta.get("hidden_in"), layer_fn=layer_fn)
+
+    def head(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits of these rows: the compiled head where one was chosen for this few rows (CPU)."""
+        head = self.compiled_head if hidden.shape[0] <= GEMV_ROWS else None
+        return (head or compute_logits)(self.weights.lm_head, hidden)
+
+    def _decode_fns(self, fn):
+        """What a decode bucket records: the step itself, or on a rank that samples in the step, its two
+        variants (ids by argmax only, or the whole sampler) around it."""
+        return sampling_variants(fn, self.head) if self.samples_in_step else fn
 
     def _phase_sizes(self, phase: Phase) -> list[tuple[int, dict[str, int]]]:
         s = self.shapes
@@ -202,6 +218,7 @@ class LayoutRunner:
                 key = StepKey(self.layout, phase.value, bucket)
                 backend = self.choices.get((phase.value, bucket), "eager")
                 fn = self.compiled_steps[phase] if backend == "compiled" else self.step_fn
+                fn = self._decode_fns(fn) if phase is Phase.DECODE else fn
                 if pool is not None:
                     step = capture_cuda(key, fn, self.buffers, self._sizes(sizes), pool, stream)
                 else:
@@ -215,14 +232,14 @@ class LayoutRunner:
     # 32-row step 164-218 ms).
     CHUNKED_BACKENDS = ("cuda",)
 
-    def _run(self, plan: StepPlan, meta: dict[str, torch.Tensor]) -> torch.Tensor:
+    def _run(self, plan: StepPlan, meta: dict[str, torch.Tensor], variant: str | None = None):
         """This stage's hidden states: a replay when a bucket fits, else an eager run. An eager replay
         runs at the exact size; a compiled or CUDA-graph one over its padded bucket. Between PP stages
         only the real rows travel (padding rows of a padded receiver keep stale, never-read values).
         A decode batch above the largest decode bucket may run as chunks of that bucket (`_run_chunks`)."""
         chunk = self._decode_chunk(plan)
         if chunk is not None:
-            return self._run_chunks(plan, meta, chunk)
+            return self._run_chunks(plan, meta, chunk, variant)
         size = plan.num_seqs if plan.phase is Phase.DECODE else plan.num_tokens
         step = self.registry.lookup(self.layout, plan.phase.value, size)
         padded = step is not None and not step.exact_size
@@ -231,22 +248,25 @@ class LayoutRunner:
             hidden_in = self.buffers.tensors["hidden_in"]
             self.comm.recv(hidden_in[:rows], self.rank - 1)
             meta["hidden_in"] = hidden_in[:step.views["input_ids"].shape[0] if padded else rows]
-        hidden = self._replay(step, meta)
+        hidden = self._replay(step, meta, variant)
         if self.is_pp and not self.shard.has_head:
             self.comm.send(hidden[:rows], self.rank + 1)
         return hidden
 
-    def _replay(self, step, meta: dict[str, torch.Tensor]) -> torch.Tensor:
+    def _replay(self, step, meta: dict[str, torch.Tensor], variant: str | None = None):
         """One step over meta's rows: an exact-size run (eager replay, or uncaptured when step is None),
         or the step's bucket filled (hidden_in too, unless it already lies in the buffer) and replayed."""
         if step is None or step.exact_size:
             exact = {k: v.to(self.kv.tensor.device) for k, v in meta.items()}
-            return self.step_fn(exact) if step is None else step.replay(exact)
+            if step is not None:
+                return step.replay(exact, variant)
+            fns = self._decode_fns(self.step_fn) if variant else self.step_fn
+            return fns[variant](exact) if variant else fns(exact)
         for name, view in step.views.items():
             if name in meta and not (name == "hidden_in" and meta[name].data_ptr() == view.data_ptr()):
                 self.buffers.fill(name, meta[name], view.shape[0])
         self.buffers.upload()
-        return step.replay()
+        return step.replay(variant=variant)
 
     def _decode_chunk(self, plan: StepPlan) -> int | None:
         """The largest decode bucket where a decode batch exceeds it and that bucket's step is of a
@@ -259,7 +279,7 @@ class LayoutRunner:
         step = self.registry.lookup(self.layout, plan.phase.value, largest)
         return largest if step.backend in self.CHUNKED_BACKENDS else None
 
-    def _run_chunks(self, plan: StepPlan, meta: dict[str, torch.Tensor], chunk: int) -> torch.Tensor:
+    def _run_chunks(self, plan: StepPlan, meta: dict[str, torch.Tensor], chunk: int, variant: str | None):
         """A decode batch above every bucket as replays of `chunk` sequences each (the rest in the bucket
         that fits it), not one uncaptured step: decode rows are independent (one token each, attending
         only its own sequence's cache), so the chunks give the rows the whole batch would. A later PP
@@ -274,9 +294,9 @@ class LayoutRunner:
         for a in range(0, n, chunk):
             b = min(a + chunk, n)
             step = self.registry.lookup(self.layout, plan.phase.value, b - a)   # the last chunk may be smaller
-            parts.append(self._replay(step, decode_rows(meta, a, b))[:b - a])
+            parts.append(self._replay(step, decode_rows(meta, a, b), variant))
         self.registry.chunked_runs[(self.layout, plan.phase.value)] += 1
-        hidden = torch.cat(parts)
+        hidden = cat_outputs(parts, [min(chunk, n - a) for a in range(0, n, chunk)])
         if self.is_pp and not self.shard.has_head:
             self.comm.send(hidden, self.rank + 1)
         return hidden
@@ -284,16 +304,21 @@ class LayoutRunner:
     def execute(self, plan: StepPlan) -> list[SampledToken] | None:
         """Run the step; the output rank returns the sampled tokens, the others None."""
         meta, sample_rows = prepare_inputs(plan, self.shapes.block_size)
+        if plan.phase is Phase.DECODE and self.samples_in_step:
+            seq_ids = [c.seq_id for c in plan.chunks]
+            columns = self.sampler.step_columns(seq_ids, self.cfg.vocab_size)
+            picked, logits = self._run(plan, {**meta, **columns}, variant_for(columns))
+            return self.sampler.finish_in_step(picked, logits, seq_ids, columns)
         hidden = self._run(plan, meta)
         if not self.shard.has_head or not sample_rows:
             return [] if self.rank == self.output_rank else None
         n = len(sample_rows)
-        if sample_rows == list(range(n)):   # a decode: every row samples; no index to copy to the device
-            rows = hidden[:n]
+        if isinstance(hidden, tuple):   # a decode recorded to end in logits, sampled on the host this time
+            logits = hidden[1][:n]
+        elif sample_rows == list(range(n)):   # a decode: every row samples; no index to copy to the device
+            logits = self.head(hidden[:n])  # [N, V_r]
         else:
-            rows = hidden[torch.tensor(sample_rows, device=hidden.device)]
-        head = self.compiled_head if len(sample_rows) <= GEMV_ROWS else None
-        logits = (head or compute_logits)(self.weights.lm_head, rows)  # [N, V_r]
+            logits = self.head(hidden[torch.tensor(sample_rows, device=hidden.device)])
         if self.shard.tp_size > 1:
             logits = self._gather_logits(logits)
         if self.rank != self.output_rank:

@@ -8,9 +8,12 @@ stops (the controller does, from the tokens it gets back) and never runs the mod
 Reproducibility: every sequence has its own CPU torch.Generator and takes one float64 uniform from it
 per sampled step (inverse-CDF sampling), and the path a row takes depends only on the row itself. So a
 seeded sequence gets the same tokens whatever else is in the batch and in whatever order, and its
-uniforms are the same on CPU and CUDA. A generator is seeded with `params.seed` when given, else with a mix
-of the engine seed and the sequence id, so an engine built with the same seed reproduces unseeded
-requests as well (given the same seq ids). Greedy sequences have no generator.
+uniforms are the same on CPU and CUDA. A generator is seeded with `params.seed` when given, else with
+a mix of the engine seed and the sequence id, so an engine built with the same seed reproduces
+unseeded requests as well (given the same seq ids). Greedy sequences have no generator. A decode step
+that samples inside its recorded step (step_sampling.py) takes the same uniform from the same
+generator before the step, and `draw_in_step` runs the same maths on every row, each row keeping its
+own path: the same tokens.
 
 Filters apply in this order: temperature, top-k, top-p, min-p, over the tokens ordered by (raw logit
 descending, token id ascending), so every tie goes to the lower token id (top_k=1 is exactly greedy).
@@ -58,6 +61,7 @@ class Sampler:
     def __init__(self, seed: int = 0):
         self.seed = seed
         self._seqs: dict[int, _SeqState] = {}
+        self.in_step_finishes = 0   # decode steps whose tokens were drawn inside the recorded step
 
     def __len__(self) -> int:
         return len(self._seqs)
@@ -95,6 +99,41 @@ class Sampler:
         logprobs = _logprobs(logits, token_ids, states)
         return [SampledToken(s, t, *lp) for s, t, lp in zip(seq_ids, token_ids.tolist(), logprobs)]
 
+    def step_columns(self, seq_ids: list[int], vocab_size: int) -> dict[str, torch.Tensor]:
+        """The inputs of sampling inside a recorded step (`draw_in_step`), one row per sequence, on the
+        CPU: mode, parameters, and each non-greedy sequence's uniform for this step, drawn now from its
+        generator (the one the host path would draw after the step: the same tokens)."""
+        states = [self._state(s) for s in seq_ids]
+        cols = RowParams.of([st.params for st in states], vocab_size)
+        return {"sample_mode": torch.tensor([_mode(st.params) for st in states], dtype=torch.int64),
+                "temperature": cols.temperature[:, 0], "top_k": cols.top_k[:, 0], "top_p": cols.top_p[:, 0],
+                "min_p": cols.min_p[:, 0],
+                "uniform": torch.tensor([0.5 if st.generator is None else _uniform(st) for st in states],
+                                        dtype=torch.float64)}
+
+    def finish_in_step(self, picked: torch.Tensor, logits: torch.Tensor, seq_ids: list[int],
+                       columns: dict[str, torch.Tensor]) -> list[SampledToken]:
+        """Tokens from a step that sampled: picked = [2, >= n] (ids, fits) on the device, read with ONE
+        copy to the host; a row that did not fit its candidates redraws with a full sort, and rows that
+        asked for logprobs get them from the step's logits (both only where asked)."""
+        n = len(seq_ids)
+        ids, fits = picked[:, :n].tolist()
+        self.in_step_finishes += 1
+        states = [self._state(s) for s in seq_ids]
+        redo = [i for i in range(n) if not fits[i]]
+        if redo:
+            rows = torch.tensor(redo, device=logits.device)
+            cols = RowParams(*(columns[k][redo].to(logits.device)[:, None]
+                               for k in ("temperature", "top_k", "top_p", "min_p")))
+            u = columns["uniform"][redo].to(logits.device)[:, None]
+            again, _ = _draw_from_top(logits[rows].float(), cols, u, logits.shape[1])
+            for i, t in zip(redo, again.tolist()):
+                ids[i] = t
+        logprobs = [(None, None)] * n
+        if any(st.params.logprobs is not None for st in states):
+            logprobs = _logprobs(logits[:n].float(), torch.tensor(ids, device=logits.device), states)
+        return [SampledToken(s, t, *lp) for s, t, lp in zip(seq_ids, ids, logprobs)]
+
     def _state(self, seq_id: int) -> _SeqState:
         try:
             return self._seqs[seq_id]
@@ -103,32 +142,63 @@ class Sampler:
                            f"sampling it") from None
 
 
+GREEDY, PLAIN, FILTERED = 0, 1, 2   # a row's sampling path (the `sample_mode` step input)
+
+
+def _mode(params) -> int:
+    return GREEDY if params.greedy else FILTERED if params.top_k_enabled or params.top_p < 1 else PLAIN
+
+
+@dataclass(frozen=True)
+class RowParams:
+    """Per-row sampling parameters as [n, 1] columns on the logits' device (greedy rows hold neutral
+    values). The same maths reads them whether the host built them or a recorded step's buffers hold them."""
+    temperature: torch.Tensor   # float64
+    top_k: torch.Tensor         # int64: min(top_k, vocab) where top-k is on, else the vocabulary size
+    top_p: torch.Tensor         # float64
+    min_p: torch.Tensor         # float64
+
+    @staticmethod
+    def of(params: list, vocab_size: int, device=None) -> RowParams:
+        def col(values, dtype):
+            return torch.tensor(values, dtype=dtype, device=device)[:, None]
+        live = [p if not p.greedy else None for p in params]
+        return RowParams(col([p.temperature if p else 1.0 for p in live], torch.float64),
+                         col([min(p.top_k, vocab_size) if p and p.top_k_enabled else vocab_size for p in live],
+                             torch.int64),
+                         col([p.top_p if p else 1.0 for p in live], torch.float64),
+                         col([p.min_p if p else 0.0 for p in live], torch.float64))
+
+    def rows(self, index: torch.Tensor) -> RowParams:
+        return RowParams(self.temperature[index], self.top_k[index], self.top_p[index], self.min_p[index])
+
+
 def _choose_tokens(logits: torch.Tensor, states: list[_SeqState]) -> torch.Tensor:
     """Rows go to one of three paths by their own params only; each path is batched over its rows."""
-    greedy, plain, filtered = [], [], []
+    paths: dict[int, list[int]] = {GREEDY: [], PLAIN: [], FILTERED: []}
     for i, st in enumerate(states):
-        p = st.params
-        (greedy if p.greedy else filtered if p.top_k_enabled or p.top_p < 1 else plain).append(i)
+        paths[_mode(st.params)].append(i)
     token_ids = torch.empty(len(states), dtype=torch.long, device=logits.device)
-    if greedy:
-        token_ids[greedy] = _rows(logits, greedy).argmax(dim=-1)
-    for rows, draw in ((plain, _draw_plain), (filtered, _draw_filtered)):
+    if paths[GREEDY]:
+        token_ids[paths[GREEDY]] = _rows(logits, paths[GREEDY]).argmax(dim=-1)
+    for rows, draw in ((paths[PLAIN], _draw_plain), (paths[FILTERED], _draw_filtered)):
         if rows:
-            params = [states[i].params for i in rows]
-            uniforms = [torch.rand((), dtype=torch.float64, generator=states[i].generator).item() for i in rows]
+            cols = RowParams.of([states[i].params for i in rows], logits.shape[1], logits.device)
+            uniforms = [_uniform(states[i]) for i in rows]
             u = torch.tensor(uniforms, dtype=torch.float64, device=logits.device)[:, None]   # [n, 1]
-            token_ids[rows] = draw(_rows(logits, rows), params, u)
+            token_ids[rows] = draw(_rows(logits, rows), cols, u)
     return token_ids
+
+
+def _uniform(state: _SeqState) -> float:
+    """The sequence's one uniform of this sampled step."""
+    return torch.rand((), dtype=torch.float64, generator=state.generator).item()
 
 
 def _rows(x: torch.Tensor, rows: list[int]) -> torch.Tensor:
     if len(rows) == x.shape[0]:
         return x
     return x[torch.tensor(rows, device=x.device)]
-
-
-def _column(params: list, name: str, device: torch.device, dtype=torch.float32) -> torch.Tensor:
-    return torch.tensor([getattr(p, name) for p in params], dtype=dtype, device=device)[:, None]   # [n, 1]
 
 
 def _search(weights_cdf: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
@@ -138,23 +208,34 @@ def _search(weights_cdf: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     return torch.searchsorted(weights_cdf, target, right=True)                                # [n, 1]
 
 
-def _draw_plain(logits: torch.Tensor, params: list, u: torch.Tensor) -> torch.Tensor:
-    """Temperature and min-p only: no ordering needed."""
-    probs = (logits / _column(params, "temperature", logits.device)).softmax(dim=-1)       # [n, V]
-    if any(p.min_p > 0 for p in params):   # min_p == 0 masks nothing, so skipping it changes no row
-        min_p = _column(params, "min_p", logits.device)
-        probs.masked_fill_(probs < min_p * probs.amax(dim=-1, keepdim=True), 0.0)
+def _draw_plain(logits: torch.Tensor, cols: RowParams, u: torch.Tensor) -> torch.Tensor:
+    """Temperature and min-p only: no ordering needed (min_p == 0 masks nothing)."""
+    probs = (logits / cols.temperature.float()).softmax(dim=-1)                               # [n, V]
+    probs.masked_fill_(probs < cols.min_p.float() * probs.amax(dim=-1, keepdim=True), 0.0)
     return _search(probs.cumsum(dim=-1, dtype=torch.float64), u).squeeze(1)
 
 
-def _draw_filtered(logits: torch.Tensor, params: list, u: torch.Tensor) -> torch.Tensor:
+def _draw_filtered(logits: torch.Tensor, cols: RowParams, u: torch.Tensor) -> torch.Tensor:
     """Top-k / top-p (/ min-p) over the top NUM_CANDIDATES; rows that may not fit there redo a full sort."""
     vocab_size = logits.shape[1]
-    token_ids, fits = _draw_from_top(logits, params, u, min(vocab_size, NUM_CANDIDATES))
+    token_ids, fits = _draw_from_top(logits, cols, u, min(vocab_size, NUM_CANDIDATES))
     if not bool(fits.all()):
-        rows = (~fits).nonzero().squeeze(1).tolist()
-        token_ids[rows], _ = _draw_from_top(logits[rows], [params[i] for i in rows], u[rows], vocab_size)
+        rows = (~fits).nonzero().squeeze(1)
+        token_ids[rows], _ = _draw_from_top(logits[rows], cols.rows(rows), u[rows], vocab_size)
     return token_ids
+
+
+def draw_in_step(logits: torch.Tensor, mode: torch.Tensor, cols: RowParams,
+                 u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every row's token by its own mode, without a host decision (a recorded step, a CUDA graph): all
+    three paths run on every row and each row keeps its own, so a row gets exactly the token the host
+    path would give it. fits[i] False: a filtered row whose kept set may reach past the candidates;
+    the host redoes it with a full sort (`Sampler.finish_in_step`)."""
+    logits = logits.float()
+    top, fits = _draw_from_top(logits, cols, u, min(logits.shape[1], NUM_CANDIDATES))
+    plain = _draw_plain(logits, cols, u)
+    ids = torch.where(mode == GREEDY, logits.argmax(dim=-1), torch.where(mode == PLAIN, plain, top))
+    return ids, fits | (mode != FILTERED)
 
 
 def _top_tokens(logits: torch.Tensor, num: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -167,22 +248,21 @@ def _top_tokens(logits: torch.Tensor, num: int) -> tuple[torch.Tensor, torch.Ten
     return values, ids.gather(1, order)                                                       # [n, num]
 
 
-def _draw_from_top(logits: torch.Tensor, params: list, u: torch.Tensor, num: int):
+def _draw_from_top(logits: torch.Tensor, cols: RowParams, u: torch.Tensor, num: int):
     """Draw among the top `num` tokens. fits[i]: row i's kept set is certainly the full sort's."""
     device, vocab_size = logits.device, logits.shape[1]
-    full_probs = (logits / _column(params, "temperature", device)).softmax(dim=-1)            # [n, V]
+    full_probs = (logits / cols.temperature.float()).softmax(dim=-1)                          # [n, V]
     values, ids = _top_tokens(logits, num)                                                    # [n, C]
     probs = full_probs.gather(1, ids).double()                   # the same values whatever num is
-    top_k = torch.tensor([min(p.top_k, vocab_size) if p.top_k_enabled else vocab_size for p in params],
-                         device=device)[:, None]                                              # [n, 1]
+    top_k = cols.top_k                                                                        # [n, 1]
     keep = torch.arange(num, device=device)[None, :] < top_k
     probs = probs * keep
     mass = probs.cumsum(dim=-1)
     whole = top_k == vocab_size        # no top-k: top-p is relative to the whole distribution (mass 1)
     kept_mass = torch.where(whole, 1.0, mass.gather(1, (top_k - 1).clamp(max=num - 1)))
-    top_p = _column(params, "top_p", device, torch.float64)
+    top_p = cols.top_p
     keep &= (mass - probs < top_p * kept_mass) | (top_p >= 1)
-    keep &= probs >= _column(params, "min_p", device, torch.float64) * probs[:, :1]
+    keep &= probs >= cols.min_p * probs[:, :1]
     keep = keep.byte().cummin(dim=-1).values.bool()  # a prefix, even if exp() is not monotone to the ulp
     num_kept = keep.sum(dim=-1, keepdim=True)
     positions = _search((probs * keep).cumsum(dim=-1), u)                                     # [n, 1]

@@ -14,6 +14,9 @@ from phaseflip.layouts.plan import StepPlan
 
 TOKEN_BUFFERS = ("input_ids", "positions", "slot_mapping")
 SEQ_BUFFERS = ("block_tables", "seq_lens", "query_start_loc")
+# A decode that samples inside its recorded step (sampler.draw_in_step): one row per sequence. Padding
+# rows are greedy with neutral parameters.
+SAMPLING_BUFFERS = ("sample_mode", "temperature", "top_k", "top_p", "min_p", "uniform")
 
 
 def buffer_specs(max_tokens: int, max_seqs: int, max_blocks_per_seq: int) -> dict[str, BufferSpec]:
@@ -25,6 +28,12 @@ def buffer_specs(max_tokens: int, max_seqs: int, max_blocks_per_seq: int) -> dic
         "block_tables": BufferSpec((max_seqs, max_blocks_per_seq), i64, 0),
         "seq_lens": BufferSpec((max_seqs,), i64, 0),
         "query_start_loc": BufferSpec((max_seqs + 1,), i64, 0, pad_with_last=True),
+        "sample_mode": BufferSpec((max_seqs,), i64, 0),
+        "temperature": BufferSpec((max_seqs,), torch.float64, 1.0),
+        "top_k": BufferSpec((max_seqs,), i64, 1),
+        "top_p": BufferSpec((max_seqs,), torch.float64, 1.0),
+        "min_p": BufferSpec((max_seqs,), torch.float64, 0.0),
+        "uniform": BufferSpec((max_seqs,), torch.float64, 0.5),
     }
 
 
@@ -32,6 +41,7 @@ def bucket_sizes(num_tokens: int, num_seqs: int) -> dict[str, int]:
     """Rows of each buffer a step of `num_tokens` tokens over `num_seqs` sequences reads."""
     sizes = {name: num_tokens for name in TOKEN_BUFFERS}
     sizes.update({"block_tables": num_seqs, "seq_lens": num_seqs, "query_start_loc": num_seqs + 1})
+    sizes.update({name: num_seqs for name in SAMPLING_BUFFERS})
     return sizes
 
 

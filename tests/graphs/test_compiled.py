@@ -66,9 +66,21 @@ def test_one_layer_compiles_once_for_every_layer_and_nothing_compiles_after_boot
     with _boot(d, "on", tmp_path, monkeypatch, decode_buckets=(1, 2)) as llm:
         graphs_at_boot = counters["stats"]["unique_graphs"]
         outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+        # seeded sampling inside the recorded (compiled, padded, chunked) decode step, against the host
+        # sampler on the same engine
+        sampled = [SamplingParams(temperature=0.9, top_k=40, top_p=0.95, seed=i, max_tokens=6, ignore_eos=True,
+                                  logprobs=2) for i in range(4)]
+        in_step = llm.generate(prompts, sampled, use_tqdm=False)
+        finishes = llm.ranks.runtime.sampler.in_step_finishes
+        for runner in llm.ranks.runtime.runners.values():
+            runner.samples_in_step = False
+        on_host = llm.generate(prompts, sampled, use_tqdm=False)
         m = llm.inspect()
         stats = llm.stats()
         buffers = llm.ranks.runtime.buffers
+    assert finishes > 0, "no decode step sampled inside the step"
+    assert [o.outputs[0].token_ids for o in in_step] == [o.outputs[0].token_ids for o in on_host]
+    assert [o.outputs[0].logprobs for o in in_step] == [o.outputs[0].logprobs for o in on_host]
     ok, _, msg = compare_greedy([o.outputs[0].token_ids for o in outs], expected)
     assert ok, msg
     assert buffers.staged and buffers.uploads == sum(s["replays"] for s in m["steps"]), "one copy per replay"

@@ -11,7 +11,7 @@ I64 = torch.int64
 
 def _step(layout: str, phase: str, bucket: int) -> CapturedStep:
     return CapturedStep(key=StepKey(layout, phase, bucket), backend="eager", views={},
-                        run=lambda: torch.zeros(bucket), capture_ms=0.0)
+                        runs={"step": lambda: torch.zeros(bucket)}, capture_ms=0.0)
 
 
 def _registry(decode=(1, 2, 4, 8), prefill=(32, 64, 128), layout="single") -> GraphRegistry:

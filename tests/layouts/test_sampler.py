@@ -7,6 +7,7 @@ from phaseflip.engine.sampling_params import SamplingParams
 from phaseflip.layouts.plan import NewRequest, SampledToken
 from phaseflip.layouts import sampler as sampler_module
 from phaseflip.layouts.sampler import Sampler, sequence_seed
+from phaseflip.layouts.step_sampling import sampling_variants, variant_for
 
 # One sampled sequence per path the sampler has: plain (temperature/min-p) and sorted (top-k/top-p).
 PATH_PARAMS = [
@@ -185,9 +186,10 @@ def test_rows_whose_kept_set_fits_do_not_fall_back():
     params = [SamplingParams(top_p=0.9), SamplingParams(top_k=50), SamplingParams(top_k=50, top_p=0.5),
               SamplingParams(top_p=0.8, min_p=0.1), SamplingParams(top_k=9000, top_p=0.9)]
     u = torch.full((5, 1), 0.5, dtype=torch.float64)
-    _, fits = sampler_module._draw_from_top(logits, params, u, 256)
+    _, fits = sampler_module._draw_from_top(logits, sampler_module.RowParams.of(params, 5000), u, 256)
     assert fits.tolist() == [True] * 5
-    _, fits = sampler_module._draw_from_top(logits[:1], [SamplingParams(top_k=300)], u[:1], 256)
+    cols = sampler_module.RowParams.of([SamplingParams(top_k=300)], 5000)
+    _, fits = sampler_module._draw_from_top(logits[:1], cols, u[:1], 256)
     assert fits.tolist() == [False]
 
 
@@ -297,3 +299,43 @@ def test_results_are_python_numbers():
     (r,) = make_sampler([SamplingParams(logprobs=1, seed=0)]).sample(torch.randn(1, 20), [0])
     assert type(r.token_id) is int and type(r.logprob) is float
     assert all(type(k) is int and type(v) is float and math.isfinite(v) for k, v in r.top_logprobs.items())
+
+
+IN_STEP_PARAMS = [
+    SamplingParams(temperature=0.0), *PATH_PARAMS,
+    SamplingParams(top_k=500, seed=9),                         # more than the candidates: a full-sort redraw
+    SamplingParams(temperature=0.7, top_p=0.99, seed=4, logprobs=3),
+    SamplingParams(temperature=0.0, logprobs=2), SamplingParams(min_p=0.2, seed=1),
+]
+
+
+def test_sampling_inside_the_step_gives_the_host_samplers_tokens(monkeypatch):
+    """What a recorded decode step runs (every path on every row, each row keeping its own; uniforms drawn
+    before the step) and the host's finish give Sampler.sample's tokens and logprobs, step after step
+    from the same seeds, and so do padded rows behind them."""
+    monkeypatch.setattr(sampler_module, "NUM_CANDIDATES", 64)   # candidate draws and full-sort redraws both
+    ids = list(range(len(IN_STEP_PARAMS)))
+    host, in_step = make_sampler(IN_STEP_PARAMS), make_sampler(IN_STEP_PARAMS)
+    gen, redraws = torch.Generator().manual_seed(11), 0
+    for _ in range(6):
+        logits = torch.randn(len(ids), 1000, generator=gen) * 3
+        want = host.sample(logits, ids)
+        cols = in_step.step_columns(ids, 1000)
+        assert variant_for(cols) == "sampled"
+        padded = {k: torch.cat([v, v[:1] * 0 + (0.5 if k == "uniform" else 1 if k != "min_p" else 0)])
+                  for k, v in cols.items()}      # one padding row, as a bucket's buffers hold it
+        padded["sample_mode"][-1] = 0
+        logits_padded = torch.cat([logits, logits[:1]])
+        picked, out_logits = sampling_variants(lambda m: logits_padded, lambda h: h)["sampled"](padded)
+        redraws += picked[1, :len(ids)].tolist().count(0)
+        assert in_step.finish_in_step(picked, out_logits, ids, cols) == want
+    assert redraws > 0
+
+
+def test_an_all_greedy_decode_replays_the_argmax_variant():
+    sampler = make_sampler([SamplingParams(temperature=0.0)] * 3)
+    cols = sampler.step_columns([0, 1, 2], 300)
+    assert variant_for(cols) == "greedy"
+    logits = torch.randn(3, 300, generator=torch.Generator().manual_seed(2))
+    picked, _ = sampling_variants(lambda m: logits, lambda h: h)["greedy"](cols)
+    assert tokens(sampler.finish_in_step(picked, logits, [0, 1, 2], cols)) == logits.argmax(-1).tolist()

@@ -1,0 +1,54 @@
+"""A decode step that ends in sampled token ids: the LM head and the sampler inside the recorded step.
+
+Owns: the two variants a decode bucket records on a rank that samples from the whole vocabulary
+(`sampling_variants`): "greedy" (head + argmax: what a greedy batch replays, nothing more) and "sampled"
+(head + `sampler.draw_in_step`, every row by its own mode, temperature, top-k, top-p, min-p and the
+uniform its generator gave the host before the step); which one a step replays (`variant_for`); and how
+chunked replays' outputs join (`cat_outputs`). A step's output is (picked, logits): picked = [2, rows]
+int64, the ids and whether each row's draw fitted its candidates, read by the host with one copy;
+logits stay on the device for the rare full-sort redraw and for logprobs (sampler.finish_in_step).
+On CUDA each variant is one graph, so a decode step is one launch and one wait; on the CPU the same
+functions run in the recorded (eager or compiled) step.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from phaseflip.layouts.sampler import GREEDY, RowParams, draw_in_step
+
+Step = Callable[[dict[str, torch.Tensor]], torch.Tensor]
+
+
+def sampling_variants(step: Step, head: Callable[[torch.Tensor], torch.Tensor]) -> dict[str, Step]:
+    """The decode step's variants around `step` (hidden states of every row) and `head` (rows -> logits)."""
+    def greedy(meta: dict[str, torch.Tensor]):
+        logits = _logits(step, head, meta)
+        ids = logits.argmax(dim=-1)
+        return torch.stack([ids, torch.ones_like(ids)]), logits
+
+    def sampled(meta: dict[str, torch.Tensor]):
+        logits = _logits(step, head, meta)
+        cols = RowParams(*(meta[k][:, None] for k in ("temperature", "top_k", "top_p", "min_p")))
+        ids, fits = draw_in_step(logits, meta["sample_mode"], cols, meta["uniform"][:, None])
+        return torch.stack([ids, fits.long()]), logits
+    return {"greedy": greedy, "sampled": sampled}
+
+
+def _logits(step: Step, head, meta: dict[str, torch.Tensor]) -> torch.Tensor:
+    rows = meta["sample_mode"].shape[0]   # a decode: one row per sequence, each samples
+    return head(step(meta)[:rows])
+
+
+def variant_for(columns: dict[str, torch.Tensor]) -> str:
+    """"greedy" when every row is greedy (the host built these columns: no device read)."""
+    return "greedy" if bool((columns["sample_mode"] == GREEDY).all()) else "sampled"
+
+
+def cat_outputs(parts: list, rows: list[int]):
+    """Join chunked replays' outputs, each cut to its chunk's real rows: hidden states, or (picked, logits)."""
+    if isinstance(parts[0], torch.Tensor):
+        return torch.cat([p[:n] for p, n in zip(parts, rows)])
+    picked = torch.cat([p[0][:, :n] for p, n in zip(parts, rows)], dim=1)
+    return picked, torch.cat([p[1][:n] for p, n in zip(parts, rows)])
