@@ -225,17 +225,23 @@ def _draw_filtered(logits: torch.Tensor, cols: RowParams, u: torch.Tensor) -> to
     return token_ids
 
 
-def draw_in_step(logits: torch.Tensor, mode: torch.Tensor, cols: RowParams,
-                 u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Every row's token by its own mode, without a host decision (a recorded step, a CUDA graph): all
-    three paths run on every row and each row keeps its own, so a row gets exactly the token the host
-    path would give it. fits[i] False: a filtered row whose kept set may reach past the candidates;
-    the host redoes it with a full sort (`Sampler.finish_in_step`)."""
+def draw_in_step(logits: torch.Tensor, mode: torch.Tensor, cols: RowParams, u: torch.Tensor,
+                 plain: bool = True, filtered: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every row's token by its own mode, without a host decision (a recorded step, a CUDA graph): each
+    path runs on every row and each row keeps its own, so a row gets exactly the token the host path
+    would give it. `plain` / `filtered` False leave a path out for a step with no such row (the
+    candidates' top-k costs ~1 ms a row on the CPU, the plain path's cumulative sum ~0.3 ms). fits[i]
+    False: a filtered row whose kept set may reach past the candidates; the host redoes it with a full
+    sort (`Sampler.finish_in_step`)."""
     logits = logits.float()
-    top, fits = _draw_from_top(logits, cols, u, min(logits.shape[1], NUM_CANDIDATES))
-    plain = _draw_plain(logits, cols, u)
-    ids = torch.where(mode == GREEDY, logits.argmax(dim=-1), torch.where(mode == PLAIN, plain, top))
-    return ids, fits | (mode != FILTERED)
+    ids = logits.argmax(dim=-1)
+    fits = torch.ones_like(ids, dtype=torch.bool)
+    if plain:
+        ids = torch.where(mode == PLAIN, _draw_plain(logits, cols, u), ids)
+    if filtered:
+        top, top_fits = _draw_from_top(logits, cols, u, min(logits.shape[1], NUM_CANDIDATES))
+        ids, fits = torch.where(mode == FILTERED, top, ids), top_fits | (mode != FILTERED)
+    return ids, fits
 
 
 def _top_tokens(logits: torch.Tensor, num: int) -> tuple[torch.Tensor, torch.Tensor]:

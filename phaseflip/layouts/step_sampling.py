@@ -1,10 +1,11 @@
 """A decode step that ends in sampled token ids: the LM head and the sampler inside the recorded step.
 
-Owns: the two variants a decode bucket records on a rank that samples from the whole vocabulary
-(`sampling_variants`): "greedy" (head + argmax: what a greedy batch replays, nothing more) and "sampled"
-(head + `sampler.draw_in_step`, every row by its own mode, temperature, top-k, top-p, min-p and the
-uniform its generator gave the host before the step); which one a step replays (`variant_for`); and how
-chunked replays' outputs join (`cat_outputs`). A step's output is (picked, logits): picked = [2, rows]
+Owns: the variants a decode bucket records on a rank that samples from the whole vocabulary
+(`sampling_variants`), one per set of sampling paths a batch needs: "greedy" (head + argmax, nothing
+more), "plain" (+ temperature/min-p rows), "filtered" (+ top-k/top-p rows), "sampled" (both): head +
+`sampler.draw_in_step`, each row by its own mode, temperature, top-k, top-p, min-p and the uniform its
+generator gave the host before the step; which one a step replays (`variant_for`, from the host-built
+columns); and how chunked replays' outputs join (`cat_outputs`). A step's output is (picked, logits): picked = [2, rows]
 int64, the ids and whether each row's draw fitted its candidates, read by the host with one copy;
 logits stay on the device for the rare full-sort redraw and for logprobs (sampler.finish_in_step).
 On CUDA each variant is one graph, so a decode step is one launch and one wait; on the CPU the same
@@ -16,34 +17,31 @@ from typing import Callable
 
 import torch
 
-from phaseflip.layouts.sampler import GREEDY, RowParams, draw_in_step
+from phaseflip.layouts.sampler import FILTERED, PLAIN, RowParams, draw_in_step
 
 Step = Callable[[dict[str, torch.Tensor]], torch.Tensor]
 
 
+VARIANTS = {"greedy": (False, False), "plain": (True, False), "filtered": (False, True), "sampled": (True, True)}
+
+
 def sampling_variants(step: Step, head: Callable[[torch.Tensor], torch.Tensor]) -> dict[str, Step]:
     """The decode step's variants around `step` (hidden states of every row) and `head` (rows -> logits)."""
-    def greedy(meta: dict[str, torch.Tensor]):
-        logits = _logits(step, head, meta)
-        ids = logits.argmax(dim=-1)
-        return torch.stack([ids, torch.ones_like(ids)]), logits
-
-    def sampled(meta: dict[str, torch.Tensor]):
-        logits = _logits(step, head, meta)
-        cols = RowParams(*(meta[k][:, None] for k in ("temperature", "top_k", "top_p", "min_p")))
-        ids, fits = draw_in_step(logits, meta["sample_mode"], cols, meta["uniform"][:, None])
-        return torch.stack([ids, fits.long()]), logits
-    return {"greedy": greedy, "sampled": sampled}
-
-
-def _logits(step: Step, head, meta: dict[str, torch.Tensor]) -> torch.Tensor:
-    rows = meta["sample_mode"].shape[0]   # a decode: one row per sequence, each samples
-    return head(step(meta)[:rows])
+    def variant(plain: bool, filtered: bool) -> Step:
+        def run(meta: dict[str, torch.Tensor]):
+            logits = head(step(meta)[:meta["sample_mode"].shape[0]])   # a decode: every row samples
+            cols = RowParams(*(meta[k][:, None] for k in ("temperature", "top_k", "top_p", "min_p")))
+            ids, fits = draw_in_step(logits, meta["sample_mode"], cols, meta["uniform"][:, None], plain, filtered)
+            return torch.stack([ids, fits.long()]), logits
+        return run
+    return {name: variant(*paths) for name, paths in VARIANTS.items()}
 
 
 def variant_for(columns: dict[str, torch.Tensor]) -> str:
-    """"greedy" when every row is greedy (the host built these columns: no device read)."""
-    return "greedy" if bool((columns["sample_mode"] == GREEDY).all()) else "sampled"
+    """The variant with exactly the paths these rows take (the host built the columns: no device read)."""
+    mode = columns["sample_mode"]
+    paths = (bool((mode == PLAIN).any()), bool((mode == FILTERED).any()))
+    return next(name for name, p in VARIANTS.items() if p == paths)
 
 
 def cat_outputs(parts: list, rows: list[int]):
