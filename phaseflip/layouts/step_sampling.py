@@ -29,7 +29,10 @@ def sampling_variants(step: Step, head: Callable[[torch.Tensor], torch.Tensor]) 
     """The decode step's variants around `step` (hidden states of every row) and `head` (rows -> logits)."""
     def variant(plain: bool, filtered: bool) -> Step:
         def run(meta: dict[str, torch.Tensor]):
-            logits = head(step(meta)[:meta["sample_mode"].shape[0]])   # a decode: every row samples
+            logits = head(step(meta))   # a decode: one row per sequence, each samples
+            if not (plain or filtered):   # reads no sampling input: what a step sampled on the host replays
+                ids = logits.argmax(dim=-1)
+                return torch.stack([ids, torch.ones_like(ids)]), logits
             cols = RowParams(*(meta[k][:, None] for k in ("temperature", "top_k", "top_p", "min_p")))
             ids, fits = draw_in_step(logits, meta["sample_mode"], cols, meta["uniform"][:, None], plain, filtered)
             return torch.stack([ids, fits.long()]), logits

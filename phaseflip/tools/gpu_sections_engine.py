@@ -128,11 +128,34 @@ def replay_vs_eager(ctx: Context) -> dict:
     finally:
         eager_llm.shutdown()
     same = sum(a == b for a, b in zip(captured, eager))
-    return {"ok": same == len(prompts), "num_prompts": len(prompts), "num_identical": same,
+    seeded = _seeded_in_step_vs_host(llm, prompts, p.gen_tokens)
+    return {"ok": same == len(prompts) and seeded["num_identical"] == len(prompts), "num_prompts": len(prompts),
+            "num_identical": same, "seeded_sampling": seeded,
             "first_mismatch": _first_mismatch(captured, eager), "eager_fallbacks": llm.stats()["eager_fallbacks"],
             "captured": f"compile={ctx.engine_compile!r} steps, "
                         f"{'CUDA graphs' if p.device == 'cuda' else 'recorded steps (CPU)'}",
             "eager": "enforce_eager=True, compile='off'"}
+
+
+def _seeded_in_step_vs_host(llm, prompts, max_tokens: int) -> dict:
+    """Seeded sampling inside the captured decode steps against the host sampler on the same engine (the
+    runners told to sample the steps' logits on the host): the same tokens expected."""
+    from phaseflip.engine.sampling_params import SamplingParams
+    params = [SamplingParams(temperature=0.8, top_k=50, top_p=0.95, seed=i, max_tokens=max_tokens, ignore_eos=True)
+              for i in range(len(prompts))]
+    runners = list(llm.ranks.runtime.runners.values())
+    in_step = _tokens(llm.generate(prompts, params, use_tqdm=False))
+    was = [runner.samples_in_step for runner in runners]
+    for runner in runners:
+        runner.samples_in_step = False
+    try:
+        on_host = _tokens(llm.generate(prompts, params, use_tqdm=False))
+    finally:
+        for runner, flag in zip(runners, was):
+            runner.samples_in_step = flag
+    same = sum(a == b for a, b in zip(in_step, on_host))
+    return {"num_identical": same, "first_mismatch": _first_mismatch(in_step, on_host),
+            "params": "temperature 0.8, top_k 50, top_p 0.95, seed = prompt index"}
 
 
 def park_restore(ctx: Context) -> dict:

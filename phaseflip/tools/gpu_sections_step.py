@@ -1,7 +1,7 @@
 """The GPU check's decode_step section: what one batch-1 decode step costs the host and the device.
 
-Owns: `decode_step`, which runs the shared engine (section capture) for two lengths of one greedy
-request and takes the difference, so the prefill, the flip to the decode layout and the first token
+Owns: `decode_step`, which runs the shared engine (section capture) for two lengths of one request
+(greedy, then seeded temperature + top-k + top-p: sampling inside the step) and takes the difference, so the prefill, the flip to the decode layout and the first token
 cancel out: per decode step, the host syncs (torch.cuda's sync debug mode, which reports every
 synchronising call it knows), the device operations (kernels, copies, fills) and their summed time
 against the wall time (torch profiler), and the copies of step inputs to the device (the static
@@ -19,9 +19,15 @@ from phaseflip.tools.gpu_context import Context
 SHORT, LONG = 4, 20   # new tokens of the two runs: LONG - SHORT decode steps are compared
 
 
-def _one_run(llm, prompt: list[int], new_tokens: int, cuda: bool) -> dict:
+def _params(new_tokens: int, sampled: bool):
+    from phaseflip.engine.sampling_params import SamplingParams
+    if sampled:   # the filtered path: temperature, top-k and top-p, seeded
+        return SamplingParams(temperature=0.8, top_k=50, top_p=0.95, seed=7, max_tokens=new_tokens, ignore_eos=True)
+    return SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
+
+
+def _one_run(llm, prompt: list[int], new_tokens: int, cuda: bool, sampled: bool = False) -> dict:
     import torch
-    from phaseflip.tools.gpu_sections_engine import _greedy
     buffers = llm.ranks.runtime.buffers
     uploads0, steps0 = buffers.uploads, llm.stats()["steps"]
     out = {"syncs": None, "kernels": None, "kernel_ms": None}   # device figures (CUDA)
@@ -32,7 +38,7 @@ def _one_run(llm, prompt: list[int], new_tokens: int, cuda: bool) -> dict:
             torch.cuda.set_sync_debug_mode("warn")
         t0 = time.perf_counter()
         try:
-            llm.generate([prompt], _greedy(new_tokens), use_tqdm=False)
+            llm.generate([prompt], _params(new_tokens, sampled), use_tqdm=False)
         finally:
             if cuda:
                 torch.cuda.set_sync_debug_mode("default")
@@ -53,22 +59,28 @@ def _per_step(short: dict, long: dict, key: str):
     return (long[key] - short[key]) / (long["steps"] - short["steps"])
 
 
+def _compare(llm, prompt: list[int], cuda: bool, sampled: bool) -> dict:
+    _one_run(llm, prompt, LONG, cuda, sampled)                      # warm: every size these runs use
+    short, long = _one_run(llm, prompt, SHORT, cuda, sampled), _one_run(llm, prompt, LONG, cuda, sampled)
+    per = {key: _per_step(short, long, key) for key in ("syncs", "kernels", "kernel_ms", "wall_ms", "uploads")}
+    busy = None if per["kernel_ms"] is None else per["kernel_ms"] / per["wall_ms"]
+    return {"decode_steps_compared": long["steps"] - short["steps"], "syncs_per_step": per["syncs"],
+            "kernels_per_step": per["kernels"], "gpu_busy_fraction": busy, "wall_ms_per_step": per["wall_ms"],
+            "input_uploads_per_step": per["uploads"], "runs": {"short": short, "long": long}}
+
+
 def decode_step(ctx: Context) -> dict:
     import torch
     llm = ctx.need("llm", "capture")
     cuda = ctx.profile.device == "cuda" and torch.cuda.is_available()
     prompt = list(range(3, 3 + ctx.profile.prompt_len))
-    _one_run(llm, prompt, LONG, cuda)                      # warm: every size these runs use
-    short, long = _one_run(llm, prompt, SHORT, cuda), _one_run(llm, prompt, LONG, cuda)
-    per = {key: _per_step(short, long, key) for key in ("syncs", "kernels", "kernel_ms", "wall_ms", "uploads")}
-    busy = None if per["kernel_ms"] is None else per["kernel_ms"] / per["wall_ms"]
-    out = {"decode_steps_compared": long["steps"] - short["steps"], "syncs_per_step": per["syncs"],
-           "kernels_per_step": per["kernels"], "gpu_busy_fraction": busy, "wall_ms_per_step": per["wall_ms"],
-           "input_uploads_per_step": per["uploads"], "runs": {"short": short, "long": long},
-           "targets": {"syncs_per_step": "<= 1", "input_uploads_per_step": "1 (CUDA)"}}
+    out = _compare(llm, prompt, cuda, sampled=False)
+    out["sampled"] = _compare(llm, prompt, cuda, sampled=True)   # temperature + top-k + top-p, seeded
+    out["targets"] = {"syncs_per_step": "<= 1", "input_uploads_per_step": "1 (CUDA)"}
     if not cuda:
         out["why_none"] = "no CUDA device: syncs, kernels and GPU-busy time are device figures"
-        out["ok"] = per["wall_ms"] is not None and per["wall_ms"] > 0
+        out["ok"] = all(r["wall_ms_per_step"] is not None and r["wall_ms_per_step"] > 0 for r in (out, out["sampled"]))
     else:
-        out["ok"] = per["syncs"] is not None and per["syncs"] <= 1 and per["uploads"] == 1
+        out["ok"] = all(r["syncs_per_step"] is not None and r["syncs_per_step"] <= 1 and r["input_uploads_per_step"] == 1
+                        for r in (out, out["sampled"]))
     return out

@@ -35,6 +35,8 @@ def test_dry_run_writes_every_section(tmp_path):
     for layout in ("pp", "tp"):
         assert s["capture"][layout]["num_steps"] > 0 and s["capture"][layout]["capture_ms"] is not None
     assert s["replay_vs_eager"]["num_identical"] == s["replay_vs_eager"]["num_prompts"]
+    assert s["replay_vs_eager"]["seeded_sampling"]["num_identical"] == s["replay_vs_eager"]["num_prompts"]
+    assert s["decode_step"]["sampled"]["wall_ms_per_step"] > 0
     pr = s["park_restore"]
     assert pr["cycles"] == 10 and pr["all_identical"] and pr["arena_ptrs_stable"]
     assert s["restore"]["ratio_to_floor"] > 0
