@@ -3,8 +3,9 @@
 Owns: `compile_region` (torch.compile with a dynamic token dimension, applied to one decoder layer so
 that identical layers and every bucket share one compiled graph, or to a CPU decode step as a whole),
 `use_cache_dir` (inductor's and Triton's on-disk caches under a directory the caller names, so a second
-boot loads what the first compiled) and `time_step` (the median wall time of a step, for the
-eager-vs-compiled choice)."""
+boot loads what the first compiled), `time_step` (the median wall time of a step, for the
+eager-vs-compiled choice on the CPU) and `time_replays` (a captured step's replay time: CUDA events on
+a CUDA graph, for the same choice on CUDA, where only graph against graph is a fair comparison)."""
 from __future__ import annotations
 
 import os
@@ -44,3 +45,18 @@ def time_step(fn, views: dict[str, torch.Tensor], repeats: int = 3) -> float:
         fn(views)
         times.append((time.perf_counter() - t0) * 1e3)
     return statistics.median(times)
+
+
+def time_replays(step, repeats: int = 5) -> float:
+    """Mean ms of a captured step's replays after one untimed replay: CUDA events around the replays of
+    a CUDA graph, the wall clock for any other backend."""
+    step.replay()
+    if step.backend != "cuda":
+        return time_step(lambda _: step.replay(), {}, repeats)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(repeats):
+        step.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / repeats

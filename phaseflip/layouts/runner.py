@@ -5,23 +5,22 @@ this stage's layers, send them to the next (explicit send/recv); TP: run every l
 head/MLP share (all-reduces inside the maths), gather the vocab-parallel logits to the output rank.
 The output rank (the last one in both layouts) samples; where it holds the whole vocabulary, a decode
 step ends in the sampled ids (LM head and sampler inside the recorded step, one read of the ids by the
-host; step_sampling.py). Replays the smallest captured bucket that fits; a decode batch above every bucket replays the largest CUDA graph chunk by chunk; any other
-uncaptured size runs eagerly and is counted.
+host; step_sampling.py). Replays the smallest captured bucket that fits; a decode batch above every
+bucket replays the largest CUDA graph chunk by chunk; any other uncaptured size runs eagerly and is
+counted. Which backend each bucket records (compiled or eager, measured) is compile_choice.py's part.
 """
 from __future__ import annotations
 
-import functools
-import time
 from dataclasses import dataclass
 
 import torch
 
 from phaseflip.graphs.buffers import StaticBuffers
 from phaseflip.graphs.capture import StepKey, capture_cuda, capture_eager
-from phaseflip.graphs.compile import compile_region, time_step
 from phaseflip.graphs.registry import GraphRegistry
-from phaseflip.kernels.linear import GEMV_ROWS, gemv_reduces
+from phaseflip.kernels.linear import GEMV_ROWS
 from phaseflip.layouts.comm import NoComm, RankComm
+from phaseflip.layouts.compile_choice import CompileChoice
 from phaseflip.layouts.forward import compute_logits, decoder_layer, forward
 from phaseflip.layouts.kvcache import KVView
 from phaseflip.layouts.model_config import ModelConfig
@@ -73,7 +72,7 @@ class LayoutPart:
     kv: KVView
 
 
-class LayoutRunner:
+class LayoutRunner(CompileChoice):
     def __init__(self, ctx: RankContext, part: LayoutPart):
         self.layout, self.cfg, self.rank = part.layout, ctx.cfg, ctx.rank
         self.shards, self.shard = part.shards, part.shards[ctx.rank]
@@ -88,6 +87,7 @@ class LayoutRunner:
         self.choices: dict[tuple[str, int], str] = {}              # (role, bucket) -> "compiled" | "eager"
         self.compile_report: dict[str, dict] = {}
         self.compiled_head = None    # the LM head compiled for a GEMV_ROWS-row decode (CPU), if any
+        self.measure_graphs = False  # compile="auto" on CUDA: choose per bucket by graph replay (capture_all)
         # decode steps end in sampled ids where this rank samples from the whole vocabulary (set False
         # after boot: the recorded steps' logits are sampled on the host instead)
         self.samples_in_step = (self.rank == self.output_rank and self.shard.has_head
@@ -121,81 +121,6 @@ class LayoutRunner:
     def _views(self, sizes: dict[str, int]) -> dict[str, torch.Tensor]:
         return self.buffers.views(self._sizes(sizes))
 
-    def _compiled_steps(self, cuda: bool) -> dict[Phase, object]:
-        """The compiled step of each role. Prefill (and every role on CUDA, where a CUDA graph replays
-        the step and host overhead is gone anyway): the decoder layer compiled once, reused by every
-        layer and bucket. CPU decode: the whole step, every layer in ONE graph: per-layer graph entry,
-        guard checks and wrapper calls cost ~4 ms of a ~30 ms batch-1 token (SmolLM2, 2 cores:
-        16-19 ms against 22-23 ms for the layers with attention stubbed out); its cold compile is
-        ~50 s per graph (batch 1, and one dynamic graph for the larger buckets), a warm one ~7 s."""
-        layer_step = functools.partial(self.step_fn, layer_fn=compile_region(decoder_layer))
-        return {Phase.PREFILL: layer_step, Phase.DECODE: layer_step if cuda else compile_region(self.step_fn)}
-
-    def prepare_compiled(self, mode: str, cuda: bool) -> None:
-        """Compile each role's step (boot only; see _compiled_steps). compile="on", and CUDA: every step
-        runs compiled. "auto" on the CPU: the decode step at 1 and 2 rows and at its largest bucket, and
-        the prefill role at its smallest bucket, keep the compiled step only where it is measured
-        faster than eager; a bucket between takes the choice of the largest (they share its dynamic
-        graph). Every choice is reported with the numbers it was made from."""
-        if mode == "off":
-            for phase in Phase:
-                self.compile_report[phase.value] = {"choice": "eager", "reason": "compile='off'"}
-            return
-        self.compiled_steps = self._compiled_steps(cuda)
-        measure = mode == "auto" and not cuda
-        if not cuda and self.shard.has_head:
-            self._prepare_head(measure)
-        for phase in Phase:
-            t0 = time.perf_counter()
-            sizes = self._phase_sizes(phase)
-            # the buckets timed at boot: decode at 1 row (its own graph: 0/1 specialisation), 2 rows
-            # (the dynamic graph's first size) and the largest, where the two measured within a few %
-            # at every bucket from 4 up (timing each cost 13-21 s of a 2-rank boot); prefill at its
-            # smallest bucket (its dynamic graph serves the others; larger chunks are GEMM-bound)
-            probed = (sizes[:2] + sizes[2:][-1:]) if phase is Phase.DECODE else sizes[:1]
-            compiled = self.compiled_steps[phase]
-            report = {b: self._measure(compiled, self._views(sz), measure) for b, sz in probed}
-            for b, _ in sizes:
-                self.choices[(phase.value, b)] = report.get(b, report[probed[-1][0]])["choice"]
-            unprobed = [sz for b, sz in sizes if b not in report and self.choices[(phase.value, b)] == "compiled"]
-            if unprobed:  # a second size makes the token dimension dynamic: that graph, which serves
-                compiled(self._views(unprobed[0]))  # every larger bucket, compiles now, not mid-serving
-            picked = {self.choices[(phase.value, b)] for b, _ in sizes}
-            self.compile_report[phase.value] = {
-                "choice": picked.pop() if len(picked) == 1 else "per bucket",
-                "boot_ms": (time.perf_counter() - t0) * 1e3, "buckets": report,
-                "rule": ("measured: decode at 1, 2 and its largest bucket (those between take the largest's "
-                         "choice); prefill at its smallest bucket, for all" if measure
-                         else f"compile={mode!r}{' on cuda' if cuda else ''}: compiled everywhere")}
-
-    def _prepare_head(self, measure: bool) -> None:
-        """The LM head for a decode that samples up to GEMV_ROWS rows (CPU): inductor's one pass over
-        the head where it is measured faster (or compile="on"), else the eager product. Where one-row
-        products were measured faster eager (linear.choose_gemv) a compiled head is the same call: none."""
-        if not gemv_reduces(self.weights.lm_head.dtype):
-            self.compile_report["head"] = {"choice": "eager",
-                                           "reason": "one-row products run eager (measured)"}
-            return
-        compiled = compile_region(compute_logits)
-        rows = {"hidden_in": self.buffers.tensors["hidden_in"][:GEMV_ROWS]}
-        head = self.weights.lm_head
-        report = self._measure(lambda v: compiled(head, v["hidden_in"]), rows, measure,
-                               lambda v: compute_logits(head, v["hidden_in"]))
-        self.compiled_head = compiled if report["choice"] == "compiled" else None
-        self.compile_report["head"] = report
-
-    def _measure(self, compiled, views: dict[str, torch.Tensor], measure: bool, eager=None) -> dict:
-        """One bucket: the first compiled call (it compiles when no earlier bucket had these guards),
-        then, when measuring, the median of a few timed calls compiled and eager."""
-        t0 = time.perf_counter()
-        compiled(views)
-        first_ms = (time.perf_counter() - t0) * 1e3
-        if not measure:
-            return {"choice": "compiled", "first_call_ms": first_ms, "compiled_ms": None, "eager_ms": None}
-        compiled_ms, eager_ms = time_step(compiled, views), time_step(eager or self.step_fn, views)
-        return {"choice": "compiled" if compiled_ms < eager_ms else "eager", "first_call_ms": first_ms,
-                "compiled_ms": compiled_ms, "eager_ms": eager_ms}
-
     def largest_weight(self) -> torch.Tensor:
         """The largest matrix this layout's rank holds (its vocabulary rows where it has them)."""
         extra = [t for t in (self.weights.embed_tokens,) if t is not None]
@@ -213,6 +138,8 @@ class LayoutRunner:
 
     def capture_all(self, pool=None, stream=None) -> None:
         """Record one step per bucket of both phases (boot only): CUDA graphs when a pool is given."""
+        if pool is not None and self.measure_graphs:
+            self._choose_by_replay(pool, stream)
         for phase in Phase:
             for bucket, sizes in self._phase_sizes(phase):
                 key = StepKey(self.layout, phase.value, bucket)

@@ -11,7 +11,10 @@ from torch._dynamo.utils import counters
 
 from phaseflip import LLM, SamplingParams
 from phaseflip.graphs.buffers import StaticBuffers
+from phaseflip.graphs.capture import StepKey, capture_eager
+from phaseflip.layouts import compile_choice as choice_module
 from phaseflip.layouts import runtime as runtime_module
+from phaseflip.layouts.plan import Phase
 from phaseflip.layouts.runner import LayoutRunner
 from tests.engine.test_parity import parity_prompts
 from tests.models import compare_greedy, hf_greedy
@@ -115,3 +118,36 @@ def test_two_ranks_compile_both_layouts_and_flip_with_hf_tokens(tiny_model_dir, 
     for rank in m["ranks"]:
         assert set(rank["compile"]) == {"pp", "tp"} and all(
             "buckets" in rank["compile"][lay]["decode"] for lay in ("pp", "tp")), rank["compile"]
+
+
+def test_auto_on_cuda_keeps_per_bucket_the_faster_graph(tiny_model_dir, monkeypatch):
+    """compile="auto" on CUDA chooses per bucket by replaying the compiled and the uncompiled step, each
+    captured as a CUDA graph. On the CPU, with the capture and the replay timer stood in for: the
+    compiled step loses at decode bucket 2 only, and only there the eager step is kept and reported."""
+    with LLM(model=str(tiny_model_dir("llama")), dtype="float32", compile="off", max_num_seqs=4,
+             max_num_batched_tokens=128, decode_buckets=(1, 2, 4), prefill_buckets=(64, 128)) as llm:
+        runner = next(iter(llm.ranks.runtime.runners.values()))
+    compiled = {phase: functools.partial(runner.step_fn) for phase in Phase}   # told apart by identity
+    runner.compiled_steps = compiled
+    runner.choices = {(ph.value, b): "compiled" for ph in Phase for b, _ in runner._phase_sizes(ph)}
+    runner.compile_report = {ph.value: {"choice": "compiled"} for ph in Phase}
+    captured = []
+
+    def capture(key, fn, buffers, sizes, pool, stream):
+        captured.append(key)
+        return capture_eager(key, fn, buffers, sizes)
+
+    def replay_ms(step):
+        if step.fns["step"] is not compiled[Phase(step.key.phase)]:
+            return 2.0
+        return 3.0 if step.key == StepKey(runner.layout, "decode", 2) else 1.0
+    monkeypatch.setattr(choice_module, "capture_cuda", capture)
+    monkeypatch.setattr(choice_module, "time_replays", replay_ms)
+    runner._choose_by_replay(pool=object(), stream=None)
+    assert len(captured) == 2 * 5   # both steps of every bucket
+    assert [b for (role, b), c in runner.choices.items() if c == "eager"] == [2] and \
+        runner.choices[("decode", 2)] == "eager"
+    decode, prefill = runner.compile_report["decode"], runner.compile_report["prefill"]
+    assert decode["choice"] == "per bucket" and prefill["choice"] == "compiled"
+    assert decode["buckets"][2] == {"choice": "eager", "compiled_ms": 3.0, "eager_ms": 2.0}
+    assert decode["buckets"][4] == {"choice": "compiled", "compiled_ms": 1.0, "eager_ms": 2.0}
