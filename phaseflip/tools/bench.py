@@ -117,6 +117,12 @@ def _print_table(threads: int, cmp: dict, flips: dict | None, boot_ms: dict) -> 
     if flips:
         click.echo(f"flips ({flips['world_size']} ranks, park always; memcpy {flips['memcpy_gbps']:.2f} GB/s "
                    f"this run); boot: " + ", ".join(f"{k} {v:.0f} ms" for k, v in flips["boot_ms"].items()))
+        def pack(r):
+            return (f"{r['bytes'] / 1e6:.0f} MB in {f(r['pack_ms'])} ms = {f(r['gbps'], '.2f')} GB/s "
+                    f"({f(r['of_memcpy'], '.0%')} of memcpy, {f(r['of_first_touch'], '.0%')} of first touch)")
+        click.echo(f"  pack (host images at boot; first touch of new memory {flips['first_touch_gbps']:.2f} GB/s "
+                   f"this run): all ranks {pack(flips['pack']['all'])}; "
+                   + "; ".join(f"rank {r['rank']} {pack(r)}" for r in flips["pack"]["ranks"]))
         click.echo(f"  {'dir':7} {'total':>7} " + " ".join(f"{c:>8}" for c in bench_engine.FLIP_PARTS)
                    + f" {'MB':>7} {'chunks':>6} {'floor':>7} {'ratio':>6} {'<=1.5x+10ms':>11} {'busiest':>8}")
         for r in flips["flips"]:

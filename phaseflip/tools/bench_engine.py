@@ -77,6 +77,31 @@ def memcpy_gbps(num_bytes: int = 256 * 2**20, repeats: int = 9) -> float:
     return num_bytes / statistics.median(times) / 1e9
 
 
+def first_touch_gbps(num_bytes: int = 256 * 2**20, repeats: int = 5) -> float:
+    """Bytes per second written into freshly allocated host memory (each page faulted in, zeroed by the
+    kernel, then written): the floor of any pack into new memory, which memcpy between buffers already
+    touched does not pay. The median of `repeats` allocations."""
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        torch.empty(num_bytes, dtype=torch.uint8).fill_(1)
+        times.append(time.perf_counter() - t0)
+    return num_bytes / statistics.median(times) / 1e9
+
+
+def pack_rows(stats: dict, memcpy: float, first_touch: float) -> dict:
+    """Each rank's pack (its host images, built at boot) and all ranks' together (they pack at the same
+    time on one host: all bytes over the longest pack), against the memcpy and first-touch bandwidths."""
+    def row(num_bytes: int, ms: float | None) -> dict:
+        gbps = None if not ms else num_bytes / (ms / 1e3) / 1e9
+        return {"pack_ms": ms, "bytes": num_bytes, "gbps": gbps, "of_memcpy": None if gbps is None else gbps / memcpy,
+                "of_first_touch": None if gbps is None else gbps / first_touch}
+    ranks = [{"rank": rank, **row(sum(shard_bytes.values()), boot_ms.get("pack"))}
+             for rank, (boot_ms, shard_bytes) in enumerate(zip(stats["rank_boot_ms"], stats["shard_bytes"]))]
+    times = [r["pack_ms"] for r in ranks]
+    return {"ranks": ranks, "all": row(sum(r["bytes"] for r in ranks), None if None in times else max(times))}
+
+
 def run_prefix(model: str | None, threads: int, work: Workload, max_model_len: int) -> dict:
     """The shared-prefix batch on one rank with prefix caching on, then off (a fresh engine each)."""
     result: dict = {}
@@ -108,10 +133,11 @@ def flip_rows(flip_log: list[dict], gbps: float) -> list[dict]:
 
 def run_flips(model: str | None, world_size: int, flip_every: int, prompts: list[str], max_model_len: int,
               staging_mib: float | None = None) -> dict:
-    gbps = memcpy_gbps()
+    gbps, first_touch = memcpy_gbps(), first_touch_gbps()
     with LLM(model=model, dtype="float32", world_size=world_size, park="always", max_model_len=max_model_len,
              flip_every_steps=flip_every, flip_staging_mib=staging_mib) as llm:
         llm.generate(prompts, _greedy(48), use_tqdm=False)
         stats = llm.stats()
-    return {"memcpy_gbps": gbps, "world_size": world_size, "boot_ms": stats["boot_ms"],
-            "rank_boot_ms": stats["rank_boot_ms"], "flips": flip_rows(stats["flip_log"], gbps)}
+    return {"memcpy_gbps": gbps, "first_touch_gbps": first_touch, "world_size": world_size,
+            "boot_ms": stats["boot_ms"], "rank_boot_ms": stats["rank_boot_ms"],
+            "pack": pack_rows(stats, gbps, first_touch), "flips": flip_rows(stats["flip_log"], gbps)}

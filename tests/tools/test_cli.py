@@ -165,6 +165,9 @@ def test_bench_compares_with_hf_on_the_same_tokens(tiny):
     assert single["decode_ratio"] > 0 and single["ttft_ratio"] > 0
     flips = report["flips"]["flips"]
     assert flips and all(f["ok"] and f["floor_ms"] > 0 and f["ratio"] > 0 for f in flips)
+    pack = report["flips"]["pack"]
+    assert report["flips"]["first_touch_gbps"] > 0 and [r["rank"] for r in pack["ranks"]] == [0, 1]
+    assert all(r["bytes"] > 0 and r["of_memcpy"] > 0 and r["of_first_touch"] > 0 for r in pack["ranks"] + [pack["all"]])
     prefix = report["prefix"]
     # equal but for near-tie flips (fp32 sums in another order): a wrong cache changes nearly all
     assert prefix["requests"] == 64 and prefix["on_equal_to_off"] >= 60
