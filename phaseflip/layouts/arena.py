@@ -10,6 +10,7 @@ fence those two entry points).
 """
 from __future__ import annotations
 
+import mmap
 from dataclasses import dataclass
 
 import torch
@@ -65,12 +66,23 @@ def image_slots(weights: RankWeights) -> tuple[dict[str, Slot], int]:
     return slots, offset
 
 
+def host_bytes(num_bytes: int, pin: bool = False) -> torch.Tensor:
+    """num_bytes of host memory to pack into: pinned on CUDA; on the CPU (Linux) a private mapping whose
+    pages the kernel populates in one call (MAP_POPULATE) instead of one fault per page while packing
+    (755 MB here: 221-236 ms against 288 ms faulted in by the writes; it is what a pack into new
+    memory costs beyond the copy, 2026-12-01, 2 cores)."""
+    if pin or num_bytes == 0 or not hasattr(mmap, "MAP_POPULATE"):
+        return torch.empty(num_bytes, dtype=torch.uint8, pin_memory=pin)
+    region = mmap.mmap(-1, num_bytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | mmap.MAP_POPULATE)
+    return torch.frombuffer(region, dtype=torch.uint8)   # keeps the mapping alive while it lives
+
+
 def pack_image(weights: RankWeights, pin: bool = False, into: torch.Tensor | None = None) -> HostImage:
     """Pack a layout's weights into one host buffer (boot only): allocated once (or `into`, a region
     of the CPU arena), each source copied once into its slot: a view of the checkpoint (strided for
     a column share) or Stacked row blocks, never a temporary of its own."""
     slots, num_bytes = image_slots(weights)
-    data = torch.empty(num_bytes, dtype=torch.uint8, pin_memory=pin) if into is None else into[:num_bytes]
+    data = host_bytes(num_bytes, pin) if into is None else into[:num_bytes]
     views, done = _views(data, 0, slots), set()
     for name, t in weights.tensors().items():
         if slots[name].offset in done:  # a tied tensor, already copied
@@ -95,6 +107,8 @@ def arena_bases(sizes: dict[str, int], resident: bool) -> tuple[dict[str, int], 
 
 def allocate_arena(num_bytes: int, device: str) -> torch.Tensor:
     """The arena buffer (boot only)."""
+    if device == "cpu":
+        return host_bytes(num_bytes)
     return torch.empty(num_bytes, dtype=torch.uint8, device=device)
 
 
