@@ -25,8 +25,8 @@ the next one runs; once the time budget is spent the rest are recorded as skippe
                      1B and 30-layer SmolLM2 shapes with compile="auto": compile seconds, choices, and
                      decode tokens/s against the uncompiled engine
 --sections a,b,...   runs only those (in the order above); a section that needs an earlier one's results
-                     records that it did not get them. Two device runs of at most 8 minutes each cover all:
-                     the default, then `--sections environment,bandwidth,decode_8b,compile_boot`.
+                     records that it did not get them. What one run's budget skipped or left unfinished
+                     runs next, e.g. `--sections environment,bandwidth,decode_8b,compile_boot`.
 --dry-run runs the same steps on the CPU with tiny shapes (kernels through Triton's interpreter, a
 subset; HF without torch.compile), so CI proves the script is wired; its numbers are CPU numbers.
 Every number is measured in this run, or null next to the reason: never made up. Needs the source
