@@ -103,8 +103,8 @@ class LayoutRunner(CompileChoice):
         return (head or compute_logits)(self.weights.lm_head, hidden)
 
     def _decode_fns(self, fn):
-        """What a decode bucket records: the step itself, or on a rank that samples in the step, its two
-        variants (ids by argmax only, or the whole sampler) around it."""
+        """What a decode bucket records: the step itself, or on a rank that samples in the step, its
+        sampling variants around it (step_sampling.VARIANTS: argmax only, up to every sampling path)."""
         return sampling_variants(fn, self.head) if self.samples_in_step else fn
 
     def _phase_sizes(self, phase: Phase) -> list[tuple[int, dict[str, int]]]:

@@ -104,10 +104,8 @@ class Sampler:
         CPU: mode, parameters, and each non-greedy sequence's uniform for this step, drawn now from its
         generator (the one the host path would draw after the step: the same tokens)."""
         states = [self._state(s) for s in seq_ids]
-        cols = RowParams.of([st.params for st in states], vocab_size)
         return {"sample_mode": torch.tensor([_mode(st.params) for st in states], dtype=torch.int64),
-                "temperature": cols.temperature[:, 0], "top_k": cols.top_k[:, 0], "top_p": cols.top_p[:, 0],
-                "min_p": cols.min_p[:, 0],
+                **RowParams.of([st.params for st in states], vocab_size).columns(),
                 "uniform": torch.tensor([0.5 if st.generator is None else _uniform(st) for st in states],
                                         dtype=torch.float64)}
 
@@ -122,11 +120,10 @@ class Sampler:
         states = [self._state(s) for s in seq_ids]
         redo = [i for i in range(n) if not fits[i]]
         if redo:
+            redone = {k: v[redo].to(logits.device) for k, v in columns.items()}
             rows = torch.tensor(redo, device=logits.device)
-            cols = RowParams(*(columns[k][redo].to(logits.device)[:, None]
-                               for k in ("temperature", "top_k", "top_p", "min_p")))
-            u = columns["uniform"][redo].to(logits.device)[:, None]
-            again, _ = _draw_from_top(logits[rows].float(), cols, u, logits.shape[1])
+            again, _ = _draw_from_top(logits[rows].float(), RowParams.from_columns(redone),
+                                      redone["uniform"][:, None], logits.shape[1])
             for i, t in zip(redo, again.tolist()):
                 ids[i] = t
         logprobs = [(None, None)] * n
@@ -149,6 +146,9 @@ def _mode(params) -> int:
     return GREEDY if params.greedy else FILTERED if params.top_k_enabled or params.top_p < 1 else PLAIN
 
 
+_ROW_PARAMS = ("temperature", "top_k", "top_p", "min_p")
+
+
 @dataclass(frozen=True)
 class RowParams:
     """Per-row sampling parameters as [n, 1] columns on the logits' device (greedy rows hold neutral
@@ -168,6 +168,14 @@ class RowParams:
                              torch.int64),
                          col([p.top_p if p else 1.0 for p in live], torch.float64),
                          col([p.min_p if p else 0.0 for p in live], torch.float64))
+
+    @staticmethod
+    def from_columns(columns: dict[str, torch.Tensor]) -> RowParams:
+        """From one-row-per-sequence step inputs ([n] each, as `columns` gives them)."""
+        return RowParams(*(columns[name][:, None] for name in _ROW_PARAMS))
+
+    def columns(self) -> dict[str, torch.Tensor]:
+        return {name: getattr(self, name)[:, 0] for name in _ROW_PARAMS}
 
     def rows(self, index: torch.Tensor) -> RowParams:
         return RowParams(self.temperature[index], self.top_k[index], self.top_p[index], self.min_p[index])

@@ -33,8 +33,8 @@ def sampling_variants(step: Step, head: Callable[[torch.Tensor], torch.Tensor]) 
             if not (plain or filtered):   # reads no sampling input: what a step sampled on the host replays
                 ids = logits.argmax(dim=-1)
                 return torch.stack([ids, torch.ones_like(ids)]), logits
-            cols = RowParams(*(meta[k][:, None] for k in ("temperature", "top_k", "top_p", "min_p")))
-            ids, fits = draw_in_step(logits, meta["sample_mode"], cols, meta["uniform"][:, None], plain, filtered)
+            ids, fits = draw_in_step(logits, meta["sample_mode"], RowParams.from_columns(meta), meta["uniform"][:, None],
+                                     plain, filtered)
             return torch.stack([ids, fits.long()]), logits
         return run
     return {name: variant(*paths) for name, paths in VARIANTS.items()}
