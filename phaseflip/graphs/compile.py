@@ -50,9 +50,9 @@ def time_step(fn, views: dict[str, torch.Tensor], repeats: int = 3) -> float:
 def time_replays(step, repeats: int = 5) -> float:
     """Mean ms of a captured step's replays after one untimed replay: CUDA events around the replays of
     a CUDA graph, the wall clock for any other backend."""
-    step.replay()
     if step.backend != "cuda":
         return time_step(lambda _: step.replay(), {}, repeats)
+    step.replay()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
     for _ in range(repeats):

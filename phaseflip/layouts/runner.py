@@ -187,8 +187,7 @@ class LayoutRunner(CompileChoice):
             exact = {k: v.to(self.kv.tensor.device) for k, v in meta.items()}
             if step is not None:
                 return step.replay(exact, variant)
-            fns = self._decode_fns(self.step_fn) if variant else self.step_fn
-            return fns[variant](exact) if variant else fns(exact)
+            return (self._decode_fns(self.step_fn)[variant] if variant else self.step_fn)(exact)
         for name, view in step.views.items():
             if name in meta and not (name == "hidden_in" and meta[name].data_ptr() == view.data_ptr()):
                 self.buffers.fill(name, meta[name], view.shape[0])
