@@ -52,10 +52,6 @@ class CapturedStep:
         has no recorded shape, and on the CPU every padding row is wasted arithmetic."""
         return self.backend == "eager" and self.fns is not None
 
-    @property
-    def variants(self) -> tuple[str, ...]:
-        return tuple(self.runs)
-
     def replay(self, exact: dict[str, torch.Tensor] | None = None, variant: str | None = None):
         variant = variant or next(iter(self.runs))
         if variant not in self.runs:

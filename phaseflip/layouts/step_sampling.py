@@ -5,9 +5,10 @@ Owns: the variants a decode bucket records on a rank that samples from the whole
 more), "plain" (+ temperature/min-p rows), "filtered" (+ top-k/top-p rows), "sampled" (both): head +
 `sampler.draw_in_step`, each row by its own mode, temperature, top-k, top-p, min-p and the uniform its
 generator gave the host before the step; which one a step replays (`variant_for`, from the host-built
-columns); and how chunked replays' outputs join (`cat_outputs`). A step's output is (picked, logits): picked = [2, rows]
-int64, the ids and whether each row's draw fitted its candidates, read by the host with one copy;
-logits stay on the device for the rare full-sort redraw and for logprobs (sampler.finish_in_step).
+columns); and how chunked replays' outputs join (`cat_outputs`). A step's output is (picked, logits):
+picked = [2, rows] int64, the ids and whether each row's draw fitted its candidates, read by the host
+with one copy; logits stay on the device for the rare full-sort redraw and for logprobs
+(sampler.finish_in_step).
 On CUDA each variant is one graph, so a decode step is one launch and one wait; on the CPU the same
 functions run in the recorded (eager or compiled) step.
 """
