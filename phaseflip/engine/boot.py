@@ -3,8 +3,11 @@
 Owns: BootPlan (device, dtype, max_model_len, KV block count, bucket sets, the two layouts) and the
 RankBoot message each rank boots from. Checkpoint problems are raised by the loader before any rank
 allocates its KV region, and a KV budget that cannot hold one sequence of max_model_len tokens is
-refused here, saying what to change. An explicit num_kv_blocks is taken as given (a test and tuning
-knob): a smaller pool is then every request's length limit (a warning says so).
+refused here, saying what to change. On CUDA, unless kv_cache_memory_gib or num_kv_blocks is given,
+the block count is left to the ranks: each measures what gpu_memory_utilization leaves after its
+weights and a profile step (layouts/kv_sizing.py), and the LLM adopts the count they agreed on. An
+explicit num_kv_blocks is taken as given (a test and tuning knob): a smaller pool is then every
+request's length limit (a warning says so).
 """
 from __future__ import annotations
 
@@ -32,10 +35,15 @@ class BootPlan:
     device: str
     dtype: torch.dtype
     max_model_len: int
-    num_kv_blocks: int
+    num_kv_blocks: int | None   # None until the ranks sized it by kv_utilization (LLM adopts their count)
     shapes: StepShapes
     layout_plan: LayoutPlan
     budgets_bytes: tuple[int, ...] | None   # memory budget per rank (the ledger sums to it)
+    kv_utilization: float | None = None     # gpu_memory_utilization the ranks size the KV by, if they do
+
+
+CPU_KV_GIB = 2.0                       # the CPU's KV pool when kv_cache_memory_gib is not given
+DEFAULT_GPU_MEMORY_UTILIZATION = 0.9   # vLLM's default
 
 
 def resolve_device(device: str) -> str:
@@ -101,9 +109,27 @@ def memory_budgets(cfg: EngineConfig, device: str) -> tuple[int, ...] | None:
     return (total // cfg.world_size,) * cfg.world_size
 
 
+def kv_utilization(cfg: EngineConfig, device: str) -> float | None:
+    """The fraction of each device the ranks size the KV by (layouts/kv_sizing.py), or None where the
+    plan fixes the block count: num_kv_blocks or kv_cache_memory_gib given (they win), or the CPU."""
+    if device != "cuda":
+        if cfg.gpu_memory_utilization is not None:
+            raise ValueError(f"gpu_memory_utilization={cfg.gpu_memory_utilization} applies to CUDA devices "
+                             f"(device={device!r}): on the CPU the KV pool is kv_cache_memory_gib (default "
+                             f"{CPU_KV_GIB} GiB) or num_kv_blocks")
+        return None
+    if cfg.num_kv_blocks is not None or cfg.kv_cache_memory_gib is not None:
+        if cfg.gpu_memory_utilization is not None:
+            log.warning("gpu_memory_utilization=%s is ignored: %s sizes the KV pool",
+                        cfg.gpu_memory_utilization, "num_kv_blocks" if cfg.num_kv_blocks else "kv_cache_memory_gib")
+        return None
+    return cfg.gpu_memory_utilization or DEFAULT_GPU_MEMORY_UTILIZATION
+
+
 def _kv_blocks(cfg: EngineConfig, mc: ModelConfig, plan: LayoutPlan, dtype: torch.dtype,
                max_model_len: int) -> int:
-    """Blocks every rank can hold in every captured view (the minimum: block ids are shared)."""
+    """Blocks every rank can hold in every captured view (the minimum: block ids are shared), from
+    num_kv_blocks or kv_cache_memory_gib (CPU_KV_GIB where neither is given)."""
     one_seq = -(-max_model_len // cfg.block_size)
     if cfg.num_kv_blocks is not None:
         if cfg.num_kv_blocks < one_seq:
@@ -115,13 +141,14 @@ def _kv_blocks(cfg: EngineConfig, mc: ModelConfig, plan: LayoutPlan, dtype: torc
     per_block = max(b for pp, tp in zip(plan.pp.shards, plan.tp.shards)
                     for name, b in zip(("pp", "tp"), kv_block_bytes(mc, pp, tp, cfg.block_size, dtype_bytes))
                     if name in cfg.layouts)
-    budget_blocks = int(cfg.kv_cache_memory_gib * 2**30) // per_block
+    gib = cfg.kv_cache_memory_gib or CPU_KV_GIB
+    budget_blocks = int(gib * 2**30) // per_block
     if budget_blocks < one_seq:
-        raise ValueError(_pool_too_small(cfg, max_model_len, one_seq, budget_blocks, per_block))
+        raise ValueError(_pool_too_small(cfg, gib, max_model_len, one_seq, budget_blocks, per_block))
     return min(budget_blocks, cfg.max_num_seqs * one_seq)  # more could never be used
 
 
-def _pool_too_small(cfg: EngineConfig, max_model_len: int, one_seq: int, budget_blocks: int,
+def _pool_too_small(cfg: EngineConfig, gib: float, max_model_len: int, one_seq: int, budget_blocks: int,
                     per_block: int) -> str:
     need_gib = _round_up(one_seq * per_block / 2**30)
     fits = budget_blocks * cfg.block_size
@@ -129,7 +156,7 @@ def _pool_too_small(cfg: EngineConfig, max_model_len: int, one_seq: int, budget_
     given = "" if cfg.max_model_len is not None else " (the model's maximum: max_model_len was not given)"
     return (f"the KV pool cannot hold one sequence of max_model_len={max_model_len}{given} tokens: it needs "
             f"{one_seq} blocks of {cfg.block_size} tokens ({per_block} bytes per block on the largest rank, "
-            f"{need_gib} GiB), but kv_cache_memory_gib={cfg.kv_cache_memory_gib} holds {budget_blocks} "
+            f"{need_gib} GiB), but kv_cache_memory_gib={gib} holds {budget_blocks} "
             f"blocks ({fits} tokens): raise kv_cache_memory_gib to >= {need_gib}{lower}")
 
 
@@ -154,15 +181,30 @@ def make_plan(cfg: EngineConfig, mc: ModelConfig, model_dir: str) -> BootPlan:
         max_blocks_per_seq=-(-max_model_len // cfg.block_size), block_size=cfg.block_size,
         decode_buckets=cfg.decode_buckets or default_decode_buckets(cfg.max_num_seqs),
         prefill_buckets=cfg.prefill_buckets or default_prefill_buckets(budget))
-    num_blocks = _kv_blocks(cfg, mc, layout_plan, dtype, max_model_len)
+    utilization = kv_utilization(cfg, device)
+    num_blocks = None if utilization else _kv_blocks(cfg, mc, layout_plan, dtype, max_model_len)
     return BootPlan(model_dir, device, dtype, max_model_len, num_blocks, shapes, layout_plan,
-                    memory_budgets(cfg, device))
+                    memory_budgets(cfg, device), utilization)
+
+
+def kv_reason(cfg: EngineConfig, sizing: dict | None) -> str:
+    """Why the KV pool has the blocks it has, in words (the boot log's line)."""
+    if cfg.num_kv_blocks is not None:
+        return f"num_kv_blocks={cfg.num_kv_blocks} was given"
+    if sizing is None:
+        given = "" if cfg.kv_cache_memory_gib is not None else " (the CPU's default)"
+        return f"kv_cache_memory_gib={cfg.kv_cache_memory_gib or CPU_KV_GIB}{given}"
+    gib = 2**30
+    return (f"gpu_memory_utilization={sizing['utilization']} of {sizing['device_total'] / gib:.2f} GiB on rank "
+            f"{sizing['rank']}: {sizing['device_used'] / gib:.2f} GiB in use after the weights, profile step "
+            f"peak {sizing['profile_peak'] / gib:.3f} GiB, graphs ~{sizing['graph_pool_estimate'] / gib:.3f} GiB, "
+            f"flip staging {sizing['staging'] / gib:.3f} GiB; limited by {sizing['limited_by']}")
 
 
 def rank_boot(cfg: EngineConfig, plan: BootPlan) -> RankBoot:
     return RankBoot(model_dir=plan.model_dir, dtype=str(plan.dtype).removeprefix("torch."),
                     device=plan.device, layout_plan=plan.layout_plan, layouts=cfg.layouts,
-                    shapes=plan.shapes, num_kv_blocks=plan.num_kv_blocks,
+                    shapes=plan.shapes, num_kv_blocks=plan.num_kv_blocks, kv_utilization=plan.kv_utilization,
                     max_model_len=plan.max_model_len, park=cfg.park, seed=cfg.seed,
                     capture=not cfg.enforce_eager, num_threads=cfg.num_threads,
                     compile=resolve_compile(cfg.compile), compile_cache_dir=str(cache_dir() / "compile"),

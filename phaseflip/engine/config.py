@@ -29,8 +29,11 @@ class EngineConfig:
     max_num_seqs: int = 64              # sequences running at once
     max_num_batched_tokens: int = 512   # token budget of one step (= the prefill chunk size)
     block_size: int = 16                # tokens per KV block
-    num_kv_blocks: int | None = None    # None = from kv_cache_memory_gib
-    kv_cache_memory_gib: float = 2.0    # KV pool budget when num_kv_blocks is None
+    num_kv_blocks: int | None = None    # None = from kv_cache_memory_gib / gpu_memory_utilization
+    kv_cache_memory_gib: float | None = None  # KV pool budget; None = 2.0 GiB on the CPU, on CUDA
+                                              # what gpu_memory_utilization leaves
+    gpu_memory_utilization: float | None = None  # CUDA: fraction of each device the engine may use
+                                                 # (weights, graphs, activations, KV); None = 0.9
     seed: int = 0                       # base seed of sampling for requests without their own
     enable_prefix_caching: bool = True  # reuse the KV of cached full blocks of a shared prompt prefix
     enforce_eager: bool = False         # True: run every step uncaptured (debugging)
@@ -63,8 +66,10 @@ class EngineConfig:
                     f"{name}={getattr(self, name)!r} is invalid: must be an integer >= 1")
         require(self.num_kv_blocks is None or self.num_kv_blocks >= 1,
                 f"num_kv_blocks={self.num_kv_blocks} is invalid: must be >= 1 (or None)")
-        require(self.kv_cache_memory_gib > 0,
-                f"kv_cache_memory_gib={self.kv_cache_memory_gib} is invalid: must be > 0")
+        require(self.kv_cache_memory_gib is None or self.kv_cache_memory_gib > 0,
+                f"kv_cache_memory_gib={self.kv_cache_memory_gib} is invalid: must be > 0 (or None)")
+        require(self.gpu_memory_utilization is None or 0 < self.gpu_memory_utilization <= 1,
+                f"gpu_memory_utilization={self.gpu_memory_utilization} is invalid: must be in (0, 1] (or None)")
         require(isinstance(self.enable_prefix_caching, bool),
                 f"enable_prefix_caching={self.enable_prefix_caching!r} is invalid: must be True or False")
         require(self.num_threads is None or self.num_threads >= 1,

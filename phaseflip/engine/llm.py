@@ -10,6 +10,7 @@ engine refuses new work up front with EngineDeadError.
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import time
@@ -19,7 +20,7 @@ import torch
 from tqdm.auto import tqdm
 
 from phaseflip.engine.blocks import BlockAllocator
-from phaseflip.engine.boot import make_plan, rank_boot
+from phaseflip.engine.boot import kv_reason, make_plan, rank_boot
 from phaseflip.engine.config import EngineConfig
 from phaseflip.engine.core import EngineCore
 from phaseflip.engine.policy.control import LayoutControl
@@ -64,6 +65,7 @@ class LLM:
         with timed(self.boot_ms, "ranks"):
             boot = rank_boot(cfg, self.plan)
             self.ranks = _start_ranks(boot, cfg.world_size)
+        self._adopt_kv_blocks()
         shapes = self.plan.shapes
         self.allocator = BlockAllocator(self.plan.num_kv_blocks, shapes.block_size,
                                         prefix_caching=cfg.enable_prefix_caching)
@@ -82,6 +84,19 @@ class LLM:
         log.info("phaseflip booted %s (%s, %s, world size %d, layouts %s): %s", model_dir, self.plan.device,
                  self.plan.dtype, cfg.world_size, ",".join(cfg.layouts),
                  ", ".join(f"{k} {v:.0f} ms" for k, v in self.boot_ms.items()))
+
+    def _adopt_kv_blocks(self) -> None:
+        """The block count the ranks allocated (they sized it themselves under gpu_memory_utilization)."""
+        counts = {r.num_kv_blocks for r in self.ranks.ready}
+        if len(counts) != 1 or (self.plan.num_kv_blocks is not None and counts != {self.plan.num_kv_blocks}):
+            raise RuntimeError(f"the ranks allocated KV pools of {sorted(counts)} blocks; the plan said "
+                               f"{self.plan.num_kv_blocks}")
+        self.plan = dataclasses.replace(self.plan, num_kv_blocks=counts.pop())
+        self.kv_sizing = [r.kv_sizing for r in self.ranks.ready]
+        self.kv_sized_by = kv_reason(self.config, self.kv_sizing[0])
+        log.info("KV pool: %d blocks of %d tokens = %d tokens (%s)", self.plan.num_kv_blocks,
+                 self.plan.shapes.block_size, self.plan.num_kv_blocks * self.plan.shapes.block_size,
+                 self.kv_sized_by)
 
     def _run_step(self, plan: StepPlan) -> StepResult:
         replies = self.ranks.call(RunStep(self.control.active, plan))
@@ -195,6 +210,7 @@ class LLM:
             "arena_ptrs": [r.arena_ptr for r in ranks],
             "shard_bytes": [dict(r.shard_bytes) for r in self.ranks.ready],
             "num_kv_blocks": self.plan.num_kv_blocks,
+            "kv_sized_by": self.kv_sized_by,
             "free_kv_blocks": self.allocator.num_free_blocks,
             "num_preemptions": self.core.scheduler.num_preemptions,
             "prefix_cache": self.allocator.cache_stats(),

@@ -1,8 +1,8 @@
 """torch.distributed wrappers: the collectives the layouts call explicitly at their call sites.
 
 Owns: RankComm (all_reduce for TP partial sums, send/recv of hidden states between PP stages, gather
-of vocab-parallel logits, all_to_all for the KV reshard, a flag agreement for the flip) and the
-process-group set-up (gloo on CPU, NCCL on CUDA). `NoComm` is the group of one rank.
+of vocab-parallel logits, all_to_all for the KV reshard, a flag agreement for the flip, the smallest
+KV block count at boot) and the process-group set-up (gloo on CPU, NCCL on CUDA). `NoComm` is the group of one rank.
 """
 from __future__ import annotations
 
@@ -60,6 +60,12 @@ class RankComm:
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         return bool(t.item())
 
+    def min(self, value: int) -> int:
+        """The smallest of every rank's value, on every rank (the KV block count all ranks can hold)."""
+        t = torch.tensor([value], dtype=torch.int64, device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN)
+        return int(t.item())
+
     def barrier(self) -> None:
         dist.barrier()
 
@@ -94,6 +100,9 @@ class NoComm:
 
     def any(self, flag: bool) -> bool:
         return flag
+
+    def min(self, value: int) -> int:
+        return value
 
     def barrier(self) -> None:
         pass

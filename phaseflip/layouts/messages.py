@@ -28,7 +28,7 @@ class RankBoot:
     layout_plan: LayoutPlan
     layouts: tuple[str, ...]   # captured layouts, the first is active after boot
     shapes: StepShapes
-    num_kv_blocks: int
+    num_kv_blocks: int | None  # None: each rank sizes it by kv_utilization (layouts/kv_sizing.py)
     max_model_len: int
     park: str                  # "auto" | "always" | "never"
     seed: int
@@ -39,6 +39,7 @@ class RankBoot:
     budgets_bytes: tuple[int, ...] | None = None         # memory budget per rank, for the ledger
     flip_staging_bytes: int | None = None                # the flip's send + receive buffers; None: default
     faults: tuple["ArmFault", ...] = ()                  # test hook: faults armed before boot starts
+    kv_utilization: float | None = None                  # gpu_memory_utilization, when num_kv_blocks is None
 
 
 @dataclass(frozen=True)
@@ -114,6 +115,8 @@ class RankReady:
     shard_bytes: dict[str, int]       # layout -> bytes of this rank's weights in that layout
     kv_bytes: int
     pid: int
+    num_kv_blocks: int                # what the rank allocated (all ranks agree)
+    kv_sizing: dict | None = None     # how gpu_memory_utilization sized it (kv_sizing.fit_blocks)
 
 
 @dataclass(frozen=True)

@@ -1,9 +1,9 @@
 """RankRuntime: everything one rank owns after boot, and the commands it executes.
 
 Owns: boot of one rank (its shards of every layout packed into host images, the weight arena and the
-KV region allocated ONCE, every step of every layout captured), then StepPlan execution in the active
-layout, flips and stats. The same code runs in-process at world size 1 and inside each rank process
-(layouts/worker.py). Checkpoint reading is passed in (`load`), so layouts/ never imports engine/.
+KV region allocated ONCE (under gpu_memory_utilization sized first by profile steps, kv_sizing.py),
+every step of every layout captured), then StepPlan execution in the active layout, flips and stats.
+The same code runs in-process at world size 1 and inside each rank process (layouts/worker.py). Checkpoint reading is passed in (`load`), so layouts/ never imports engine/.
 """
 from __future__ import annotations
 
@@ -21,7 +21,10 @@ from phaseflip.kernels import linear
 from phaseflip.kernels.rotary import cos_sin_table
 from phaseflip.layouts.arena import WeightArena, allocate_arena, arena_bases, image_slots, pack_image
 from phaseflip.layouts.comm import break_graphs_at_collectives
-from phaseflip.layouts.flip import InjectedFault, allocate_staging, run_flip
+from phaseflip.layouts.flip import (DEFAULT_STAGING_BYTES, DEFAULT_STAGING_FRACTION, InjectedFault,
+                                    allocate_staging, run_flip)
+from phaseflip.layouts.kv_sizing import (device_memory, fit_blocks, kept_outputs_bytes, profile_blocks,
+                                         profile_plans, run_profile, too_small)
 from phaseflip.layouts.kvcache import KVRegion, KVShape
 from phaseflip.layouts.messages import (ArmFault, FlipCommand, FlipReport, RankBoot, RankManifest,
                                         RankReady, RankStats, RunStep, StepReply)
@@ -80,17 +83,24 @@ class RankRuntime:
             self.arena = WeightArena(images, templates, self.device, resident, buffer)
         del templates  # views of the checkpoint: its pages leave the RSS with them
         self.kv_block_size = boot.shapes.block_size
+        self.sampler = Sampler(boot.seed)
+        self._make_buffers(boot, dtype)
+        self.kv_sizing: dict | None = None   # how gpu_memory_utilization sized the KV (None: it did not)
+        self.num_kv_blocks = boot.num_kv_blocks
+        if self.num_kv_blocks is None:
+            with self._timed("kv_profile"):
+                self.kv_sizing = self._size_kv(boot, dtype)
+            self.num_kv_blocks = self.kv_sizing["blocks"]
         with self._timed("kv_alloc"):
-            self.kv = KVRegion({name: self._kv_shape(name, boot) for name in boot.layouts}, dtype, self.device)
+            self.kv = self._kv_region(boot, dtype, self.num_kv_blocks)
             self.staging = allocate_staging(self.layout_plan, boot.layouts, self.cfg.head_dim,
-                                            boot.shapes.block_size, boot.num_kv_blocks, dtype, self.device,
+                                            boot.shapes.block_size, self.num_kv_blocks, dtype, self.device,
                                             boot.flip_staging_bytes)
         self.faults = Faults(rank)
         for fault in boot.faults:
             self.faults.arm(fault)
-        self.sampler = Sampler(boot.seed)
         self.registry = GraphRegistry()
-        self.runners = self._make_runners(boot, dtype)
+        self.runners = self._make_runners(boot, self.kv, self.registry)
         self.host_image_bytes = sum(img.num_bytes for img in images.values() if not img.in_arena)
         # RSS the CPU GEMM warm-up and compiling added; the CUDA graph pool's segments
         self.gemm_bytes = self.compile_bytes = 0
@@ -100,7 +110,6 @@ class RankRuntime:
         self.arena.refill(self.active)
         self.registry.seal()
         self.budget_bytes = boot.budgets_bytes[rank] if boot.budgets_bytes else None
-        self.num_kv_blocks = boot.num_kv_blocks
         self.memory = measure_memory(self.device)
 
     def _pack(self, boot: RankBoot, templates: dict[str, RankWeights]):
@@ -123,24 +132,59 @@ class RankRuntime:
             yield
         self.progress(phase, self.boot_ms[phase])
 
-    def _kv_shape(self, layout: str, boot: RankBoot) -> KVShape:
-        shard = self.layout_plan.spec(layout).shards[self.rank]
-        return KVShape(shard.layers.count, boot.num_kv_blocks, boot.shapes.block_size,
-                       shard.kv_heads.count, self.cfg.head_dim)
+    def _kv_region(self, boot: RankBoot, dtype: torch.dtype, num_blocks: int) -> KVRegion:
+        shapes = {}
+        for name in boot.layouts:
+            shard = self.layout_plan.spec(name).shards[self.rank]
+            shapes[name] = KVShape(shard.layers.count, num_blocks, boot.shapes.block_size,
+                                   shard.kv_heads.count, self.cfg.head_dim)
+        return KVRegion(shapes, dtype, self.device)
 
-    def _make_runners(self, boot: RankBoot, dtype: torch.dtype) -> dict[str, LayoutRunner]:
+    def _make_buffers(self, boot: RankBoot, dtype: torch.dtype) -> None:
+        """One set of static buffers per rank, shared by both layouts, and the rotary table."""
         s = boot.shapes
         specs = buffer_specs(s.max_tokens, s.max_num_seqs, s.max_blocks_per_seq)
         specs["hidden_in"] = BufferSpec((s.max_tokens, self.cfg.hidden_size), dtype, 0)
-        self.buffers = StaticBuffers(specs, self.device)  # one set per rank, shared by both layouts
-        rope = cos_sin_table(self.cfg.head_dim, boot.max_model_len, self.cfg.rope_theta,
-                             self.cfg.rope_scaling).to(self.device)
-        ctx = RankContext(self.cfg, self.rank, s, rope, self.buffers, self.registry, self.sampler, self.comm)
-        return {name: LayoutRunner(ctx, self._layout_part(name)) for name in boot.layouts}
+        self.buffers = StaticBuffers(specs, self.device)
+        self.rope = cos_sin_table(self.cfg.head_dim, boot.max_model_len, self.cfg.rope_theta,
+                                  self.cfg.rope_scaling).to(self.device)
 
-    def _layout_part(self, name: str) -> LayoutPart:
+    def _make_runners(self, boot: RankBoot, kv: KVRegion, registry: GraphRegistry) -> dict[str, LayoutRunner]:
+        ctx = RankContext(self.cfg, self.rank, boot.shapes, self.rope, self.buffers, registry, self.sampler,
+                          self.comm)
+        return {name: LayoutRunner(ctx, self._layout_part(name, kv)) for name in boot.layouts}
+
+    def _size_kv(self, boot: RankBoot, dtype: torch.dtype) -> dict:
+        """The KV block count by gpu_memory_utilization (kv_sizing.py): profile steps over a provisional
+        KV of a few blocks, what the device then uses, every rank's count agreed to the smallest."""
+        s = boot.shapes
+        probe = device_memory(self.device)
+        provisional = self._kv_region(boot, dtype, profile_blocks(max(s.prefill_buckets), boot.max_model_len,
+                                                                  s.block_size))
+        runners = self._make_runners(boot, provisional, GraphRegistry())
+        plans = profile_plans(max(s.decode_buckets), max(s.prefill_buckets), boot.max_model_len, s.block_size)
+        start = probe.start_peak()
+        profiled = run_profile(runners, self.arena, self.sampler, plans)
+        peak = probe.peak_since(start)
+        element = provisional.buffer.element_size()
+        block_bytes = provisional.block_stride * element
+        graphs = self.device != "cpu" and boot.capture   # the graph pool: scratch + every step's output
+        graph_pool = peak + sum(kept_outputs_bytes(r, element) for r in runners.values()) if graphs else 0
+        del runners, provisional
+        free, total = probe.free_and_total()
+        staging = 0 if len(boot.layouts) < 2 else boot.flip_staging_bytes
+        fits, report = fit_blocks(boot.kv_utilization, free, total, peak, graph_pool, staging,
+                                  (DEFAULT_STAGING_BYTES, DEFAULT_STAGING_FRACTION), block_bytes)
+        blocks = self.comm.min(fits)   # beyond what running sequences use, blocks keep cached prefixes
+        report.update(rank=self.rank, profiled=profiled, blocks=blocks, tokens=blocks * s.block_size,
+                      limited_by="this rank's memory" if blocks == fits else "another rank's memory")
+        if blocks < s.max_blocks_per_seq:
+            raise ValueError(too_small(report, boot.max_model_len, s.max_blocks_per_seq))
+        return report
+
+    def _layout_part(self, name: str, kv: KVRegion) -> LayoutPart:
         spec = self.layout_plan.spec(name)
-        return LayoutPart(name, spec.shards, spec.output_rank, self.arena.weights[name], self.kv.view(name))
+        return LayoutPart(name, spec.shards, spec.output_rank, self.arena.weights[name], kv.view(name))
 
     def _capture(self, boot: RankBoot) -> None:
         """Compile each layout's roles, then capture every bucket with that layout's image in the
@@ -200,7 +244,8 @@ class RankRuntime:
 
     def ready(self) -> RankReady:
         return RankReady(self.rank, dict(self.boot_ms), self.registry.captures_at_boot, self.arena.num_bytes,
-                         dict(self.shard_bytes), self.kv.num_bytes, os.getpid())
+                         dict(self.shard_bytes), self.kv.num_bytes, os.getpid(), self.num_kv_blocks,
+                         self.kv_sizing)
 
     def manifest(self) -> RankManifest:
         num_blocks = self.num_kv_blocks

@@ -37,6 +37,10 @@ def _engine_options(f):
         click.option("--max-num-seqs", type=int, default=64, show_default=True, help="Sequences running at once."),
         click.option("--max-num-batched-tokens", type=int, default=512, show_default=True, help="Token budget per step."),
         click.option("--seed", type=int, default=0, show_default=True, help="Base sampling seed."),
+        click.option("--kv-cache-memory-gib", type=float, default=None,
+                     help="KV pool size (default: 2 GiB on the CPU; on CUDA what --gpu-memory-utilization leaves)."),
+        click.option("--gpu-memory-utilization", type=float, default=None,
+                     help="CUDA: fraction of each device for weights, graphs, activations and KV (default 0.9)."),
         click.option("--world-size", type=int, default=None,
                      help="Ranks (processes). Default: 1, or WORLD_SIZE under torchrun."),
         click.option("--layouts", default=None, help="Captured layouts: pp,tp | pp | tp (default: pp,tp when world size > 1)."),
@@ -50,14 +54,15 @@ def _engine_options(f):
     return f
 
 
-def _llm(model, dtype, max_model_len, max_num_seqs, max_num_batched_tokens, seed, world_size, layouts,
-         park, flip_every_steps, compile_mode):
+def _llm(model, dtype, max_model_len, max_num_seqs, max_num_batched_tokens, seed, kv_cache_memory_gib,
+         gpu_memory_utilization, world_size, layouts, park, flip_every_steps, compile_mode):
     from phaseflip.engine.llm import LLM
     from phaseflip.layouts.comm import env_rank
     if world_size is None:
         world_size = env_rank()[1] if env_rank() else 1
     return LLM(model=model, dtype=dtype, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
-               max_num_batched_tokens=max_num_batched_tokens, seed=seed, world_size=world_size,
+               max_num_batched_tokens=max_num_batched_tokens, seed=seed, kv_cache_memory_gib=kv_cache_memory_gib,
+               gpu_memory_utilization=gpu_memory_utilization, world_size=world_size,
                layouts=tuple(layouts.split(",")) if layouts else None, park=park,
                flip_every_steps=flip_every_steps, compile=compile_mode)
 
@@ -224,6 +229,8 @@ def _print_summary(llm, results, boot_s: float, gen_s: float) -> None:
                + f" (total {boot_s * 1e3:.0f} ms)")
     click.echo(f"ranks: {stats['world_size']}, layouts {','.join(stats['layouts'])}; captured steps: "
                f"{stats['captures_at_boot']} at boot, {stats['captures_after_boot']} after")
+    click.echo(f"kv: {stats['num_kv_blocks']} blocks = {stats['num_kv_blocks'] * llm.plan.shapes.block_size} "
+               f"tokens ({stats['kv_sized_by']})")
     for e in stats["flip_log"]:
         parts = ", ".join(f"{c} {e[c + '_ms']:.1f}" for c in ("read", "exchange", "refill", "write", "cutover")
                           if e.get(c + "_ms") is not None)

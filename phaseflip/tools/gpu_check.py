@@ -24,6 +24,9 @@ the next one runs; once the time budget is spent the rest are recorded as skippe
   compile_boot       cold and warm boots (fresh processes, fresh then reused inductor/Triton caches) of the
                      1B and 30-layer SmolLM2 shapes with compile="auto": compile seconds, choices, and
                      decode tokens/s against the uncompiled engine
+  kv_sizing          the 1B shape booted with gpu_memory_utilization=0.9, the device to itself: the
+                     device's used fraction after boot against 0.9, the KV tokens and why, the ledger's
+                     negative terms and unexplained bytes against the driver, tokens against section capture's
 --sections a,b,...   runs only those (in the order above); a section that needs an earlier one's results
                      records that it did not get them. What one run's budget skipped or left unfinished
                      runs next, e.g. `--sections environment,bandwidth,decode_8b,compile_boot`.
@@ -33,9 +36,10 @@ Every number is measured in this run, or null next to the reason: never made up.
 checkout on PYTHONPATH (tests/models.py builds the tokenizer and the HF references).
 
 The sections live in gpu_sections_device.py (environment, kernels, bandwidth), gpu_sections_engine.py
-(the engine and HF sections), gpu_sections_step.py (decode_step) and gpu_sections_compile.py (decode_8b,
-compile_boot); profiles and the Context they share in gpu_context.py. This module owns the
-driver: argument parsing, the section loop with its time budget, and the JSON and log files.
+(the engine and HF sections), gpu_sections_step.py (decode_step), gpu_sections_compile.py (decode_8b,
+compile_boot) and gpu_sections_memory.py (kv_sizing); profiles and the Context they share in
+gpu_context.py. This module owns the driver: argument parsing, the section loop with its time budget,
+and the JSON and log files.
 """
 from __future__ import annotations
 
@@ -55,12 +59,13 @@ from phaseflip.tools.gpu_sections_compile import compile_boot, decode_8b
 from phaseflip.tools.gpu_sections_device import bandwidth, environment, kernels
 from phaseflip.tools.gpu_sections_engine import (capture, decode_throughput, fp32_parity, hf_decode,
                                                  park_restore, replay_vs_eager, restore, write_model)  # noqa: F401
+from phaseflip.tools.gpu_sections_memory import kv_sizing
 from phaseflip.tools.gpu_sections_step import decode_step
 
 log = logging.getLogger("phaseflip.gpu_check")
 
 SECTIONS = (environment, kernels, bandwidth, capture, replay_vs_eager, park_restore, restore,
-            decode_throughput, decode_step, fp32_parity, hf_decode, decode_8b, compile_boot)
+            decode_throughput, decode_step, fp32_parity, hf_decode, decode_8b, compile_boot, kv_sizing)
 
 
 # -- driver ------------------------------------------------------------------------------------------

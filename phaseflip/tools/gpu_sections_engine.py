@@ -65,8 +65,11 @@ def _tokens(outputs) -> list[list[int]]:
 
 
 def engine_kwargs(p: Profile, model_dir: Path, **overrides) -> dict:
-    """The LLM arguments every engine of the check shares (plain data: a child process gets them as JSON)."""
+    """The LLM arguments every engine of the check shares (plain data: a child process gets them as JSON).
+    A KV of 2 GiB: the engines share one process with each other and HF (section kv_sizing boots one
+    with gpu_memory_utilization)."""
     kwargs = dict(model=str(model_dir), device=p.device, dtype="bfloat16", layouts=("pp", "tp"), park="always",
+                  kv_cache_memory_gib=2.0,
                   max_model_len=p.max_model_len, max_num_seqs=max(p.bench_batches),
                   max_num_batched_tokens=max(p.prefill_buckets), decode_buckets=p.decode_buckets,
                   prefill_buckets=p.prefill_buckets, seed=0)

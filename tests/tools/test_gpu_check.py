@@ -16,7 +16,8 @@ from phaseflip.tools.gpu_sections_engine import engine_kwargs
 
 ROOT = Path(__file__).resolve().parents[2]
 SECTIONS = ("environment", "kernels", "bandwidth", "capture", "replay_vs_eager", "park_restore", "restore",
-            "decode_throughput", "decode_step", "fp32_parity", "hf_decode", "decode_8b", "compile_boot")
+            "decode_throughput", "decode_step", "fp32_parity", "hf_decode", "decode_8b", "compile_boot",
+            "kv_sizing")
 
 
 def test_dry_run_writes_every_section(tmp_path):
@@ -49,6 +50,9 @@ def test_dry_run_writes_every_section(tmp_path):
         m = s["compile_boot"]["models"][name]
         assert m["cold"]["finished"] and m["warm"]["finished"] and m["uncompiled"]["finished"], m
         assert set(m["speedup"]) == {"1", "8", "64"} and m["targets_met"] is None   # dry run: compile="off"
+    kv = s["kv_sizing"]   # the CPU keeps kv_cache_memory_gib: the utilization figures are None, with the reason
+    assert kv["kv_tokens"] > 0 and kv["used_fraction"] is None and "CPU" in kv["utilization_reason"]
+    assert kv["negative_terms"] == [] and kv["tokens_match_shared_engine"] and kv["targets_met"] is None
 
 
 def test_sections_runs_only_those_named(tmp_path):
