@@ -63,16 +63,18 @@ def device_memory(device: str):
     return CudaMemory(device)
 
 
-def profile_plans(decode_bucket: int, prefill_bucket: int, max_model_len: int,
-                  block_size: int) -> list[StepPlan]:
+def profile_plans(decode_bucket: int, prefill_bucket: int, max_model_len: int, block_size: int,
+                  max_blocks_per_seq: int) -> list[StepPlan]:
     """The largest prefill bucket's tokens (as sequences of at most max_model_len tokens, each sampled)
     and the largest decode bucket's sequences (one token each). Every sequence writes the same few
-    blocks: what they hold does not matter, only what the step allocates."""
+    blocks: what they hold does not matter, only what the step allocates. Block tables are as wide as
+    a serving step's (the CUDA attention sizes its context splits by their width)."""
     per_seq = min(prefill_bucket, max_model_len)
-    table = tuple(range(-(-per_seq // block_size)))
+    used = -(-per_seq // block_size)
+    table = tuple(range(used)) + (0,) * (max_blocks_per_seq - used)
     sizes = [per_seq] * (prefill_bucket // per_seq) + ([prefill_bucket % per_seq] if prefill_bucket % per_seq else [])
     prefill = tuple(SeqChunk(PROFILE_SEQ_BASE + i, (0,) * n, 0, table, True, False) for i, n in enumerate(sizes))
-    decode = tuple(SeqChunk(PROFILE_SEQ_BASE + i, (0,), 0, table[:1], True, True) for i in range(decode_bucket))
+    decode = tuple(SeqChunk(PROFILE_SEQ_BASE + i, (0,), 0, table, True, True) for i in range(decode_bucket))
     plans = []
     for phase, chunks in ((Phase.PREFILL, prefill), (Phase.DECODE, decode)):
         news = tuple(NewRequest(c.seq_id, ProfileParams(), c.num_tokens) for c in chunks)

@@ -162,7 +162,8 @@ class RankRuntime:
         provisional = self._kv_region(boot, dtype, profile_blocks(max(s.prefill_buckets), boot.max_model_len,
                                                                   s.block_size))
         runners = self._make_runners(boot, provisional, GraphRegistry())
-        plans = profile_plans(max(s.decode_buckets), max(s.prefill_buckets), boot.max_model_len, s.block_size)
+        plans = profile_plans(max(s.decode_buckets), max(s.prefill_buckets), boot.max_model_len, s.block_size,
+                              s.max_blocks_per_seq)
         start = probe.start_peak()
         profiled = run_profile(runners, self.arena, self.sampler, plans)
         peak = probe.peak_since(start)
