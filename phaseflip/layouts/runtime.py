@@ -3,7 +3,8 @@
 Owns: boot of one rank (its shards of every layout packed into host images, the weight arena and the
 KV region allocated ONCE (under gpu_memory_utilization sized first by profile steps, kv_sizing.py),
 every step of every layout captured), then StepPlan execution in the active layout, flips and stats.
-The same code runs in-process at world size 1 and inside each rank process (layouts/worker.py). Checkpoint reading is passed in (`load`), so layouts/ never imports engine/.
+The same code runs in-process at world size 1 and inside each rank process (layouts/worker.py).
+Checkpoint reading is passed in (`load`), so layouts/ never imports engine/.
 """
 from __future__ import annotations
 
@@ -170,7 +171,7 @@ class RankRuntime:
         element = provisional.buffer.element_size()
         block_bytes = provisional.block_stride * element
         graphs = self.device != "cpu" and boot.capture   # the graph pool: scratch + every step's output
-        graph_pool = peak + sum(kept_outputs_bytes(r, element) for r in runners.values()) if graphs else 0
+        graph_pool = (peak + sum(kept_outputs_bytes(r, element) for r in runners.values())) if graphs else 0
         del runners, provisional
         free, total = probe.free_and_total()
         staging = 0 if len(boot.layouts) < 2 else boot.flip_staging_bytes
