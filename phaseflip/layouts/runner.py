@@ -121,10 +121,9 @@ class LayoutRunner(CompileChoice):
     def _views(self, sizes: dict[str, int]) -> dict[str, torch.Tensor]:
         return self.buffers.views(self._sizes(sizes))
 
-    def largest_weight(self) -> torch.Tensor:
-        """The largest matrix this layout's rank holds (its vocabulary rows where it has them)."""
-        extra = [t for t in (self.weights.embed_tokens,) if t is not None]
-        return max([w for w, _, _ in self.projections()] + extra, key=torch.Tensor.numel)
+    def layer_projections(self) -> list[tuple[torch.Tensor, ...]]:
+        """Each layer's projection weights, in the order a step multiplies them."""
+        return [(lw.qkv_proj, lw.o_proj, lw.gate_up_proj, lw.down_proj) for lw in self.weights.layers]
 
     def projections(self):
         """(weight, bias, most rows it multiplies) of every projection this layout runs: the step's up

@@ -208,8 +208,8 @@ class RankRuntime:
                 with self._timed(f"forms:{name}"):  # once per process and dtype: later layouts reuse
                     weights = [w for w, _, _ in runner.projections()]
                     runner.compile_report["small_rows"] = linear.choose_small_forms(weights)
-                    if boot.compile != "off":
-                        runner.compile_report["gemv"] = linear.choose_gemv(runner.largest_weight(), weights)
+                    if boot.compile != "off" and runner.weights.layers:
+                        runner.compile_report["gemv"] = linear.choose_gemv(runner.layer_projections())
             with self._timed(f"compile:{name}"), _rss_growth() as grown:
                 runner.prepare_compiled(boot.compile, cuda)
             self.compile_bytes = _add(self.compile_bytes, grown)
