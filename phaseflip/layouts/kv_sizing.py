@@ -93,8 +93,7 @@ def run_profile(runners: dict, arena, sampler, plans: list[StepPlan]) -> list[di
     for name, runner in runners.items():
         arena.refill(name)
         for plan in plans:
-            for req in plan.new_requests:
-                sampler.add(req.seq_id, req.params)
+            sampler.add_requests(plan.new_requests)
             try:
                 runner.execute(plan)
             finally:
