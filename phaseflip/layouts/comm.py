@@ -2,7 +2,8 @@
 
 Owns: RankComm (all_reduce for TP partial sums, send/recv of hidden states between PP stages, gather
 of vocab-parallel logits, all_to_all for the KV reshard, a flag agreement for the flip, the smallest
-KV block count at boot) and the process-group set-up (gloo on CPU, NCCL on CUDA). `NoComm` is the group of one rank.
+KV block count at boot) and the process-group set-up (gloo on CPU, NCCL on CUDA). `NoComm` is the
+group of one rank.
 """
 from __future__ import annotations
 

@@ -1,8 +1,8 @@
 """The GPU check's kv_sizing section: the KV sized by gpu_memory_utilization, against the driver.
 
 Owns: `kv_sizing`, which boots the 1B shape (both layouts) with gpu_memory_utilization=0.9 once the
-other sections have given the device back (it runs last), then reads the driver: the fraction of the device in
-use after boot against the 0.9 asked for (issue target: within 2 points), how many tokens of KV the
+other sections have given the device back (it runs last), then reads the driver: the fraction of the
+device in use after boot against the 0.9 asked for (issue target: within 2 points), how many tokens of KV the
 boot got and why (the ranks' sizing reports), whether the ledger has a negative term and how far its
 identity is from the driver's used memory (`unexplained`, target within 1% of the device), and that
 the sized pool serves (greedy tokens against those of section capture's engine, same weights). The
@@ -28,13 +28,15 @@ def _ledger_checks(manifest: dict, total: int | None) -> dict:
 
 
 def kv_sizing(ctx: Context) -> dict:
+    import gc
+
+    import torch
+
     from phaseflip.tools.gpu_sections_engine import _engine, _greedy, _prompts, _tokens, write_model
     p = ctx.profile
     model_dir = ctx.shared.get("model_dir") or write_model(ctx.work / "llama-1b-shape", p.model, p.device)
     cuda = p.device == "cuda"
     if cuda:   # what earlier sections freed goes back to the driver: the rank reads what is in use
-        import gc
-        import torch
         gc.collect()
         torch.cuda.empty_cache()
     sizing = dict(kv_cache_memory_gib=None, gpu_memory_utilization=UTILIZATION) if cuda else {}
@@ -49,7 +51,6 @@ def kv_sizing(ctx: Context) -> dict:
         llm.shutdown()
         del llm
         if cuda:
-            import torch
             torch.cuda.empty_cache()
     target = out["used_fraction_error"]
     out["targets_met"] = (None if target is None else
@@ -64,11 +65,9 @@ def _measure(llm, cuda: bool) -> dict:
     stats = llm.stats()
     block_size = llm.plan.shapes.block_size
     out = {"num_kv_blocks": stats["num_kv_blocks"], "kv_tokens": stats["num_kv_blocks"] * block_size,
-           "sized_by": None, "sizing": llm.kv_sizing, "utilization_asked": UTILIZATION if cuda else None,
-           "device_total": None, "device_used_after_boot": None, "used_fraction": None,
-           "used_fraction_error": None}
-    manifest = llm.inspect()
-    out["sized_by"] = manifest["kv"]["sized_by"]
+           "sized_by": stats["kv_sized_by"], "sizing": llm.kv_sizing,
+           "utilization_asked": UTILIZATION if cuda else None, "device_total": None,
+           "device_used_after_boot": None, "used_fraction": None, "used_fraction_error": None}
     total = None
     if cuda:
         import torch
@@ -77,5 +76,5 @@ def _measure(llm, cuda: bool) -> dict:
                    used_fraction_error=(total - free) / total - UTILIZATION)
     else:
         out["utilization_reason"] = "CPU: the KV is kv_cache_memory_gib (gpu_memory_utilization sizes CUDA devices)"
-    out.update(_ledger_checks(manifest, total))
+    out.update(_ledger_checks(llm.inspect(), total))
     return out
