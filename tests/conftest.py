@@ -13,12 +13,18 @@ from tests.models import make_tiny_model, make_tokenizer
 def _private_cache(tmp_path_factory):
     """Nothing a test does touches the user's cache ($PHASEFLIP_CACHE or ~/.cache/phaseflip: the last
     boot's manifest, compiled code): the session's cache is a temp dir. The default model that `make`
-    converted there is only read, through a link (converted anew into the temp dir when absent)."""
+    converted there is only read, through a link (converted anew into the temp dir when absent); so are
+    the CPU kernels `make` built there (each file named by what it was built from: a changed source
+    builds anew, into the temp dir)."""
     from phaseflip.engine.default_model import DEFAULT_MODEL_NAME, cache_dir, is_complete
     users = cache_dir()
     private = tmp_path_factory.mktemp("phaseflip-cache")
     if is_complete(users / DEFAULT_MODEL_NAME):
         (private / DEFAULT_MODEL_NAME).symlink_to(users / DEFAULT_MODEL_NAME, target_is_directory=True)
+    if (users / "kernels").is_dir():
+        (private / "kernels").mkdir()
+        for built in (users / "kernels").glob("*.so"):
+            (private / "kernels" / built.name).symlink_to(built)
     old = os.environ.get("PHASEFLIP_CACHE")
     os.environ["PHASEFLIP_CACHE"] = str(private)
     yield users

@@ -31,6 +31,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from phaseflip.kernels import cpu_kernels
+
 PAD_WASTE = 1.25      # a decode group's padded cells may exceed its real cells by this factor
 MAX_GROUPS = 8
 
@@ -211,7 +213,14 @@ def _as_rows(kv_layer: torch.Tensor) -> torch.Tensor:
 def paged_attention_cpu(q, k, v, kv_layer, slot_mapping, block_tables, seq_lens, query_start_loc,
                         scale: float) -> torch.Tensor:
     """Store this step's K/V, then attend; the contract of kernels/attention.py, with the layer's caches
-    as one [num_blocks, 2, block_size, Hkv, D] view. Returns [T, Hq, D]."""
+    as one [num_blocks, 2, block_size, Hkv, D] view. Returns [T, Hq, D]. A step whose sequences bring
+    one query token each (decode) goes to the C++ kernel where it is built (kernels/cpu_kernels.py),
+    which reads the cache in place; it declines (an empty result) any other step."""
+    kernel = cpu_kernels.decode_attention_op() if q.dtype in cpu_kernels.DTYPES else None
+    if kernel is not None:
+        out = kernel(q, k, v, kv_layer, slot_mapping, block_tables, seq_lens, query_start_loc, scale)
+        if out.numel():
+            return out
     t, hkv, d = k.shape
     plan = _plans.get(slot_mapping, block_tables, seq_lens, query_start_loc, kv_layer.shape[2], hkv,
                       q.shape[1] // hkv, kv_layer.stride(0) // d)

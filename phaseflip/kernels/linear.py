@@ -12,8 +12,9 @@ every row count grows without bound: rows are padded up to a ladder (multiples o
 steps per doubling: padding <= 12.5%) and `warm` builds all of it at boot, like a graph capture, so
 what the GEMMs hold is measured then. For a handful of rows (decode) the fastest product differs from
 machine to machine, so it is timed at boot: the library's product (F.linear), the weight-stationary
-W @ x^T (one row run as two, so that MKL takes its skinny GEMM rather than its GEMV) or oneDNN padded
-to its ladder; unmeasured, the stationary form is used.
+W @ x^T (one row run as two, so that MKL takes its skinny GEMM rather than its GEMV), oneDNN padded
+to its ladder, or our few-rows kernel (kernels/cpu_kernels.py, where it builds); unmeasured, the
+stationary form is used.
 The plain weight is used as it lies in the arena (no packed copy: a flip refills the arena in place).
 CUDA tensors take F.linear; oneDNN's ladder serves float32 alone; traced CPU code: `_traced_cpu_linear`.
 """
@@ -26,11 +27,12 @@ from typing import Iterable
 import torch
 import torch.nn.functional as F
 
+from phaseflip.kernels import cpu_kernels
 from phaseflip.kernels.op_registry import define_op
 
 GEMV_ROWS = 1     # rows a compiled CPU step may multiply with inductor's own reduction (choose_gemv)
 SMALL_BATCH = 4   # rows up to which a measured small-rows form is used on the CPU
-SMALL_FORMS = ("stationary", "library", "onednn")
+SMALL_FORMS = ("stationary", "library", "onednn", "kernel")
 MEASURED_ROWS = (1, 2, SMALL_BATCH)   # the row counts timed at boot; 3 takes SMALL_BATCH's form (small_form)
 
 # This process's measurements, per weight dtype (absent: not measured yet; the defaults apply)
@@ -82,15 +84,21 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 def _traced_cpu_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """What a compiled CPU step runs: up to GEMV_ROWS rows as a reduction inductor writes itself where
-    that was measured faster than the eager product (`choose_gemv`), else as the library's product
-    where that is the measured small-rows form (an extern call, no Python between the projections);
-    everything else as one opaque call to the eager paths below (oneDNN's ladder is built at boot)."""
-    if x.shape[0] <= GEMV_ROWS:  # the one-row graph (its row count is static: 0/1 specialisation)
-        if gemv_reduces(x.dtype):
-            out = _reduce_rows(x, weight)
-            return out if bias is None else out + bias
-        if small_form(1, x.dtype) == "library":  # inductor calls the library's product itself
+    that was measured faster than the eager product (`choose_gemv`); a few (static) rows whose
+    measured small-rows form is the library's product or the few-rows kernel as that call, which
+    inductor makes itself (no Python between the projections); everything else as one opaque call to
+    the eager paths below (oneDNN's ladder is built at boot)."""
+    m = x.shape[0]
+    if m <= GEMV_ROWS and gemv_reduces(x.dtype):  # the one-row graph (its row count is static)
+        out = _reduce_rows(x, weight)
+        return out if bias is None else out + bias
+    if isinstance(m, int) and 1 <= m <= SMALL_BATCH:
+        form = small_form(m, x.dtype)
+        if form == "library":  # inductor calls the library's product itself
             return F.linear(x, weight, bias)
+        if form == "kernel" and _kernel_serves(weight):  # an extern call to the C++ op
+            out = cpu_kernels.few_rows_op()(x, weight)
+            return out if bias is None else out + bias
     return torch.ops.phaseflip.cpu_linear(x, weight, bias)
 
 
@@ -141,6 +149,8 @@ def _one_row_products(xs: dict[int, torch.Tensor], weights: tuple[torch.Tensor, 
     def product(x, w):
         if form == "reduction":
             return _reduce_rows(x, w)
+        if form == "kernel" and _kernel_serves(w):
+            return cpu_kernels.few_rows_op()(x, w)
         return F.linear(x, w) if form == "library" else torch.ops.phaseflip.cpu_linear(x, w, None)
     return [product(xs[w.shape[1]], w) for w in weights]
 
@@ -176,12 +186,22 @@ def small_form(m: int, dtype: torch.dtype) -> str:
     rows = 1 if m <= 1 else 2 if m == 2 else SMALL_BATCH     # the measured row count that covers m
     report = _small_reports.get(dtype)
     form = "stationary" if report is None else report["forms"][rows]
-    return "stationary" if form == "onednn" and not _onednn_serves(dtype) else form
+    return form if _form_serves(form, dtype) else "stationary"
 
 
-def _onednn_serves(dtype: torch.dtype) -> bool:
-    """Whether the oneDNN small-rows form can run: this build has the op, and its ladder is float32's."""
-    return dtype == torch.float32 and bool(_onednn_op())
+def _form_serves(form: str, dtype: torch.dtype) -> bool:
+    """Whether a small-rows form can run for dtype: oneDNN where this build has the op and for float32
+    alone (its ladder is built for that); the kernel where it built and for the dtypes it reads."""
+    if form == "onednn":
+        return dtype == torch.float32 and bool(_onednn_op())
+    if form == "kernel":
+        return dtype in cpu_kernels.DTYPES and cpu_kernels.few_rows_op() is not None
+    return True
+
+
+def _kernel_serves(weight: torch.Tensor) -> bool:
+    """The kernel reads weight rows that are contiguous (the arena's are; a view may not be)."""
+    return weight.dim() == 2 and weight.stride(1) == 1 and weight.device.type == "cpu"
 
 
 def _small_product(form: str, x: torch.Tensor, weight: torch.Tensor,
@@ -191,6 +211,9 @@ def _small_product(form: str, x: torch.Tensor, weight: torch.Tensor,
         return F.linear(x, weight, bias)
     if form == "onednn":  # padded to the ladder's smallest size, whose GEMM `warm` built
         return _onednn_op()(F.pad(x, (0, 0, 0, row_bucket(m) - m)), weight, bias, "none", [], "")[:m]
+    if form == "kernel" and _kernel_serves(weight):
+        out = cpu_kernels.few_rows_op()(x, weight)
+        return out if bias is None else out.add_(bias)
     cols = x.repeat(2, 1) if m == 1 else x                   # [M', K]
     out = torch.mm(weight, cols.t())[:, :m].t().contiguous()   # [M, N]
     return out if bias is None else out.add_(bias)
@@ -207,7 +230,7 @@ def choose_small_forms(weights: list[torch.Tensor], passes: int = 2) -> dict:
     dtype = weights[0].dtype
     if dtype in _small_reports:
         return _small_reports[dtype]
-    forms = [f for f in SMALL_FORMS if f != "onednn" or _onednn_serves(dtype)]
+    forms = [f for f in SMALL_FORMS if _form_serves(f, dtype)]
     table = {}
     for m in MEASURED_ROWS:
         xs = {k: torch.randn(m, k, dtype=dtype) for k in {w.shape[1] for w in weights}}

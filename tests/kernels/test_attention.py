@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from phaseflip.kernels import cpu_attention
+from phaseflip.kernels import cpu_attention, cpu_kernels
 from phaseflip.kernels.attention import paged_attention_ref
 
 
@@ -13,7 +13,15 @@ def run_ref(kv_cache, layer, **args):
     return paged_attention_ref(k_cache=kv_cache[:, layer, 0], v_cache=kv_cache[:, layer, 1], **args)
 
 
-IMPLS = {"op": lambda **a: torch.ops.phaseflip.paged_attention(**a), "ref": run_ref}
+def run_general(**args):
+    """The op with the C++ decode kernel switched off: kernels/cpu_attention.py's plan path alone."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(cpu_kernels, "decode_attention_op", lambda: None)
+        return torch.ops.phaseflip.paged_attention(**args)
+
+
+# "op": what the engine runs (decode-only steps in the C++ kernel where it is built, kernels/cpu_kernels.py)
+IMPLS = {"op": lambda **a: torch.ops.phaseflip.paged_attention(**a), "general": run_general, "ref": run_ref}
 
 
 def naive(q, keys, values, scale):
@@ -131,13 +139,54 @@ def test_ragged_decodes_are_grouped_by_length():
     assert sorted(t for g in plan.decode for t in g.tokens.tolist()) == list(range(8))
 
 
-def test_a_reused_buffer_with_new_contents_gets_a_new_plan():
-    """The plan is remembered by value: refilling the same metadata tensors must not replay the old plan."""
+@pytest.mark.parametrize("impl", ["op", "general"])
+def test_a_reused_buffer_with_new_contents_gets_a_new_plan(impl):
+    """The plan is remembered by value: refilling the same metadata tensors must not replay the old plan
+    (the general path's plan; the C++ kernel, "op" here, reads the metadata anew every call)."""
     first, _ = build([(5, 1), (17, 1)], seed=1)
-    torch.ops.phaseflip.paged_attention(**first)
+    IMPLS[impl](**first)
     second, hist = build([(9, 1), (18, 1)], seed=2)
     for name in ("slot_mapping", "block_tables", "seq_lens", "query_start_loc"):
         first[name].copy_(second[name])  # same tensors, same shapes, new contents
     second.update({name: first[name] for name in ("slot_mapping", "block_tables", "seq_lens", "query_start_loc")})
-    out = torch.ops.phaseflip.paged_attention(**second)
+    out = IMPLS[impl](**second)
     check(out, second, [(9, 1), (18, 1)], hist)
+
+
+def _kernel_or_skip():
+    op = cpu_kernels.decode_attention_op()
+    if op is None:
+        pytest.skip(f"no C++ decode kernel here: {cpu_kernels.kernel_report()['reason']}")
+    return op
+
+
+def test_the_decode_kernel_declines_a_step_with_a_prompt_chunk():
+    """It returns nothing and writes nothing where a sequence brings more than one token."""
+    op = _kernel_or_skip()
+    args, _ = build([(5, 1), (0, 3)], num_blocks=20)
+    before = args["kv_cache"].clone()
+    out = op(args["q"], args["k"], args["v"], args["kv_cache"][:, 0], args["slot_mapping"], args["block_tables"],
+             args["seq_lens"], args["query_start_loc"], args["scale"])
+    assert out.numel() == 0 and torch.equal(args["kv_cache"], before)
+
+
+def test_the_decode_kernel_refuses_a_block_id_outside_the_cache():
+    op = _kernel_or_skip()
+    args, _ = build([(5, 1)], num_blocks=20)
+    args["block_tables"][0, 0] = 99
+    with pytest.raises(RuntimeError, match="block id 99 outside 0..19"):
+        op(args["q"], args["k"], args["v"], args["kv_cache"][:, 0], args["slot_mapping"], args["block_tables"],
+           args["seq_lens"], args["query_start_loc"], args["scale"])
+
+
+def test_bf16_decodes_agree_with_the_general_path():
+    """bfloat16 caches: the kernel (float32 sums, read in place) against the plan path's SDPA."""
+    _kernel_or_skip()
+    seqs = [(n, 1) for n in (2, 90, 7, 40)]
+    args, _ = build(seqs, num_blocks=120, pad_tokens=1, pad_seqs=1, hq=9, hkv=3, d=64, block_size=16)
+    args = {k: v.to(torch.bfloat16) if isinstance(v, torch.Tensor) and v.is_floating_point() else v
+            for k, v in args.items()}
+    general = {**args, "kv_cache": args["kv_cache"].clone()}
+    out = IMPLS["op"](**args)
+    torch.testing.assert_close(out, run_general(**general), atol=2e-2, rtol=2e-2)
+    assert torch.equal(args["kv_cache"], general["kv_cache"]), "the two stored different K/V"

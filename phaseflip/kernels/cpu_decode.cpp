@@ -1,0 +1,153 @@
+// Paged attention for a decode step on the CPU, read in place: every query token reads its
+// sequence's K and V rows straight from the paged cache (block table -> block -> row), one (sequence,
+// kv head) per task over torch's threads, with no gathered copy of any context. The contract is
+// kernels/attention.py's (store this step's K/V at slot_mapping, then attend; padding tokens give
+// zeros), for steps whose sequences each bring at most one query token: for any other step the op
+// returns an empty tensor and touches nothing (the caller runs its general path). Built and loaded by
+// phaseflip/kernels/cpu_kernels.py with cpu_gemv.cpp.
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
+#include <initializer_list>
+#include <c10/util/BFloat16.h>
+#include <torch/library.h>
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+namespace {
+
+struct Cache {            // one layer's [num_blocks, 2 (k, v), block_size, Hkv, D] view, any strides
+  char* base;
+  int64_t num_blocks, block_size, sb, skv, so, sh;   // strides in elements
+};
+
+template <typename T>
+inline T* row(const Cache& c, int64_t block, int64_t off, int64_t head, int kv) {
+  return reinterpret_cast<T*>(c.base) + block * c.sb + kv * c.skv + off * c.so + head * c.sh;
+}
+
+template <typename T>
+void store(const at::Tensor& k, const at::Tensor& v, const Cache& c, const int64_t* slots, int64_t T_, int64_t hkv,
+           int64_t d) {
+  const T* kp = k.data_ptr<T>();
+  const T* vp = v.data_ptr<T>();
+  for (int64_t t = 0; t < T_; ++t) {
+    const int64_t slot = slots[t];
+    if (slot < 0) continue;
+    const int64_t block = slot / c.block_size, off = slot % c.block_size;
+    TORCH_CHECK(block < c.num_blocks, "decode_attention: slot ", slot, " is past the cache's ", c.num_blocks,
+                " blocks");
+    for (int64_t h = 0; h < hkv; ++h) {
+      std::copy_n(kp + (t * hkv + h) * d, d, row<T>(c, block, off, h, 0));
+      std::copy_n(vp + (t * hkv + h) * d, d, row<T>(c, block, off, h, 1));
+    }
+  }
+}
+
+// One sequence's G query heads of kv head h over its L cached positions: scores, softmax, weighted V
+template <typename T>
+void attend_one(const T* q /* [G, D] */, T* out /* [G, D] */, const Cache& c, const int64_t* table, int64_t L,
+                int64_t h, int64_t G, int64_t d, float scale, std::vector<float>& buf) {
+  buf.assign(G * (L + d) + d, 0.f);
+  float* scores = buf.data();                 // [G, L]
+  float* acc = scores + G * L;                // [G, D]
+  float* qf = acc + G * d;                    // one query head as float
+  for (int64_t b = 0; b * c.block_size < L; ++b)
+    TORCH_CHECK(table[b] >= 0 && table[b] < c.num_blocks, "decode_attention: block id ", table[b], " outside 0..",
+                c.num_blocks - 1);
+  for (int64_t g = 0; g < G; ++g) {
+    for (int64_t i = 0; i < d; ++i) qf[i] = static_cast<float>(q[g * d + i]) * scale;
+    for (int64_t pos = 0; pos < L; ++pos) {
+      const T* kr = row<T>(c, table[pos / c.block_size], pos % c.block_size, h, 0);
+      float s = 0.f;
+#pragma omp simd reduction(+ : s)
+      for (int64_t i = 0; i < d; ++i) s += qf[i] * static_cast<float>(kr[i]);
+      scores[g * L + pos] = s;
+    }
+    float* sg = scores + g * L;
+    const float mx = *std::max_element(sg, sg + L);
+    float sum = 0.f;
+    for (int64_t pos = 0; pos < L; ++pos) sum += (sg[pos] = std::exp(sg[pos] - mx));
+    const float inv = 1.f / sum;
+    for (int64_t pos = 0; pos < L; ++pos) sg[pos] *= inv;
+  }
+  for (int64_t pos = 0; pos < L; ++pos) {
+    const T* vr = row<T>(c, table[pos / c.block_size], pos % c.block_size, h, 1);
+    for (int64_t g = 0; g < G; ++g) {
+      const float p = scores[g * L + pos];
+      float* a = acc + g * d;
+#pragma omp simd
+      for (int64_t i = 0; i < d; ++i) a[i] += p * static_cast<float>(vr[i]);
+    }
+  }
+  for (int64_t i = 0; i < G * d; ++i) out[i] = static_cast<T>(acc[i]);
+}
+
+template <typename T>
+void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const Cache& c, const at::Tensor& slots,
+         const at::Tensor& tables, const at::Tensor& lens, const at::Tensor& starts, double scale, at::Tensor& out) {
+  const int64_t T_ = q.size(0), hq = q.size(1), d = q.size(2), hkv = k.size(1), G = hq / hkv;
+  store<T>(k, v, c, slots.data_ptr<int64_t>(), T_, hkv, d);
+  const int64_t S = lens.size(0), B = tables.size(1);
+  const int64_t* lp = lens.data_ptr<int64_t>();
+  const int64_t* sp = starts.data_ptr<int64_t>();
+  const int64_t* tp = tables.data_ptr<int64_t>();
+  const T* qp = q.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  at::parallel_for(0, S * hkv, 1, [&](int64_t i0, int64_t i1) {
+    std::vector<float> buf;
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t s = i / hkv, h = i % hkv, L = lp[s], t = sp[s];
+      if (L <= 0 || sp[s + 1] - t != 1 || t >= T_) continue;   // a padding sequence: its rows stay zero
+      TORCH_CHECK((L + c.block_size - 1) / c.block_size <= B, "decode_attention: ", L,
+                  " positions need more blocks than the table's ", B);
+      attend_one<T>(qp + (t * hq + h * G) * d, op + (t * hq + h * G) * d, c, tp + s * B, L, h, G, d,
+                    static_cast<float>(scale), buf);
+    }
+  });
+}
+
+at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& kv,
+                            const at::Tensor& slot_mapping, const at::Tensor& block_tables,
+                            const at::Tensor& seq_lens, const at::Tensor& query_start_loc, double scale) {
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.sizes() == k.sizes() && kv.dim() == 5 &&
+                  q.size(2) == k.size(2) && kv.size(4) == q.size(2) && kv.size(3) == k.size(1) &&
+                  q.size(1) % k.size(1) == 0,
+              "decode_attention: q [T, Hq, D], k and v [T, Hkv, D], the cache [blocks, 2, block_size, Hkv, D]; got ",
+              q.sizes(), ", ", k.sizes(), ", ", kv.sizes());
+  TORCH_CHECK(kv.stride(4) == 1, "decode_attention: the cache's rows of D must be contiguous");
+  TORCH_CHECK(q.scalar_type() == k.scalar_type() && k.scalar_type() == v.scalar_type() &&
+                  v.scalar_type() == kv.scalar_type() &&
+                  (q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16),
+              "decode_attention: float32 or bfloat16 tensors of one dtype");
+  for (const at::Tensor* m : {&slot_mapping, &block_tables, &seq_lens, &query_start_loc})
+    TORCH_CHECK(m->scalar_type() == at::kLong, "decode_attention: int64 metadata");
+  const int64_t S = seq_lens.size(0);
+  TORCH_CHECK(query_start_loc.size(0) == S + 1 && block_tables.size(0) == S && slot_mapping.size(0) == q.size(0),
+              "decode_attention: metadata shapes disagree");
+  const at::Tensor starts = query_start_loc.contiguous();
+  const int64_t* sp = starts.data_ptr<int64_t>();
+  for (int64_t s = 0; s < S; ++s)
+    if (sp[s + 1] - sp[s] > 1) return at::empty({0}, q.options());   // a prefill row: not this kernel's
+  Cache c{static_cast<char*>(kv.data_ptr()), kv.size(0), kv.size(2), kv.stride(0), kv.stride(1), kv.stride(2),
+          kv.stride(3)};
+  at::Tensor out = at::zeros(q.sizes(), q.options());
+  const at::Tensor qc = q.contiguous(), kc = k.contiguous(), vc = v.contiguous(), slots = slot_mapping.contiguous(),
+                   tables = block_tables.contiguous(), lens = seq_lens.contiguous();
+  if (q.scalar_type() == at::kFloat)
+    run<float>(qc, kc, vc, c, slots, tables, lens, starts, scale, out);
+  else
+    run<c10::BFloat16>(qc, kc, vc, c, slots, tables, lens, starts, scale, out);
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(phaseflip_cpu, m) {
+  m.def("decode_attention(Tensor q, Tensor k, Tensor v, Tensor(a!) kv_layer, Tensor slot_mapping, "
+        "Tensor block_tables, Tensor seq_lens, Tensor query_start_loc, float scale) -> Tensor");
+  m.impl("decode_attention", c10::DispatchKey::CPU, TORCH_FN(decode_attention));
+}

@@ -1,0 +1,161 @@
+"""The CPU kernels of our own (cpu_gemv.cpp, cpu_decode.cpp): built for this machine on first use, loaded
+as torch ops.
+
+Owns: `few_rows_op` (`phaseflip_cpu::few_rows_linear`), `decode_attention_op`
+(`phaseflip_cpu::decode_attention`), each None where the kernels cannot be built or give a wrong
+answer, and `kernel_report` (whether they are there, why not, where they live, what the build cost).
+
+Why a few-rows product of our own: a decode step's projections multiply one to four rows by every weight,
+a pass over the whole model that should run at the memory's read speed. Neither the library's GEMM
+(MKL's GEMV, oneDNN built per row count) nor inductor's reduction over a weight row gets there on
+this CPU (2 cores, AVX-512 + BF16; 30 layers of SmolLM2 one-row products, the same process, 2026-12-01):
+bf16 reduction 9.2-9.8 ms, this kernel 7.1-7.4 (30 GB/s); fp32 15.2 against 13.0; four rows, bf16
+35.1 against 14.9. Inductor's own C++ GEMM template reaches this speed only on frozen weights,
+repacked into a copy that a flip would not refill; this kernel reads the arena as it lies.
+Why a decode attention of our own: per layer, the general path (kernels/cpu_attention.py) runs a plan
+lookup, a store, a gather of every context into a fresh tensor and one SDPA call from Python: 55-120 us
+a layer at batch 1 (SDPA alone 34 us on a 100-token context), 1.1-2.7 ms at 32 sequences; this one
+reads the paged cache in place, one call.
+
+The build: one g++ call (-O3 -march=native -fopenmp, torch's headers and libraries), its output
+renamed into place so that ranks building at once never load half a file, under the phaseflip cache
+dir keyed by the sources, torch's version and this CPU's feature flags (a cache shared between
+machines never hands one the other's code). About 10 s once per machine and torch; then a load.
+Nothing is built at import: the first call of either op getter does it (boot's small-rows measurement).
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import time
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+SOURCES = tuple(Path(__file__).with_name(name) for name in ("cpu_gemv.cpp", "cpu_decode.cpp"))
+MAX_ROWS = 4      # the kernel's row limit (cpu_gemv.cpp's MAX_ROWS)
+DTYPES = (torch.float32, torch.bfloat16)
+
+_report: dict = {}   # this process's build/load outcome (empty: not tried yet)
+_faked = False       # the op's fake kernel (for tracing) is registered
+
+
+def few_rows_op():
+    """torch.ops.phaseflip_cpu.few_rows_linear; None where the kernels are not here (kernel_report)."""
+    return torch.ops.phaseflip_cpu.few_rows_linear if _loaded() else None
+
+
+def decode_attention_op():
+    """torch.ops.phaseflip_cpu.decode_attention; None where the kernels are not here (kernel_report)."""
+    return torch.ops.phaseflip_cpu.decode_attention if _loaded() else None
+
+
+def _loaded() -> bool:
+    """Build (once per machine) and load (once per process) the kernels; whether they are usable."""
+    if not _report:
+        _report.update(_load())
+        if _report["available"]:
+            log.info("CPU kernels: %s", _report["path"])
+        else:
+            log.warning("CPU kernels unavailable (%s): products and attention take the library's paths",
+                        _report["reason"])
+    return bool(_report["available"])
+
+
+def kernel_report() -> dict:
+    """What few_rows_op found: available, reason (when not), path and build_s (None: loaded, not built)."""
+    return dict(_report) if _report else {"available": None, "reason": "not tried yet"}
+
+
+def _load() -> dict:
+    compiler = os.environ.get("CXX", "g++")
+    if platform.system() != "Linux" or shutil.which(compiler) is None:
+        return {"available": False, "reason": f"needs Linux and a C++ compiler ({compiler!r} not found)"}
+    path = _library_path(compiler)
+    build_s = None
+    try:
+        if not path.exists():
+            t0 = time.perf_counter()
+            _build(compiler, path)
+            build_s = round(time.perf_counter() - t0, 2)
+        torch.ops.load_library(str(path))
+        _register_fake()
+        reason = _disagreement()
+    except (OSError, RuntimeError, subprocess.CalledProcessError) as e:
+        reason = f"{type(e).__name__}: {str(e).strip()[-400:]}"
+    return {"available": reason is None, "reason": reason, "path": str(path), "build_s": build_s}
+
+
+def _flags() -> list[str]:
+    abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
+    return ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++20",
+            f"-D_GLIBCXX_USE_CXX11_ABI={abi}"]
+
+
+def _library_path(compiler: str) -> Path:
+    from phaseflip.engine.default_model import cache_dir   # the engine's cache dir (no import cycle at load)
+    key = hashlib.sha256()
+    for part in (*(src.read_bytes() for src in SOURCES), torch.__version__.encode(), compiler.encode(), " ".join(_flags()).encode(),
+                 _cpu_flags().encode()):
+        key.update(part)
+    return cache_dir() / "kernels" / f"cpu_kernels-{key.hexdigest()[:16]}.so"
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def _build(compiler: str, path: Path) -> None:
+    from torch.utils.cpp_extension import include_paths, library_paths
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    cmd = [compiler, *_flags(), *(f"-I{p}" for p in include_paths()), *map(str, SOURCES), "-o", str(tmp),
+           *(f"-L{p}" for p in library_paths()), "-lc10", "-ltorch_cpu", "-lgomp"]
+    try:
+        subprocess.run(cmd, check=True, capture_output=True, text=True)
+    except subprocess.CalledProcessError as e:
+        raise RuntimeError(f"{compiler} failed: {e.stderr.strip()[-400:]}") from None
+    os.replace(tmp, path)   # atomic: a rank loading it sees the whole file or none
+
+
+def _register_fake() -> None:
+    global _faked
+    if not _faked:   # once per process (a second registration is an error)
+        torch.library.register_fake("phaseflip_cpu::few_rows_linear")(
+            lambda x, weight: x.new_empty((x.shape[0], weight.shape[0])))
+        torch.library.register_fake("phaseflip_cpu::decode_attention")(lambda q, *rest: torch.empty_like(q))
+        _faked = True
+
+
+def _disagreement() -> str | None:
+    """None when the kernel gives F.linear's answer on a few small products (every dtype, 1..MAX_ROWS
+    rows, a K with a tail), else what differed."""
+    g = torch.Generator().manual_seed(0)
+    for dtype in DTYPES:
+        w = torch.randn(37, 83, generator=g).to(dtype)
+        for m in range(1, MAX_ROWS + 1):
+            x = torch.randn(m, 83, generator=g).to(dtype)
+            got = torch.ops.phaseflip_cpu.few_rows_linear(x, w).float()
+            want = x.float() @ w.float().t()
+            tol = 1e-4 if dtype == torch.float32 else 2e-2
+            if got.shape != want.shape or not torch.allclose(got, want, rtol=tol, atol=tol * 4):
+                return f"disagrees with F.linear ({dtype}, {m} rows): max error {(got - want).abs().max():.3g}"
+    return None
+
+
+if __name__ == "__main__":   # `make setup`: build them into the cache once, and say what happened
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    _loaded()
+    print("CPU kernels:", kernel_report())

@@ -1,0 +1,74 @@
+"""The CPU kernels (kernels/cpu_kernels.py): built on this machine, the few-rows product against F.linear,
+its refusals, the build reused (the decode attention kernel: tests/kernels/test_attention.py)."""
+from __future__ import annotations
+
+import platform
+import shutil
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from phaseflip.engine.default_model import cache_dir
+from phaseflip.kernels import cpu_kernels
+
+
+@pytest.fixture(scope="module")
+def op():
+    op = cpu_kernels.few_rows_op()
+    if op is None and (platform.system() != "Linux" or shutil.which("g++") is None):
+        pytest.skip(f"no few-rows kernel here: {cpu_kernels.kernel_report()['reason']}")
+    assert op is not None, cpu_kernels.kernel_report()   # Linux with g++: it must build
+    return op
+
+
+@pytest.mark.parametrize("dtype", cpu_kernels.DTYPES)
+@pytest.mark.parametrize("k", [64, 576, 83])           # whole lanes, SmolLM2's width, a tail
+def test_kernel_gives_f_linear_answer(op, dtype, k):
+    g = torch.Generator().manual_seed(k)
+    wide = torch.randn(300, k + 24, generator=g).to(dtype)
+    for w in (wide[:, :k].contiguous(), wide[:, :k]):    # rows packed, and a view whose rows lie apart
+        for m in range(1, cpu_kernels.MAX_ROWS + 1):
+            x = torch.randn(m, k, generator=g).to(dtype)
+            got = op(x, w)
+            assert got.dtype == dtype and got.shape == (m, 300)
+            want = F.linear(x.float(), w.float())
+            tol = 1e-5 if dtype == torch.float32 else 1e-2
+            torch.testing.assert_close(got.float(), want, rtol=tol, atol=tol * k ** 0.5)
+
+
+def test_kernel_refuses_what_it_does_not_read(op):
+    w = torch.randn(8, 16)
+    with pytest.raises(RuntimeError, match="1..4 rows, got 5"):
+        op(torch.randn(5, 16), w)
+    with pytest.raises(RuntimeError, match="one dtype"):
+        op(torch.randn(1, 16, dtype=torch.bfloat16), w)
+    with pytest.raises(RuntimeError, match="contiguous"):
+        op(torch.randn(1, 8), w.t())
+
+
+def test_kernel_runs_inside_a_compiled_graph(op):
+    w, x = torch.randn(96, 64), torch.randn(1, 64)
+    torch._dynamo.reset()
+    try:
+        out = torch.compile(lambda x, w: op(x, w).relu() + 1, dynamic=False)(x, w)
+    finally:
+        torch._dynamo.reset()
+    torch.testing.assert_close(out, F.linear(x, w).relu() + 1, rtol=1e-5, atol=1e-5)
+
+
+def test_a_second_load_reuses_the_build(op, monkeypatch):
+    first = cpu_kernels.kernel_report()
+    assert first["path"].startswith(str(cache_dir()))
+    monkeypatch.setattr(cpu_kernels, "_report", {})
+    monkeypatch.setattr(cpu_kernels, "_build", lambda *a: pytest.fail("rebuilt an existing kernel"))
+    assert cpu_kernels.few_rows_op() is not None
+    again = cpu_kernels.kernel_report()
+    assert again["path"] == first["path"] and again["build_s"] is None
+
+
+def test_no_compiler_means_no_kernel_and_says_why(monkeypatch):
+    monkeypatch.setattr(cpu_kernels, "_report", {})
+    monkeypatch.setenv("CXX", "no-such-compiler-here")
+    assert cpu_kernels.few_rows_op() is None
+    assert "no-such-compiler-here" in cpu_kernels.kernel_report()["reason"]
