@@ -4,8 +4,8 @@ Owns: converting the model (default: the embedded SmolLM2-135M-Instruct) to f32 
 llama.cpp's own converter (cached in --work-dir), running each workload interleaved (phaseflip, then
 llama.cpp, every round, same threads) and printing both sides' range over rounds and the median per-round
 ratio phaseflip / llama.cpp (> 1: phaseflip faster), with the cores other processes kept busy meanwhile.
-Workloads: fp32 batch-1 decode (tg128; phaseflip's is (time for 128 new tokens - time for 1) / 127, as
-bench_engine.single_stream), fp32 prefill of 128 and 512 tokens (pp128/pp512 against prompt tokens over
+Workloads: fp32 batch-1 decode (tg128 at depth 128, -d: both decode after a 128-token prompt;
+phaseflip's is (time for 128 new tokens - time for 1) / 127, as bench_engine.single_stream), fp32 prefill of 128 and 512 tokens (pp128/pp512 against prompt tokens over
 time to first token), fp32 32 sequences of 128 + 128 tokens (llama-batched-bench's total tokens over wall
 seconds and its decode part S_TG; it times 128 decode steps, phaseflip a prefill and 127), bf16 batch-1
 decode, and the memory-read bound: weight bytes over a 1 GiB float32 torch.sum's bandwidth in this run.
@@ -198,7 +198,10 @@ def boot(model: Path, dtype: str, threads: int, compile_mode: str | None, work: 
 
 def step_decode(o: dict, llms: dict, ggufs: dict, work: dict, outtype: str) -> dict[str, tuple]:
     pf = pf_decode(llms[outtype], work["decode"], o["repeats"])
-    ll = llama_bench(o["llama_bench"], ggufs[outtype], ["-p", 0, "-n", NEW_TOKENS], o["threads"], o["repeats"])
+    # at phaseflip's depth: its decode follows a PROMPT_LENS[0]-token prompt, so llama.cpp's tg runs over
+    # a cache that deep too (-d; without it, tg starts from an empty cache and reads less KV per token)
+    tests = ["-p", 0, "-n", NEW_TOKENS, "-d", len(work["decode"])]
+    ll = llama_bench(o["llama_bench"], ggufs[outtype], tests, o["threads"], o["repeats"])
     return {DTYPES[outtype][2]: (ll[f"tg{NEW_TOKENS}"], pf)}
 
 
