@@ -15,7 +15,8 @@ repacked into a copy that a flip would not refill; this kernel reads the arena a
 Why a decode attention of our own: per layer, the general path (kernels/cpu_attention.py) runs a plan
 lookup, a store, a gather of every context into a fresh tensor and one SDPA call from Python: 55-120 us
 a layer at batch 1 (SDPA alone 34 us on a 100-token context), 1.1-2.7 ms at 32 sequences; this one
-reads the paged cache in place, one call.
+reads the paged cache in place, one call: 9-37 us a layer at batch 1 over 100-600 tokens (fp32; the
+general path 65-142 in the same run), 0.43 ms at 32 sequences of 256 tokens (2.2 ms).
 
 The build: one g++ call (-O3 -march=native -fopenmp, torch's headers and libraries), its output
 renamed into place so that ranks building at once never load half a file, under the phaseflip cache

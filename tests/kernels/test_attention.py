@@ -160,6 +160,15 @@ def _kernel_or_skip():
     return op
 
 
+@pytest.mark.parametrize("hq, hkv, d", [(9, 3, 64), (16, 2, 32), (9, 1, 48), (4, 4, 24)])
+def test_decodes_at_model_head_sizes_match_naive(hq, hkv, d):
+    """Head sizes a multiple of 16 take the kernel's vector path (groups of up to 8 query heads);
+    the others (a group of 9, D = 24) its plain loops."""
+    seqs = [(n, 1) for n in (2, 90, 7, 40, 300)]
+    args, hist = build(seqs, num_blocks=160, pad_tokens=1, pad_seqs=1, hq=hq, hkv=hkv, d=d, block_size=16)
+    check(IMPLS["op"](**args), args, seqs, hist)
+
+
 def test_the_decode_kernel_declines_a_step_with_a_prompt_chunk():
     """It returns nothing and writes nothing where a sequence brings more than one token."""
     op = _kernel_or_skip()
