@@ -21,7 +21,7 @@ general path 65-142 in the same run), 0.43 ms at 32 sequences of 256 tokens (2.2
 The build: one g++ call (-O3 -march=native -fopenmp, torch's headers and libraries), its output
 renamed into place so that ranks building at once never load half a file, under the phaseflip cache
 dir keyed by the sources, torch's version and this CPU's feature flags (a cache shared between
-machines never hands one the other's code). About 10 s once per machine and torch; then a load.
+machines never hands one the other's code). About 20 s once per machine and torch; then a load.
 Nothing is built at import: the first call of either op getter does it (boot's small-rows measurement).
 """
 from __future__ import annotations
