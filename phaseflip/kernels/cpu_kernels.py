@@ -44,7 +44,7 @@ MAX_ROWS = 4      # the kernel's row limit (cpu_gemv.cpp's MAX_ROWS)
 DTYPES = (torch.float32, torch.bfloat16)
 
 _report: dict = {}   # this process's build/load outcome (empty: not tried yet)
-_faked = False       # the op's fake kernel (for tracing) is registered
+_faked = False       # the product's fake kernel (for tracing) is registered
 
 
 def few_rows_op():
@@ -70,7 +70,7 @@ def _loaded() -> bool:
 
 
 def kernel_report() -> dict:
-    """What few_rows_op found: available, reason (when not), path and build_s (None: loaded, not built)."""
+    """What loading found: available, reason (when not), path and build_s (None: loaded, not built)."""
     return dict(_report) if _report else {"available": None, "reason": "not tried yet"}
 
 
@@ -102,9 +102,9 @@ def _flags() -> list[str]:
 def _library_path(compiler: str) -> Path:
     from phaseflip.engine.default_model import cache_dir   # the engine's cache dir (no import cycle at load)
     key = hashlib.sha256()
-    for part in (*(src.read_bytes() for src in SOURCES), torch.__version__.encode(), compiler.encode(), " ".join(_flags()).encode(),
-                 _cpu_flags().encode()):
-        key.update(part)
+    for part in (*(src.read_bytes() for src in SOURCES), torch.__version__, compiler, " ".join(_flags()),
+                 _cpu_flags()):
+        key.update(part if isinstance(part, bytes) else part.encode())
     return cache_dir() / "kernels" / f"cpu_kernels-{key.hexdigest()[:16]}.so"
 
 
@@ -132,11 +132,13 @@ def _build(compiler: str, path: Path) -> None:
 
 
 def _register_fake() -> None:
+    """The product's shape for tracing (compiled steps call it). The decode attention has none: it is
+    called only from the eager body of phaseflip::paged_attention, and its result's shape depends on
+    the metadata's values (empty where it declines)."""
     global _faked
     if not _faked:   # once per process (a second registration is an error)
         torch.library.register_fake("phaseflip_cpu::few_rows_linear")(
             lambda x, weight: x.new_empty((x.shape[0], weight.shape[0])))
-        torch.library.register_fake("phaseflip_cpu::decode_attention")(lambda q, *rest: torch.empty_like(q))
         _faked = True
 
 
