@@ -14,7 +14,6 @@
 #include <torch/library.h>
 #include <algorithm>
 #include <cmath>
-#include <limits>
 #include <vector>
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 #include <immintrin.h>
@@ -51,8 +50,6 @@ void store(const at::Tensor& k, const at::Tensor& v, const Cache& c, const int64
   }
 }
 
-// One sequence's G query heads of kv head h over its L cached positions: scores, softmax, weighted V.
-// Two passes over the context, K then V, each row read once for all G heads; sums in float32.
 template <typename T>
 inline float widen(T x) { return static_cast<float>(x); }
 
@@ -157,6 +154,8 @@ void attend_loops(const float* qf, T* out, const Cache& c, const int64_t* table,
   for (int64_t i = 0; i < G * d; ++i) out[i] = static_cast<T>(acc[i]);
 }
 
+// One sequence's G query heads of kv head h over its L cached positions: scores, softmax, weighted V.
+// Two passes over the context, K then V, each row read once for all G heads; sums in float32.
 template <typename T>
 void attend_one(const T* q /* [G, D] */, T* out /* [G, D] */, const Cache& c, const int64_t* table, int64_t L,
                 int64_t h, int64_t G, int64_t d, float scale, std::vector<float>& buf) {

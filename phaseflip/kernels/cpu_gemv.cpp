@@ -9,7 +9,6 @@
 #include <ATen/ops/empty.h>
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>
-#include <cstring>
 #include <type_traits>
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 #include <immintrin.h>
