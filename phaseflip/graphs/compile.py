@@ -3,8 +3,8 @@
 Owns: `compile_region` (torch.compile with a dynamic token dimension, applied to one decoder layer so
 that identical layers and every bucket share one compiled graph, or to a CPU decode step as a whole),
 `use_cache_dir` (inductor's and Triton's on-disk caches under a directory the caller names, so a second
-boot loads what the first compiled), `time_step` (the median wall time of a step, for the
-eager-vs-compiled choice on the CPU) and `time_replays` (a captured step's replay time: CUDA events on
+boot loads what the first compiled), `time_alternating` (the best wall time of each of a few steps
+timed in turn, for the eager-vs-compiled choice on the CPU), `time_step` (a median) and `time_replays` (a captured step's replay time: CUDA events on
 a CUDA graph, for the same choice on CUDA, where only graph against graph is a fair comparison)."""
 from __future__ import annotations
 
@@ -45,6 +45,23 @@ def time_step(fn, views: dict[str, torch.Tensor], repeats: int = 3) -> float:
         fn(views)
         times.append((time.perf_counter() - t0) * 1e3)
     return statistics.median(times)
+
+
+def time_alternating(fns: dict, views: dict[str, torch.Tensor], rounds: int = 5) -> dict[str, float]:
+    """name -> best ms of fns[name](views) over `rounds` rounds that call each fn once in turn, after
+    one untimed call of each (which also triggers any compilation). In turn, not one fn's calls and
+    then the other's: a burst of other work on a busy machine (at a cold boot, inductor's compile
+    workers) then slows both, not only whichever was being timed; its best, not its median: such
+    bursts only ever add time."""
+    for fn in fns.values():
+        fn(views)
+    best = dict.fromkeys(fns, float("inf"))
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            fn(views)
+            best[name] = min(best[name], (time.perf_counter() - t0) * 1e3)
+    return best
 
 
 def time_replays(step, repeats: int = 5) -> float:
