@@ -122,9 +122,14 @@ def choose_gemv(layers: list[tuple[torch.Tensor, ...]], repeats: int = 3) -> dic
     SmolLM2 head the two forms measured within 1% of each other, and where the eager form won by that
     hair the compiled decode step took 28 ms instead of 18-20 (every projection an opaque call; the
     whole pass: reductions 21 ms, eager 34-45, fp32, 2 cores, 2026-12-01). Call before any step is
-    compiled: the choice is read when a step is traced. Returns the report (later calls for the
-    dtype, the first)."""
+    compiled: the choice is read when a step is traced. bfloat16 where the few-rows kernel serves
+    takes the kernel without a pass (BF16_KERNEL: the pass misjudged it). Returns the report (later
+    calls for the dtype, the first)."""
     dtype = layers[0][0].dtype
+    pass_bytes = sum(w.numel() * w.element_size() for layer in layers for w in layer)
+    if dtype not in _gemv_reports and dtype == torch.bfloat16 and small_form(1, dtype) == "kernel":
+        _gemv_reports[dtype] = {"choice": "kernel", "ms": None, "first_call_ms": None, "layers": len(layers),
+                                "pass_bytes": pass_bytes, "reason": BF16_KERNEL}
     if dtype not in _gemv_reports:
         xs = {w.shape[1]: torch.randn(1, w.shape[1], dtype=dtype) for layer in layers for w in layer}
         form = small_form(1, dtype)
@@ -139,9 +144,16 @@ def choose_gemv(layers: list[tuple[torch.Tensor, ...]], repeats: int = 3) -> dic
             for name, products in passes.items():
                 ms[name] = min(ms[name], _best_ms(lambda: [products(xs, layer) for layer in layers], 1))
         _gemv_reports[dtype] = {"choice": min(ms, key=ms.get), "ms": ms, "first_call_ms": first_ms,
-                                "layers": len(layers),
-                                "pass_bytes": sum(w.numel() * w.element_size() for layer in layers for w in layer)}
+                                "layers": len(layers), "pass_bytes": pass_bytes}
     return _gemv_reports[dtype]
+
+
+# bfloat16 where the few-rows kernel serves: not timed. The layer pass put the two forms within 0-8% in
+# most boots (reductions ahead in 3 of 12, 2026-12-02), while the served decode step was far apart.
+BF16_KERNEL = ("bfloat16 one-row products take the few-rows kernel unmeasured: the whole decode step "
+               "served, the choice forced, alternating boots: kernel 13.6-15.2 and 11.0-12.7 ms/token, "
+               "reductions 18.3-19.4 and 16.3-18.0 (SmolLM2 batch 1, 2 cores, 2026-12-02; in float32 the "
+               "pass and the step agree: reductions 17.6-21.9, kernel 22.7-26.6)")
 
 
 def _one_row_products(xs: dict[int, torch.Tensor], weights: tuple[torch.Tensor, ...], form: str) -> list:

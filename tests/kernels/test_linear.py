@@ -144,6 +144,17 @@ def test_choose_gemv_reports_both_timings(monkeypatch):
     assert lin.choose_gemv([(torch.randn(8, 8),)]) is report
 
 
+def test_choose_gemv_gives_bf16_to_the_kernel_unmeasured(monkeypatch):
+    """The layer pass misjudged bfloat16 (linear.BF16_KERNEL): where the kernel serves it, no pass runs
+    and the report says why; float32 is still measured (the tests above)."""
+    monkeypatch.setattr(lin, "_gemv_reports", {})
+    monkeypatch.setattr(lin, "small_form", lambda m, dtype: "kernel")
+    monkeypatch.setattr(lin, "_one_row_products", lambda *a, **k: pytest.fail("a pass was timed"))
+    report = lin.choose_gemv([(torch.randn(96, 64, dtype=torch.bfloat16),)])
+    assert report["choice"] == "kernel" and report["ms"] is None and report["reason"] == lin.BF16_KERNEL
+    assert not lin.gemv_reduces(torch.bfloat16)
+
+
 def test_choose_gemv_times_whole_passes_over_the_layers_alternating(monkeypatch):
     """One weight timed alone misled (the forms within 1% on the head, the compiled step 40% apart):
     each timed run is a pass over every layer, the two forms taking turns."""
