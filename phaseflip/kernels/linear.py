@@ -148,8 +148,8 @@ def choose_gemv(layers: list[tuple[torch.Tensor, ...]], repeats: int = 3) -> dic
     return _gemv_reports[dtype]
 
 
-# bfloat16 where the few-rows kernel serves: not timed. The layer pass put the two forms within 0-8% in
-# most boots (reductions ahead in 3 of 12, 2026-12-02), while the served decode step was far apart.
+# bfloat16 where the few-rows kernel serves: not timed. The layer pass put the two forms within 10% in
+# most boots and chose the reductions in 3 of 14 (2026-12-02), while the served decode step was far apart.
 BF16_KERNEL = ("bfloat16 one-row products take the few-rows kernel unmeasured: the whole decode step "
                "served, the choice forced, alternating boots: kernel 13.6-15.2 and 11.0-12.7 ms/token, "
                "reductions 18.3-19.4 and 16.3-18.0 (SmolLM2 batch 1, 2 cores, 2026-12-02; in float32 the "
