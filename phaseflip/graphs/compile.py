@@ -4,8 +4,9 @@ Owns: `compile_region` (torch.compile with a dynamic token dimension, applied to
 that identical layers and every bucket share one compiled graph, or to a CPU decode step as a whole),
 `use_cache_dir` (inductor's and Triton's on-disk caches under a directory the caller names, so a second
 boot loads what the first compiled), `time_alternating` (the best wall time of each of a few steps
-timed in turn, for the eager-vs-compiled choice on the CPU), `time_step` (a median) and `time_replays` (a captured step's replay time: CUDA events on
-a CUDA graph, for the same choice on CUDA, where only graph against graph is a fair comparison)."""
+timed in turn, for the eager-vs-compiled choice on the CPU), `time_step` (a median) and `time_replays`
+(a captured step's replay time: CUDA events on a CUDA graph, for the same choice on CUDA, where only
+graph against graph is a fair comparison)."""
 from __future__ import annotations
 
 import os
