@@ -97,12 +97,38 @@ inline __m512 load16(const c10::BFloat16* p) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
 
-// D a multiple of 16: the G heads' accumulators in registers
-template <typename T, int G>
+// fn(pos, k row, v row) for each of a sequence's L cached positions of kv head h, block by block (no
+// division per position: a divide per row and per 16 lanes cost ~10% of a 32-sequence step's
+// attention). With Fetch, each position also asks for the same position's K and V rows one block on
+// (the blocks lie anywhere in the cache, beyond the hardware's prefetch: without it the K pass waited
+// on memory, ~10 GB/s over 32 sequences' caches)
+template <typename T, bool Fetch, typename Fn>
+inline void for_rows(const Cache& c, const int64_t* table, int64_t L, int64_t h, int64_t d, Fn&& fn) {
+  const int64_t blocks = (L + c.block_size - 1) / c.block_size;
+  for (int64_t b = 0, pos = 0; pos < L; ++b) {
+    const T* k = row<T>(c, table[b], 0, h, 0);
+    const T* v = row<T>(c, table[b], 0, h, 1);
+    const T* kn = b + 1 < blocks ? row<T>(c, table[b + 1], 0, h, 0) : nullptr;
+    const T* vn = b + 1 < blocks ? row<T>(c, table[b + 1], 0, h, 1) : nullptr;
+    const int64_t n = std::min(c.block_size, L - pos);
+    for (int64_t off = 0; off < n; ++off, ++pos) {
+      if (Fetch && kn != nullptr)
+        for (int64_t byte = 0; byte < d * (int64_t)sizeof(T); byte += 64) {
+          _mm_prefetch(reinterpret_cast<const char*>(kn + off * c.so) + byte, _MM_HINT_T0);
+          _mm_prefetch(reinterpret_cast<const char*>(vn + off * c.so) + byte, _MM_HINT_T1);
+        }
+      fn(pos, k + off * c.so, v + off * c.so);
+    }
+  }
+}
+
+// D a multiple of 16 * CH: the G heads' score sums in registers; the weighted V summed CH x 16 lanes
+// at a time for all G heads (G * CH independent accumulators: one per head made a chain of dependent
+// FMAs, one per position)
+template <typename T, int G, int CH>
 void attend_vec(const float* qf /* [G, D], scaled */, T* out, const Cache& c, const int64_t* table, int64_t L,
                 int64_t h, int64_t d, float* scores /* [G, L] */) {
-  for (int64_t pos = 0; pos < L; ++pos) {
-    const T* kr = row<T>(c, table[pos / c.block_size], pos % c.block_size, h, 0);
+  for_rows<T, true>(c, table, L, h, d, [&](int64_t pos, const T* kr, const T*) {
     __m512 acc[G];
     for (int g = 0; g < G; ++g) acc[g] = _mm512_setzero_ps();
     for (int64_t i = 0; i < d; i += 16) {
@@ -110,21 +136,35 @@ void attend_vec(const float* qf /* [G, D], scaled */, T* out, const Cache& c, co
       for (int g = 0; g < G; ++g) acc[g] = _mm512_fmadd_ps(_mm512_loadu_ps(qf + g * d + i), kv, acc[g]);
     }
     for (int g = 0; g < G; ++g) scores[g * L + pos] = _mm512_reduce_add_ps(acc[g]);
-  }
+  });
   softmax_rows(scores, G, L);
-  for (int64_t i = 0; i < d; i += 16) {
-    __m512 acc[G];
-    for (int g = 0; g < G; ++g) acc[g] = _mm512_setzero_ps();
-    for (int64_t pos = 0; pos < L; ++pos) {
-      const __m512 vv = load16(row<T>(c, table[pos / c.block_size], pos % c.block_size, h, 1) + i);
-      for (int g = 0; g < G; ++g) acc[g] = _mm512_fmadd_ps(_mm512_set1_ps(scores[g * L + pos]), vv, acc[g]);
-    }
-    for (int g = 0; g < G; ++g) {
-      alignas(64) float lane[16];
-      _mm512_store_ps(lane, acc[g]);
-      for (int j = 0; j < 16; ++j) out[g * d + i + j] = static_cast<T>(lane[j]);
-    }
+  for (int64_t i0 = 0; i0 < d; i0 += 16 * CH) {
+    __m512 acc[G][CH];
+    for (int g = 0; g < G; ++g)
+      for (int j = 0; j < CH; ++j) acc[g][j] = _mm512_setzero_ps();
+    for_rows<T, false>(c, table, L, h, d, [&](int64_t pos, const T*, const T* vr) {
+      for (int j = 0; j < CH; ++j) {
+        const __m512 vv = load16(vr + i0 + 16 * j);
+        for (int g = 0; g < G; ++g) acc[g][j] = _mm512_fmadd_ps(_mm512_set1_ps(scores[g * L + pos]), vv, acc[g][j]);
+      }
+    });
+    for (int g = 0; g < G; ++g)
+      for (int j = 0; j < CH; ++j) {
+        alignas(64) float lane[16];
+        _mm512_store_ps(lane, acc[g][j]);
+        for (int e = 0; e < 16; ++e) out[g * d + i0 + 16 * j + e] = static_cast<T>(lane[e]);
+      }
   }
+}
+
+// The widest CH (lanes of 16 per pass over V) that divides D and keeps G * CH <= 16 accumulators
+template <typename T, int G>
+bool attend_vec_any(const float* qf, T* out, const Cache& c, const int64_t* table, int64_t L, int64_t h,
+                    int64_t d, float* scores) {
+  if (d % 64 == 0 && G * 4 <= 16) return attend_vec<T, G, 4>(qf, out, c, table, L, h, d, scores), true;
+  if (d % 32 == 0 && G * 2 <= 16) return attend_vec<T, G, 2>(qf, out, c, table, L, h, d, scores), true;
+  if (d % 16 == 0) return attend_vec<T, G, 1>(qf, out, c, table, L, h, d, scores), true;
+  return false;
 }
 #endif
 
@@ -168,18 +208,16 @@ void attend_one(const T* q /* [G, D] */, T* out /* [G, D] */, const Cache& c, co
   float* acc = qf + G * d;                    // [G, D]
   for (int64_t i = 0; i < G * d; ++i) qf[i] = widen(q[i]) * scale;
 #ifdef PF_AVX512
-  if (d % 16 == 0) {
-    switch (G) {
-      case 1: return attend_vec<T, 1>(qf, out, c, table, L, h, d, scores);
-      case 2: return attend_vec<T, 2>(qf, out, c, table, L, h, d, scores);
-      case 3: return attend_vec<T, 3>(qf, out, c, table, L, h, d, scores);
-      case 4: return attend_vec<T, 4>(qf, out, c, table, L, h, d, scores);
-      case 5: return attend_vec<T, 5>(qf, out, c, table, L, h, d, scores);
-      case 6: return attend_vec<T, 6>(qf, out, c, table, L, h, d, scores);
-      case 7: return attend_vec<T, 7>(qf, out, c, table, L, h, d, scores);
-      case 8: return attend_vec<T, 8>(qf, out, c, table, L, h, d, scores);
-      default: break;
-    }
+  switch (G) {
+    case 1: if (attend_vec_any<T, 1>(qf, out, c, table, L, h, d, scores)) return; break;
+    case 2: if (attend_vec_any<T, 2>(qf, out, c, table, L, h, d, scores)) return; break;
+    case 3: if (attend_vec_any<T, 3>(qf, out, c, table, L, h, d, scores)) return; break;
+    case 4: if (attend_vec_any<T, 4>(qf, out, c, table, L, h, d, scores)) return; break;
+    case 5: if (attend_vec_any<T, 5>(qf, out, c, table, L, h, d, scores)) return; break;
+    case 6: if (attend_vec_any<T, 6>(qf, out, c, table, L, h, d, scores)) return; break;
+    case 7: if (attend_vec_any<T, 7>(qf, out, c, table, L, h, d, scores)) return; break;
+    case 8: if (attend_vec_any<T, 8>(qf, out, c, table, L, h, d, scores)) return; break;
+    default: break;
   }
 #endif
   attend_loops<T>(qf, out, c, table, L, h, G, d, scores, acc);

@@ -16,7 +16,11 @@ Why a decode attention of our own: per layer, the general path (kernels/cpu_atte
 lookup, a store, a gather of every context into a fresh tensor and one SDPA call from Python: 55-120 us
 a layer at batch 1 (SDPA alone 34 us on a 100-token context), 1.1-2.7 ms at 32 sequences; this one
 reads the paged cache in place, one call: 9-37 us a layer at batch 1 over 100-600 tokens (fp32; the
-general path 65-142 in the same run), 0.43 ms at 32 sequences of 256 tokens (2.2 ms).
+general path 65-142 in the same run), 0.43 ms at 32 sequences of 256 tokens (2.2 ms) with one layer's
+cache hot. With 30 layers' caches read from memory in turn (as a step reads them), SmolLM2's heads, 32
+sequences of 161 and 257 positions: float32 0.52-0.53 and 0.84-1.17 ms a layer, bfloat16 0.35-0.39 and
+0.45-0.49 (2026-12-02, after the K pass learnt to fetch the next block's rows: 0.92-1.22, 1.60-1.63,
+0.71-0.73, 1.00-1.09 before; scratch attn32.py, two alternating rounds).
 
 The build: one g++ call (-O3 -march=native -fopenmp, torch's headers and libraries), its output
 renamed into place so that ranks building at once never load half a file, under the phaseflip cache
