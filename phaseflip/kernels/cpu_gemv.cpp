@@ -1,5 +1,7 @@
 // Few-row products x @ W^T on the CPU for the decode step: W [N, K] read once, in place, as the
-// arena holds it (row-major, rows a stride apart); x [M, K] with M <= MAX_ROWS; float32 sums.
+// arena holds it (row-major, rows a stride apart); x [M, K] with M <= MAX_ROWS; float32 sums. Up to
+// ONE_PASS rows, each weight row is dotted with every row of x; beyond, x is transposed and each
+// weight value, broadcast, multiplies 16 rows of x at once (`wide` below).
 // float32 or bfloat16 weights (x of the same dtype; the output is x's dtype). bfloat16 pairs go
 // through the CPU's bf16 dot instruction (AVX512_BF16: products exact, sums in float32) where it has
 // one, else are widened to float32. Built at run time by phaseflip/kernels/cpu_kernels.py for the
@@ -7,8 +9,10 @@
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>
+#include <cstring>
 #include <type_traits>
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 #include <immintrin.h>
@@ -17,7 +21,8 @@
 
 namespace {
 
-constexpr int64_t MAX_ROWS = 4;
+constexpr int64_t MAX_ROWS = 64;
+constexpr int64_t ONE_PASS = 4;
 
 #ifdef PF_AVX512
 // One lane step of a dot product: 16 float32 (k .. k+15) or 32 bfloat16 (pairs multiplied and summed
@@ -110,13 +115,153 @@ void run(const at::Tensor& x, const at::Tensor& w, at::Tensor& y) {
   at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) { gemv_range<W, M>(wp, ldw, xp, K, yp, N, n0, n1); });
 }
 
+// ---- 5 .. MAX_ROWS rows ("wide") ----
+// x transposed into xt, [K][Mp] float32 (or [K/2][Mp][2] bf16 pairs for the bf16 dot instruction), Mp =
+// M padded to 16 with zeros: one weight value (pair), broadcast, times one vector of xt is 16 rows' terms,
+// so NR weight rows' sums for every row of x stay in registers and no sum is horizontal. Dotting each
+// weight row with each row of x (the one-pass form extended) ran no faster than oneDNN: a load of x per
+// product and a horizontal sum per output.
+// weight rows at once for MB vectors of x rows: at least 8 independent sums (an FMA's latency over its
+// issue rate), at most 16 registers of them
+constexpr int wide_nr(int mb) { return mb == 1 ? 8 : mb == 2 ? 6 : 4; }
+
+#ifdef PF_AVX512
+template <typename W> struct Wide;
+template <> struct Wide<float> {
+  using T = float;   // xt's element
+  using V = __m512;
+  static constexpr int64_t kstep = 1;
+  static V load(const T* p) { return _mm512_loadu_ps(p); }
+  static V pair(const float* w) { return _mm512_set1_ps(*w); }
+  static V last(const float* w) { return pair(w); }
+  static __m512 fma(__m512 acc, V x, V w) { return _mm512_fmadd_ps(x, w, acc); }
+};
+#ifdef __AVX512BF16__
+template <> struct Wide<c10::BFloat16> {
+  using T = c10::BFloat16;
+  using V = __m512bh;
+  static constexpr int64_t kstep = 2;
+  static V load(const T* p) { return (__m512bh)_mm512_loadu_si512(p); }
+  static V pair(const c10::BFloat16* w) {
+    int32_t two;
+    std::memcpy(&two, w, 4);
+    return (__m512bh)_mm512_set1_epi32(two);
+  }
+  static V last(const c10::BFloat16* w) {   // an odd K's last value, paired with zero
+    uint16_t one;
+    std::memcpy(&one, w, 2);
+    return (__m512bh)_mm512_set1_epi32(one);
+  }
+  static __m512 fma(__m512 acc, V x, V w) { return _mm512_dpbf16_ps(acc, x, w); }
+};
+#else
+template <> struct Wide<c10::BFloat16> {
+  using T = float;
+  using V = __m512;
+  static constexpr int64_t kstep = 1;
+  static V load(const T* p) { return _mm512_loadu_ps(p); }
+  static V pair(const c10::BFloat16* w) { return _mm512_set1_ps(static_cast<float>(*w)); }
+  static V last(const c10::BFloat16* w) { return pair(w); }
+  static __m512 fma(__m512 acc, V x, V w) { return _mm512_fmadd_ps(x, w, acc); }
+};
+#endif
+
+// out[r * MB * 16 + m] = sum_k w_r[k] * x[m][k] for NR weight rows (ldw apart), every padded row m.
+// Meanwhile the next NR rows (from `ahead` on) are fetched, a line each time this step's share of
+// them crosses one: NR rows read side by side are NR streams, which the hardware's prefetch follows
+// poorly (one-row products ran at ~30 GB/s, eight rows side by side ~13 without this).
+template <typename W, int MB, int NR>
+inline void wide_rows(const W* w, int64_t ldw, const typename Wide<W>::T* xt, int64_t K, float* out,
+                      const char* ahead) {
+  using B = Wide<W>;
+  constexpr int64_t Mp = MB * 16;
+  __m512 acc[NR][MB];
+  for (int r = 0; r < NR; ++r)
+    for (int b = 0; b < MB; ++b) acc[r][b] = _mm512_setzero_ps();
+  constexpr int64_t share = NR * sizeof(W);   // bytes of the next rows to fetch per k
+  auto step = [&](int64_t k, bool tail) {
+    if (((k * share) & 63) < share * B::kstep) _mm_prefetch(ahead + k * share, _MM_HINT_T0);
+    typename B::V xv[MB];
+    for (int b = 0; b < MB; ++b) xv[b] = B::load(xt + k * Mp + b * 16 * B::kstep);
+    for (int r = 0; r < NR; ++r) {
+      const typename B::V wv = tail ? B::last(w + r * ldw + k) : B::pair(w + r * ldw + k);
+      for (int b = 0; b < MB; ++b) acc[r][b] = B::fma(acc[r][b], xv[b], wv);
+    }
+  };
+  int64_t k = 0;
+  for (; k + B::kstep <= K; k += B::kstep) step(k, false);
+  if (k < K) step(k, true);
+  for (int r = 0; r < NR; ++r)
+    for (int b = 0; b < MB; ++b) _mm512_storeu_ps(out + r * Mp + b * 16, acc[r][b]);
+}
+
+template <typename W, int MB>
+void run_wide(const at::Tensor& x, const at::Tensor& w, at::Tensor& y) {
+  using T = typename Wide<W>::T;
+  constexpr int64_t Mp = MB * 16, ks = Wide<W>::kstep;
+  const int64_t N = w.size(0), K = w.size(1), ldw = w.stride(0), M = x.size(0);
+  const at::Tensor xl = x.to(std::is_same<T, float>::value ? at::kFloat : at::kBFloat16).contiguous();
+  at::Tensor xt = at::zeros({(K + ks - 1) / ks * Mp * ks}, xl.options());
+  const T* xp = xl.data_ptr<T>();
+  T* tp = xt.data_ptr<T>();
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t k = 0; k < K; ++k) tp[(k / ks * Mp + m) * ks + k % ks] = xp[m * K + k];
+  const W* wp = w.data_ptr<W>();
+  W* yp = y.data_ptr<W>();
+  constexpr int NR = wide_nr(MB);
+  at::parallel_for(0, (N + NR - 1) / NR, 1, [&](int64_t b0, int64_t b1) {
+    alignas(64) float part[NR * Mp];
+    for (int64_t n = b0 * NR; n < std::min(N, b1 * NR); n += NR) {
+      const int64_t rows = std::min<int64_t>(NR, N - n);
+      const char* ahead = reinterpret_cast<const char*>(wp + (n + NR) * ldw);   // never dereferenced
+      if (rows == NR) wide_rows<W, MB, NR>(wp + n * ldw, ldw, tp, K, part, ahead);
+      else
+        for (int64_t r = 0; r < rows; ++r)
+          wide_rows<W, MB, 1>(wp + (n + r) * ldw, ldw, tp, K, part + r * Mp, ahead);
+      for (int64_t r = 0; r < rows; ++r)
+        for (int64_t m = 0; m < M; ++m) yp[m * N + n + r] = static_cast<W>(part[r * Mp + m]);
+    }
+  });
+}
+
+template <typename W>
+void dispatch_wide(const at::Tensor& x, const at::Tensor& w, at::Tensor& y) {
+  static_assert(MAX_ROWS == 64, "one case per 16 rows up to MAX_ROWS");
+  switch ((x.size(0) + 15) / 16) {
+    case 1: return run_wide<W, 1>(x, w, y);
+    case 2: return run_wide<W, 2>(x, w, y);
+    case 3: return run_wide<W, 3>(x, w, y);
+    default: return run_wide<W, 4>(x, w, y);
+  }
+}
+#else
+template <typename W>
+void dispatch_wide(const at::Tensor& x, const at::Tensor& w, at::Tensor& y) {   // plain loops
+  const at::Tensor xl = x.to(at::kFloat).contiguous();
+  const int64_t N = w.size(0), K = w.size(1), ldw = w.stride(0), M = x.size(0);
+  const float* xp = xl.data_ptr<float>();
+  const W* wp = w.data_ptr<W>();
+  W* yp = y.data_ptr<W>();
+  at::parallel_for(0, N, 1, [&](int64_t n0, int64_t n1) {
+    for (int64_t n = n0; n < n1; ++n)
+      for (int64_t m = 0; m < M; ++m) {
+        float s = 0.f;
+        for (int64_t k = 0; k < K; ++k) s += static_cast<float>(wp[n * ldw + k]) * xp[m * K + k];
+        yp[m * N + n] = static_cast<W>(s);
+      }
+  });
+}
+#endif
+
 template <typename W>
 void dispatch_rows(const at::Tensor& x, const at::Tensor& w, at::Tensor& y) {
+  static_assert(ONE_PASS == 4, "one case per row count up to ONE_PASS");
   switch (x.size(0)) {
     case 1: return run<W, 1>(x, w, y);
     case 2: return run<W, 2>(x, w, y);
     case 3: return run<W, 3>(x, w, y);
-    default: return run<W, 4>(x, w, y);
+    case 4: return run<W, 4>(x, w, y);
+    default: return dispatch_wide<W>(x, w, y);
   }
 }
 

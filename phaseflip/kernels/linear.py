@@ -2,8 +2,9 @@
 and, for a few rows, the form measured fastest on this machine.
 
 Owns: `linear`, the row ladder (`row_bucket`), `warm` (builds every ladder GEMM at boot), and the boot
-measurements of the small-rows forms (`choose_small_forms`) and of a compiled step's one-row form
-(`choose_gemv`: inductor's reductions or the eager product, over a pass of the layers).
+measurements of the small-rows forms (`choose_small_forms`), of the wide-rows form (`choose_wide_forms`:
+the few-rows kernel or the ladder's product, for up to the kernel's 64 rows) and of a compiled step's
+one-row form (`choose_gemv`: inductor's reductions or the eager product, over a pass of the layers).
 
 Why: torch's CPU F.linear calls MKL, which on AMD CPUs runs its AVX2 code whatever the CPU offers;
 oneDNN (shipped with torch: `mkldnn::_linear_pointwise`, what inductor's CPU fusions call) picks its
@@ -14,7 +15,11 @@ what the GEMMs hold is measured then. For a handful of rows (decode) the fastest
 machine to machine, so it is timed at boot: the library's product (F.linear), the weight-stationary
 W @ x^T (one row run as two, so that MKL takes its skinny GEMM rather than its GEMV), oneDNN padded
 to its ladder, or our few-rows kernel (kernels/cpu_kernels.py, where it builds); unmeasured, the
-stationary form is used.
+stationary form is used. From SMALL_BATCH + 1 to 64 rows (batched decode, short prompt chunks, the head
+over a batch) the kernel's wide form is timed against the ladder's product (`choose_wide_forms`): over
+SmolLM2's 30 layers in float32 it took 31.8-36.7 / 37.7-39.4 / 64.4-65.6 ms at 8 / 16 / 32 rows
+against oneDNN's 46.4-55.5 / 62.3-67.1 / 88.9-89.3, and 64 rows went either way by 2-10% (two boots,
+2 cores, 2026-12-02); unmeasured, the ladder.
 The plain weight is used as it lies in the arena (no packed copy: a flip refills the arena in place).
 CUDA tensors take F.linear; oneDNN's ladder serves float32 alone; traced CPU code: `_traced_cpu_linear`.
 """
@@ -34,10 +39,12 @@ GEMV_ROWS = 1     # rows a compiled CPU step may multiply with inductor's own re
 SMALL_BATCH = 4   # rows up to which a measured small-rows form is used on the CPU
 SMALL_FORMS = ("stationary", "library", "onednn", "kernel")
 MEASURED_ROWS = (1, 2, SMALL_BATCH)   # the row counts timed at boot; 3 takes SMALL_BATCH's form (small_form)
+WIDE_ROWS = (8, 16, 32, 64)   # the row counts above SMALL_BATCH timed at boot (m rows: the first >= m)
 
 # This process's measurements, per weight dtype (absent: not measured yet; the defaults apply)
 _small_reports: dict[torch.dtype, dict] = {}   # the small-rows forms and their timings (choose_small_forms)
 _gemv_reports: dict[torch.dtype, dict] = {}    # a compiled step's one-row form (choose_gemv)
+_wide_reports: dict[torch.dtype, dict] = {}    # the wide-rows form (choose_wide_forms)
 
 _onednn = None    # the oneDNN op, resolved on first use (no import-time work); False: not in this build
 
@@ -181,15 +188,28 @@ def _best_ms(fn, repeats: int, before=None) -> float:
 
 def _eager_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     m = x.shape[0]
+    if not x.is_cuda and x.dim() == 2:
+        if 1 <= m <= SMALL_BATCH:
+            return _small_product(small_form(m, x.dtype), x, weight, bias)
+        if wide_form(m, x.dtype) == "kernel" and _kernel_serves(weight):
+            return _kernel_product(x, weight, bias)
+    return _ladder_product(x, weight, bias)
+
+
+def _ladder_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """oneDNN on the row ladder where it runs the product (float32 CPU, > SMALL_BATCH rows), else F.linear."""
     op = _onednn_for(x)
-    if op is not None:
-        rows = row_bucket(m)
-        if rows != m:  # zero rows up to the ladder size (F.pad copies even when it adds nothing)
-            x = F.pad(x, (0, 0, 0, rows - m))
-        return op(x.contiguous(), weight, bias, "none", [], "")[:m]
-    if x.is_cuda or x.dim() != 2 or not 1 <= m <= SMALL_BATCH:
+    if op is None:
         return F.linear(x, weight, bias)
-    return _small_product(small_form(m, x.dtype), x, weight, bias)
+    m, rows = x.shape[0], row_bucket(x.shape[0])
+    if rows != m:  # zero rows up to the ladder size (F.pad copies even when it adds nothing)
+        x = F.pad(x, (0, 0, 0, rows - m))
+    return op(x.contiguous(), weight, bias, "none", [], "")[:m]
+
+
+def _kernel_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    out = cpu_kernels.few_rows_op()(x, weight)
+    return out if bias is None else out.add_(bias)
 
 
 def small_form(m: int, dtype: torch.dtype) -> str:
@@ -224,8 +244,7 @@ def _small_product(form: str, x: torch.Tensor, weight: torch.Tensor,
     if form == "onednn":  # padded to the ladder's smallest size, whose GEMM `warm` built
         return _onednn_op()(F.pad(x, (0, 0, 0, row_bucket(m) - m)), weight, bias, "none", [], "")[:m]
     if form == "kernel" and _kernel_serves(weight):
-        out = cpu_kernels.few_rows_op()(x, weight)
-        return out if bias is None else out.add_(bias)
+        return _kernel_product(x, weight, bias)
     cols = x.repeat(2, 1) if m == 1 else x                   # [M', K]
     out = torch.mm(weight, cols.t())[:, :m].t().contiguous()   # [M, N]
     return out if bias is None else out.add_(bias)
@@ -262,6 +281,47 @@ def _best_pass_ms(form: str, xs: dict[int, torch.Tensor], weights: list[torch.Te
     return _best_ms(one_pass, passes)
 
 
+def wide_form(m: int, dtype: torch.dtype) -> str:
+    """The form a product of m > SMALL_BATCH rows takes: "kernel" where this process measured the
+    few-rows kernel faster for the smallest timed row count >= m (WIDE_ROWS), else "ladder"."""
+    report = _wide_reports.get(dtype)
+    if report is None or m > WIDE_ROWS[-1] or not _form_serves("kernel", dtype):
+        return "ladder"
+    return report["forms"].get(next(r for r in WIDE_ROWS if r >= m), "ladder")
+
+
+def choose_wide_forms(weights: list[torch.Tensor], passes: int = 2) -> dict:
+    """Measure once per process and dtype whether products of SMALL_BATCH + 1 .. WIDE_ROWS[-1] rows
+    run faster on the few-rows kernel (x transposed, each weight value broadcast over 16 rows of x) or
+    on the ladder's product (oneDNN in float32, the library's in bfloat16): at each of WIDE_ROWS, the
+    two over every weight in turn, alternating, best of `passes`. Returns the report (later calls for
+    the dtype, the first)."""
+    weights = [w for w in weights if w.device.type == "cpu" and w.dim() == 2 and _kernel_serves(w)]
+    if not weights:
+        return {"choice": "ladder (no CPU weights to measure on)", "forms": {}, "ms": None}
+    dtype = weights[0].dtype
+    if dtype in _wide_reports:
+        return _wide_reports[dtype]
+    if not _form_serves("kernel", dtype):
+        return {"choice": f"ladder (no few-rows kernel: {cpu_kernels.kernel_report().get('reason')})",
+                "forms": {}, "ms": None}
+    products = {"kernel": _kernel_product, "ladder": _ladder_product}
+    table = {}
+    for m in WIDE_ROWS:
+        xs = {k: torch.randn(m, k, dtype=dtype) for k in {w.shape[1] for w in weights}}
+        ms = dict.fromkeys(products, float("inf"))
+        for _ in range(passes):
+            for name, product in products.items():
+                ms[name] = min(ms[name], _best_ms(lambda: [product(xs[w.shape[1]], w, None) for w in weights], 1))
+        table[m] = ms
+    chosen = {m: min(ms, key=ms.get) for m, ms in table.items()}
+    _wide_reports[dtype] = {
+        "choice": ", ".join(f"{m} rows: {f}" for m, f in chosen.items()), "forms": chosen, "ms": table,
+        "weights": len(weights), "weight_bytes": sum(w.numel() * w.element_size() for w in weights),
+        "dtype": str(dtype)}
+    return _wide_reports[dtype]
+
+
 def _cpu_linear_body(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     return _eager_linear(x.contiguous(), weight, bias)
 
@@ -290,6 +350,6 @@ def warm(projections: Iterable[tuple[torch.Tensor, torch.Tensor | None, int]]) -
             continue
         x = torch.zeros(row_bucket(max_rows), w.shape[1], dtype=w.dtype)
         for rows in sorted({row_bucket(m) for m in range(1, max_rows + 1)}):  # 8 serves the small rows
-            linear(x[:rows], w, b)
+            _ladder_product(x[:rows], w, b)
             runs += 1
     return runs

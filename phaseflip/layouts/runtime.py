@@ -208,6 +208,7 @@ class RankRuntime:
                 with self._timed(f"forms:{name}"):  # once per process and dtype: later layouts reuse
                     weights = [w for w, _, _ in runner.projections()]
                     runner.compile_report["small_rows"] = linear.choose_small_forms(weights)
+                    runner.compile_report["wide_rows"] = linear.choose_wide_forms(weights)
                     if boot.compile != "off" and runner.weights.layers:
                         runner.compile_report["gemv"] = linear.choose_gemv(runner.layer_projections())
             with self._timed(f"compile:{name}"), _rss_growth() as grown:

@@ -55,6 +55,7 @@ def test_no_gemm_is_built_after_boot(tiny_model_dir, monkeypatch):
         rows.append((tuple(w.shape), b is not None, x.shape[0]))
         return real(x, w, b, *args)
     monkeypatch.setattr(lin, "_onednn", recording)
+    monkeypatch.setattr(lin, "wide_form", lambda m, dtype: "ladder")   # every row count through the ladder
     with LLM(model=str(tiny_model_dir("qwen2")), dtype="float32", max_num_seqs=8, max_model_len=128) as llm:
         at_boot, booted = set(rows), len(rows)
         prompts = [{"prompt_token_ids": list(range(3, 3 + n))} for n in (5, 17, 40, 70, 9, 33)]
@@ -178,3 +179,51 @@ def test_choose_gemv_times_whole_passes_over_the_layers_alternating(monkeypatch)
     one_round = [("reduction", 2)] * 3 + [(form, 2)] * 3
     assert seen == [("reduction", 2), (form, 2)] + one_round * 2, seen
     assert set(report["ms"]) == {"reduction", form}
+
+
+KERNEL = pytest.mark.skipif(not lin._form_serves("kernel", torch.float32), reason="the few-rows kernel did not build here")
+
+
+@KERNEL
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("m", [lin.SMALL_BATCH + 1, 8, 16, 17, 33, 63, 64])
+def test_the_kernel_multiplies_wide_rows_like_f_linear(dtype, m):
+    """Past SMALL_BATCH rows the kernel transposes x and broadcasts weight values: every 16-row group
+    (and its padding), weight rows past the last whole group of the tile, an odd K (a bf16 pair's tail)."""
+    g = torch.Generator().manual_seed(m)
+    x, w = torch.randn(m, 131, generator=g).to(dtype), torch.randn(203, 131, generator=g).to(dtype)
+    want = F.linear(x.float(), w.float())
+    tol = 1e-4 if dtype == torch.float32 else 3e-2
+    torch.testing.assert_close(lin._kernel_product(x, w, None).float(), want, rtol=tol, atol=tol * 8)
+
+
+@pytest.mark.parametrize("form", ["kernel", "ladder"])
+def test_every_wide_rows_form_equals_f_linear(form, monkeypatch):
+    if form == "kernel" and not lin._form_serves("kernel", torch.float32):
+        pytest.skip("the few-rows kernel did not build here")
+    monkeypatch.setattr(lin, "_wide_reports", {torch.float32: {"forms": dict.fromkeys(lin.WIDE_ROWS, form)}})
+    g = torch.Generator().manual_seed(2)
+    w, b = torch.randn(96, 64, generator=g), torch.randn(96, generator=g)
+    for m in (lin.SMALL_BATCH + 1, 9, 40, lin.WIDE_ROWS[-1]):
+        x = torch.randn(m, 64, generator=g)
+        assert lin.wide_form(m, x.dtype) == form
+        torch.testing.assert_close(lin.linear(x, w, b), F.linear(x, w, b), rtol=1e-5, atol=1e-4)
+    assert lin.wide_form(lin.WIDE_ROWS[-1] + 1, torch.float32) == "ladder"   # past the kernel's rows
+
+
+@KERNEL
+def test_the_measured_wide_rows_form_is_the_one_that_runs(monkeypatch):
+    monkeypatch.setattr(lin, "_wide_reports", {})
+    assert lin.wide_form(8, torch.float32) == "ladder"   # unmeasured: the ladder, as before the kernel grew
+    report = lin.choose_wide_forms([torch.randn(256, 64), torch.randn(64, 256)], passes=1)
+    for m in lin.WIDE_ROWS:   # the choice is the fastest of what was timed, and it is what runs
+        ms = report["ms"][m]
+        assert all(v > 0 for v in ms.values()) and report["forms"][m] == min(ms, key=ms.get)
+        assert lin.wide_form(m, torch.float32) == lin.wide_form(m - 1, torch.float32) == report["forms"][m]
+    ran = []
+    for name in ("_kernel_product", "_ladder_product"):
+        real = getattr(lin, name)
+        monkeypatch.setattr(lin, name, lambda *a, real=real, name=name: ran.append(name) or real(*a))
+    lin.linear(torch.randn(30, 64), torch.randn(8, 64))
+    assert ran == [f"_{report['forms'][32]}_product"]
+    assert lin.choose_wide_forms([torch.randn(8, 8)]) is report   # once per process and dtype
