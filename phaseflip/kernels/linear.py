@@ -285,7 +285,7 @@ def wide_form(m: int, dtype: torch.dtype) -> str:
     """The form a product of m > SMALL_BATCH rows takes: "kernel" where this process measured the
     few-rows kernel faster for the smallest timed row count >= m (WIDE_ROWS), else "ladder"."""
     report = _wide_reports.get(dtype)
-    if report is None or m > WIDE_ROWS[-1] or not _form_serves("kernel", dtype):
+    if report is None or not SMALL_BATCH < m <= WIDE_ROWS[-1] or not _form_serves("kernel", dtype):
         return "ladder"
     return report["forms"].get(next(r for r in WIDE_ROWS if r >= m), "ladder")
 

@@ -181,15 +181,18 @@ def test_choose_gemv_times_whole_passes_over_the_layers_alternating(monkeypatch)
     assert set(report["ms"]) == {"reduction", form}
 
 
-KERNEL = pytest.mark.skipif(not lin._form_serves("kernel", torch.float32), reason="the few-rows kernel did not build here")
+def _kernel_or_skip():
+    """Asked inside a test (not at collection: loading the kernels then would read the user's cache)."""
+    if not lin._form_serves("kernel", torch.float32):
+        pytest.skip("the few-rows kernel did not build here (test_cpu_kernels says why)")
 
 
-@KERNEL
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("m", [lin.SMALL_BATCH + 1, 8, 16, 17, 33, 63, 64])
 def test_the_kernel_multiplies_wide_rows_like_f_linear(dtype, m):
     """Past SMALL_BATCH rows the kernel transposes x and broadcasts weight values: every 16-row group
     (and its padding), weight rows past the last whole group of the tile, an odd K (a bf16 pair's tail)."""
+    _kernel_or_skip()
     g = torch.Generator().manual_seed(m)
     x, w = torch.randn(m, 131, generator=g).to(dtype), torch.randn(203, 131, generator=g).to(dtype)
     want = F.linear(x.float(), w.float())
@@ -199,8 +202,8 @@ def test_the_kernel_multiplies_wide_rows_like_f_linear(dtype, m):
 
 @pytest.mark.parametrize("form", ["kernel", "ladder"])
 def test_every_wide_rows_form_equals_f_linear(form, monkeypatch):
-    if form == "kernel" and not lin._form_serves("kernel", torch.float32):
-        pytest.skip("the few-rows kernel did not build here")
+    if form == "kernel":
+        _kernel_or_skip()
     monkeypatch.setattr(lin, "_wide_reports", {torch.float32: {"forms": dict.fromkeys(lin.WIDE_ROWS, form)}})
     g = torch.Generator().manual_seed(2)
     w, b = torch.randn(96, 64, generator=g), torch.randn(96, generator=g)
@@ -209,10 +212,11 @@ def test_every_wide_rows_form_equals_f_linear(form, monkeypatch):
         assert lin.wide_form(m, x.dtype) == form
         torch.testing.assert_close(lin.linear(x, w, b), F.linear(x, w, b), rtol=1e-5, atol=1e-4)
     assert lin.wide_form(lin.WIDE_ROWS[-1] + 1, torch.float32) == "ladder"   # past the kernel's rows
+    assert lin.wide_form(0, torch.float32) == "ladder" and lin.linear(torch.empty(0, 64), w).shape == (0, 96)
 
 
-@KERNEL
 def test_the_measured_wide_rows_form_is_the_one_that_runs(monkeypatch):
+    _kernel_or_skip()
     monkeypatch.setattr(lin, "_wide_reports", {})
     assert lin.wide_form(8, torch.float32) == "ladder"   # unmeasured: the ladder, as before the kernel grew
     report = lin.choose_wide_forms([torch.randn(256, 64), torch.randn(64, 256)], passes=1)
