@@ -21,6 +21,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from phaseflip.kernels import cpu_kernels
 from phaseflip.kernels.cpu_attention import paged_attention_cpu
 from phaseflip.kernels.dispatch import triton_available
 from phaseflip.kernels.op_registry import define_op
@@ -121,9 +122,14 @@ def paged_attention_impl(q, k, v, kv_cache, layer: int, slot_mapping, block_tabl
 
 def attend(q, k, v, kv_cache, layer: int, slot_mapping, block_tables, seq_lens, query_start_loc,
            scale: float) -> torch.Tensor:
-    """What the model calls: the custom op while torch.compile traces (it must stay one opaque call),
-    the body directly otherwise (the op's Python dispatch costs tens of microseconds per layer)."""
-    fn = torch.ops.phaseflip.paged_attention if torch.compiler.is_compiling() else paged_attention_impl
+    """What the model calls: the custom op while torch.compile traces (it must stay one opaque call:
+    on the CPU, where the C++ kernels are built, their op, which runs a decode step without Python and
+    hands any other step to this one), the body directly otherwise (the op's Python dispatch costs tens
+    of microseconds per layer)."""
+    if not torch.compiler.is_compiling():
+        fn = paged_attention_impl
+    else:
+        fn = (cpu_kernels.paged_attention_op() if not q.is_cuda else None) or torch.ops.phaseflip.paged_attention
     return fn(q, k, v, kv_cache, layer, slot_mapping, block_tables, seq_lens, query_start_loc, scale)
 
 

@@ -7,6 +7,8 @@
 // phaseflip/kernels/cpu_kernels.py with cpu_gemv.cpp.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/core/stack.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/zeros.h>
 #include <initializer_list>
@@ -281,10 +283,33 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
   return out;
 }
 
+// The whole paged-attention op for the CPU with the decode kernel in front: a step it serves (every
+// sequence one query token) costs one C++ call from a compiled graph; any other step (or dtype) goes on
+// to phaseflip::paged_attention (kernels/attention.py, whose body is Python). Before, every layer of a
+// decode step went through that Python body to reach the kernel: ~15-20 us a layer.
+at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& kv_cache,
+                           int64_t layer, const at::Tensor& slot_mapping, const at::Tensor& block_tables,
+                           const at::Tensor& seq_lens, const at::Tensor& query_start_loc, double scale) {
+  const bool served = q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16;
+  if (served && kv_cache.dim() == 6 && q.size(0) > 0) {
+    at::Tensor out = decode_attention(q, k, v, kv_cache.select(1, layer), slot_mapping, block_tables, seq_lens,
+                                      query_start_loc, scale);
+    if (out.numel()) return out;
+  }
+  static const c10::OperatorHandle general =
+      c10::Dispatcher::singleton().findSchemaOrThrow("phaseflip::paged_attention", "");
+  torch::jit::Stack stack{q, k, v, kv_cache, layer, slot_mapping, block_tables, seq_lens, query_start_loc, scale};
+  general.callBoxed(&stack);
+  return stack.back().toTensor();
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(phaseflip_cpu, m) {
   m.def("decode_attention(Tensor q, Tensor k, Tensor v, Tensor(a!) kv_layer, Tensor slot_mapping, "
         "Tensor block_tables, Tensor seq_lens, Tensor query_start_loc, float scale) -> Tensor");
   m.impl("decode_attention", c10::DispatchKey::CPU, TORCH_FN(decode_attention));
+  m.def("paged_attention(Tensor q, Tensor k, Tensor v, Tensor(a!) kv_cache, SymInt layer, Tensor slot_mapping, "
+        "Tensor block_tables, Tensor seq_lens, Tensor query_start_loc, float scale) -> Tensor");
+  m.impl("paged_attention", c10::DispatchKey::CPU, TORCH_FN(paged_attention));
 }

@@ -2,8 +2,9 @@
 as torch ops.
 
 Owns: `few_rows_op` (`phaseflip_cpu::few_rows_linear`), `decode_attention_op`
-(`phaseflip_cpu::decode_attention`), each None where the kernels cannot be built or give a wrong
-answer, and `kernel_report` (whether they are there, why not, where they live, what the build cost).
+(`phaseflip_cpu::decode_attention`), `paged_attention_op` (`phaseflip_cpu::paged_attention`: the decode
+kernel in front of phaseflip::paged_attention, for compiled CPU steps), each None where the kernels
+cannot be built or give a wrong answer, and `kernel_report` (whether they are there, why not, where they live, what the build cost).
 
 Why a few-rows product of our own: a decode step's projections multiply one to four rows by every weight,
 a pass over the whole model that should run at the memory's read speed. Neither the library's GEMM
@@ -64,6 +65,12 @@ def few_rows_op():
 def decode_attention_op():
     """torch.ops.phaseflip_cpu.decode_attention; None where the kernels are not here (kernel_report)."""
     return torch.ops.phaseflip_cpu.decode_attention if _loaded() else None
+
+
+def paged_attention_op():
+    """torch.ops.phaseflip_cpu.paged_attention (phaseflip::paged_attention's schema and contract, the
+    decode kernel first); None where the kernels are not here (kernel_report)."""
+    return torch.ops.phaseflip_cpu.paged_attention if _loaded() else None
 
 
 def _loaded() -> bool:
@@ -141,13 +148,14 @@ def _build(compiler: str, path: Path) -> None:
 
 
 def _register_fake() -> None:
-    """The product's shape for tracing (compiled steps call it). The decode attention has none: it is
-    called only from the eager body of phaseflip::paged_attention, and its result's shape depends on
-    the metadata's values (empty where it declines)."""
+    """The shapes for tracing of what compiled steps call: the product, and the paged attention (q's).
+    The bare decode attention has none: it is called only from eager code, and its result's shape
+    depends on the metadata's values (empty where it declines)."""
     global _faked
     if not _faked:   # once per process (a second registration is an error)
         torch.library.register_fake("phaseflip_cpu::few_rows_linear")(
             lambda x, weight: x.new_empty((x.shape[0], weight.shape[0])))
+        torch.library.register_fake("phaseflip_cpu::paged_attention")(lambda q, *rest: torch.empty_like(q))
         _faked = True
 
 

@@ -20,8 +20,19 @@ def run_general(**args):
         return torch.ops.phaseflip.paged_attention(**args)
 
 
-# "op": what the engine runs (decode-only steps in the C++ kernel where it is built, kernels/cpu_kernels.py)
-IMPLS = {"op": lambda **a: torch.ops.phaseflip.paged_attention(**a), "general": run_general, "ref": run_ref}
+def run_cpp_op(**args):
+    """phaseflip_cpu::paged_attention, what compiled CPU steps call: the decode kernel in C++, any other
+    step handed on to the op above."""
+    op = cpu_kernels.paged_attention_op()
+    if op is None:
+        pytest.skip(f"no C++ kernels here: {cpu_kernels.kernel_report()['reason']}")
+    return op(**args)
+
+
+# "op": what the engine runs eagerly (decode-only steps in the C++ kernel where it is built,
+# kernels/cpu_kernels.py); "cpp_op": what its compiled CPU steps run
+IMPLS = {"op": lambda **a: torch.ops.phaseflip.paged_attention(**a), "cpp_op": run_cpp_op,
+         "general": run_general, "ref": run_ref}
 
 
 def naive(q, keys, values, scale):
