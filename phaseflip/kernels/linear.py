@@ -262,16 +262,23 @@ def choose_small_forms(weights: list[torch.Tensor], passes: int = 2) -> dict:
     if dtype in _small_reports:
         return _small_reports[dtype]
     forms = [f for f in SMALL_FORMS if _form_serves(f, dtype)]
-    table = {}
-    for m in MEASURED_ROWS:
-        xs = {k: torch.randn(m, k, dtype=dtype) for k in {w.shape[1] for w in weights}}
-        table[m] = {f: _best_pass_ms(f, xs, weights, passes) for f in forms}
-    chosen = {m: min(ms, key=ms.get) for m, ms in table.items()}
-    _small_reports[dtype] = {
-        "choice": ", ".join(f"{m} rows: {f}" for m, f in chosen.items()), "forms": chosen, "ms": table,
-        "weights": len(weights), "weight_bytes": sum(w.numel() * w.element_size() for w in weights),
-        "dtype": str(dtype)}
+    table = {m: {f: _best_pass_ms(f, _rows(m, weights), weights, passes) for f in forms} for m in MEASURED_ROWS}
+    _small_reports[dtype] = _forms_report(table, weights)
     return _small_reports[dtype]
+
+
+def _rows(m: int, weights: list[torch.Tensor]) -> dict[int, torch.Tensor]:
+    """Random x of m rows for each input width among weights (in their dtype), for a measured pass."""
+    return {k: torch.randn(m, k, dtype=weights[0].dtype) for k in {w.shape[1] for w in weights}}
+
+
+def _forms_report(table: dict[int, dict[str, float]], weights: list[torch.Tensor]) -> dict:
+    """A forms measurement's report: the fastest form per row count, the timings (ms per row count
+    and form) and what they were measured on."""
+    chosen = {m: min(ms, key=ms.get) for m, ms in table.items()}
+    return {"choice": ", ".join(f"{m} rows: {f}" for m, f in chosen.items()), "forms": chosen, "ms": table,
+            "weights": len(weights), "weight_bytes": sum(w.numel() * w.element_size() for w in weights),
+            "dtype": str(weights[0].dtype)}
 
 
 def _best_pass_ms(form: str, xs: dict[int, torch.Tensor], weights: list[torch.Tensor], passes: int) -> float:
@@ -308,17 +315,13 @@ def choose_wide_forms(weights: list[torch.Tensor], passes: int = 2) -> dict:
     products = {"kernel": _kernel_product, "ladder": _ladder_product}
     table = {}
     for m in WIDE_ROWS:
-        xs = {k: torch.randn(m, k, dtype=dtype) for k in {w.shape[1] for w in weights}}
+        xs = _rows(m, weights)
         ms = dict.fromkeys(products, float("inf"))
         for _ in range(passes):
             for name, product in products.items():
                 ms[name] = min(ms[name], _best_ms(lambda: [product(xs[w.shape[1]], w, None) for w in weights], 1))
         table[m] = ms
-    chosen = {m: min(ms, key=ms.get) for m, ms in table.items()}
-    _wide_reports[dtype] = {
-        "choice": ", ".join(f"{m} rows: {f}" for m, f in chosen.items()), "forms": chosen, "ms": table,
-        "weights": len(weights), "weight_bytes": sum(w.numel() * w.element_size() for w in weights),
-        "dtype": str(dtype)}
+    _wide_reports[dtype] = _forms_report(table, weights)
     return _wide_reports[dtype]
 
 
