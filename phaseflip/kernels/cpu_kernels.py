@@ -4,7 +4,8 @@ as torch ops.
 Owns: `few_rows_op` (`phaseflip_cpu::few_rows_linear`), `decode_attention_op`
 (`phaseflip_cpu::decode_attention`), `paged_attention_op` (`phaseflip_cpu::paged_attention`: the decode
 kernel in front of phaseflip::paged_attention, for compiled CPU steps), each None where the kernels
-cannot be built or give a wrong answer, and `kernel_report` (whether they are there, why not, where they live, what the build cost).
+cannot be built or give a wrong answer, and `kernel_report` (whether they are there, why not, where
+they live, what the build cost).
 
 Why a few-rows product of our own: a decode step's projections multiply one to four rows by every weight,
 a pass over the whole model that should run at the memory's read speed. Neither the library's GEMM
