@@ -2,10 +2,12 @@
 from __future__ import annotations
 
 import os
+import tempfile
 from pathlib import Path
 
 import pytest
 
+from phaseflip.graphs.compile import torch_default_dir
 from tests.models import make_tiny_model, make_tokenizer
 
 
@@ -15,7 +17,9 @@ def _private_cache(tmp_path_factory):
     boot's manifest, compiled code): the session's cache is a temp dir. The default model that `make`
     converted there is only read, through a link (converted anew into the temp dir when absent); so are
     the CPU kernels `make` built there (each file named by what it was built from: a changed source
-    builds anew, into the temp dir)."""
+    builds anew, into the temp dir). Compiled graphs go to one suite-wide dir in the system's temp dir
+    (unless the user named inductor's and Triton's): a session that compiled every graph cold would not
+    fit the suite's 10 minutes; inductor keys its entries by what they were compiled from."""
     from phaseflip.engine.default_model import DEFAULT_MODEL_NAME, cache_dir, is_complete
     users = cache_dir()
     private = tmp_path_factory.mktemp("phaseflip-cache")
@@ -25,13 +29,13 @@ def _private_cache(tmp_path_factory):
         (private / "kernels").mkdir()
         for built in (users / "kernels").glob("*.so"):
             (private / "kernels" / built.name).symlink_to(built)
-    old = os.environ.get("PHASEFLIP_CACHE")
-    os.environ["PHASEFLIP_CACHE"] = str(private)
-    yield users
-    if old is None:
-        os.environ.pop("PHASEFLIP_CACHE", None)
-    else:
-        os.environ["PHASEFLIP_CACHE"] = old
+    compiled = Path(tempfile.gettempdir()) / "phaseflip-tests-compile"
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("PHASEFLIP_CACHE", str(private))
+        for name, sub in (("TORCHINDUCTOR_CACHE_DIR", "inductor"), ("TRITON_CACHE_DIR", "triton")):
+            if os.environ.get(name) in (None, torch_default_dir(name)):
+                mp.setenv(name, str(compiled / sub))
+        yield users
 
 
 @pytest.fixture(autouse=True, scope="session")

@@ -27,14 +27,28 @@ def compile_region(fn):
 
 def use_cache_dir(root: str) -> dict[str, str]:
     """Point inductor's and Triton's caches below root unless the user set them; returns where they
-    are. Boot calls this before anything compiles (never at import)."""
+    are. Boot calls this before anything compiles (never at import). Importing torch._dynamo (torch
+    2.13) writes inductor's default dir into TORCHINDUCTOR_CACHE_DIR, so that value counts as unset:
+    taken as the user's, it had kept every boot's compiled code in the temp dir."""
     paths = {"TORCHINDUCTOR_CACHE_DIR": os.path.join(root, "inductor"),
              "TRITON_CACHE_DIR": os.path.join(root, "triton")}
     for name, path in paths.items():
-        os.environ.setdefault(name, path)
+        if os.environ.get(name) in (None, torch_default_dir(name)):
+            os.environ[name] = path
     limit = max(64, getattr(torch._dynamo.config, "cache_size_limit", 8))
     torch._dynamo.config.cache_size_limit = limit  # guard sets of one layer fn: per layout x role
     return {name: os.environ[name] for name in paths}
+
+
+def torch_default_dir(name: str) -> str | None:
+    """The directory torch itself puts in env var `name` when it finds it unset (None: it sets none)."""
+    if name != "TORCHINDUCTOR_CACHE_DIR":
+        return None
+    try:
+        from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+    except ImportError:   # an older layout: torch never writes the variable there
+        return None
+    return os.path.abspath(default_cache_dir())
 
 
 def time_step(fn, views: dict[str, torch.Tensor], repeats: int = 3) -> float:

@@ -4,6 +4,9 @@ measured choice per bucket is recorded and used, outputs match HF, compiling and
 into the KV region, the layer compiles once whatever the number of layers, and no step compiles after
 boot. Slow-marked where inductor compiles cold for tens of seconds on 2 cores."""
 import functools
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -30,6 +33,20 @@ def _boot(d, compile_mode, tmp_path, monkeypatch, decode_buckets=(1, 2, 4)):
     counters.clear()
     return LLM(model=str(d), dtype="float32", compile=compile_mode, max_num_seqs=4, max_num_batched_tokens=128,
                decode_buckets=decode_buckets, prefill_buckets=(64, 128))
+
+
+def test_compile_caches_go_below_the_phaseflip_cache_in_a_fresh_process(tmp_path):
+    """As at a boot: torch._dynamo imported first (in torch 2.13 the import writes inductor's default
+    dir into TORCHINDUCTOR_CACHE_DIR), then use_cache_dir; a directory the user names stays theirs."""
+    script = ("import sys, torch._dynamo\n"
+              "from phaseflip.graphs.compile import use_cache_dir\n"
+              "print(use_cache_dir(sys.argv[1])['TORCHINDUCTOR_CACHE_DIR'])")
+    env = {k: v for k, v in os.environ.items() if k not in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")}
+    run = functools.partial(subprocess.run, [sys.executable, "-c", script, str(tmp_path)], capture_output=True,
+                            text=True, check=True)
+    assert run(env=env).stdout.strip() == str(tmp_path / "inductor")
+    mine = str(tmp_path / "mine")
+    assert run(env={**env, "TORCHINDUCTOR_CACHE_DIR": mine}).stdout.strip() == mine
 
 
 @pytest.mark.slow
