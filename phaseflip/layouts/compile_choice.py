@@ -15,7 +15,7 @@ import time
 import torch
 
 from phaseflip.graphs.capture import StepKey, capture_cuda
-from phaseflip.graphs.compile import compile_region, time_alternating, time_replays
+from phaseflip.graphs.compile import compile_region, compile_whole_step, time_alternating, time_replays
 from phaseflip.kernels.linear import GEMV_ROWS, gemv_reduces
 from phaseflip.layouts.forward import compute_logits, decoder_layer
 from phaseflip.layouts.plan import Phase
@@ -30,10 +30,11 @@ class CompileChoice:
         the step and host overhead is gone anyway): the decoder layer compiled once, reused by every
         layer and bucket. CPU decode: the whole step, every layer in ONE graph: per-layer graph entry,
         guard checks and wrapper calls cost ~4 ms of a ~30 ms batch-1 token (SmolLM2, 2 cores:
-        16-19 ms against 22-23 ms for the layers with attention stubbed out); its cold compile is
-        ~50 s per graph (batch 1, and one dynamic graph for the larger buckets), a warm one ~7 s."""
+        16-19 ms against 22-23 ms for the layers with attention stubbed out), with inductor's wrapper
+        in C++ (compile_whole_step: ~0.6 ms less a step); its cold compile is 35-42 s per graph (batch
+        1, 2, and one dynamic graph for the larger buckets), a warm load 4-7 s."""
         layer_step = functools.partial(self.step_fn, layer_fn=compile_region(decoder_layer))
-        return {Phase.PREFILL: layer_step, Phase.DECODE: layer_step if cuda else compile_region(self.step_fn)}
+        return {Phase.PREFILL: layer_step, Phase.DECODE: layer_step if cuda else compile_whole_step(self.step_fn)}
 
     def prepare_compiled(self, mode: str, cuda: bool) -> None:
         """Compile each role's step (boot only; see _compiled_steps). compile="on", and CUDA: every step
