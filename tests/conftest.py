@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from phaseflip.graphs.compile import torch_default_dir
+from phaseflip.graphs.compile import cache_dirs
 from tests.models import make_tiny_model, make_tokenizer
 
 
@@ -29,12 +29,10 @@ def _private_cache(tmp_path_factory):
         (private / "kernels").mkdir()
         for built in (users / "kernels").glob("*.so"):
             (private / "kernels" / built.name).symlink_to(built)
-    compiled = Path(tempfile.gettempdir()) / "phaseflip-tests-compile"
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("PHASEFLIP_CACHE", str(private))
-        for name, sub in (("TORCHINDUCTOR_CACHE_DIR", "inductor"), ("TRITON_CACHE_DIR", "triton")):
-            if os.environ.get(name) in (None, torch_default_dir(name)):
-                mp.setenv(name, str(compiled / sub))
+        for name, path in cache_dirs(os.path.join(tempfile.gettempdir(), "phaseflip-tests-compile")).items():
+            mp.setenv(name, path)
         yield users
 
 

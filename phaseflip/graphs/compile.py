@@ -2,12 +2,12 @@
 
 Owns: `compile_region` (torch.compile with a dynamic token dimension, applied to one decoder layer so
 that identical layers and every bucket share one compiled graph), `compile_whole_step` (the same for a
-CPU decode step as a whole, its wrapper in C++), `use_cache_dir` (inductor's and Triton's on-disk
-caches under a directory the caller names, so a second boot loads what the first compiled),
-`time_alternating` (the best wall time of each of a few steps timed in turn, for the eager-vs-compiled
-choice on the CPU), `time_step` (a median) and `time_replays` (a captured step's replay time: CUDA
-events on a CUDA graph, for the same choice on CUDA, where only graph against graph is a fair
-comparison)."""
+CPU decode step as a whole, its wrapper in C++), `use_cache_dir` and `cache_dirs` (inductor's and
+Triton's on-disk caches under a directory the caller names, so a second boot loads what the first
+compiled), `time_alternating` (the best wall time of each of a few steps timed in turn, for the
+eager-vs-compiled choice on the CPU), `time_step` (a median) and `time_replays` (a captured step's
+replay time: CUDA events on a CUDA graph, for the same choice on CUDA, where only graph against graph
+is a fair comparison)."""
 from __future__ import annotations
 
 import os
@@ -39,22 +39,28 @@ def compile_whole_step(fn):
     return torch.compile(fn, dynamic=None, options=options)
 
 
+def cache_dirs(root: str) -> dict[str, str]:
+    """Where inductor's and Triton's caches go for a compile cache at root: below it, unless the user
+    named a directory. Importing torch._dynamo (torch 2.13) writes inductor's default dir into
+    TORCHINDUCTOR_CACHE_DIR, so that value counts as unset: taken as the user's, it had kept every
+    boot's compiled code in the temp dir."""
+    wanted = {"TORCHINDUCTOR_CACHE_DIR": os.path.join(root, "inductor"),
+              "TRITON_CACHE_DIR": os.path.join(root, "triton")}
+    return {name: path if os.environ.get(name) in (None, _torch_default_dir(name)) else os.environ[name]
+            for name, path in wanted.items()}
+
+
 def use_cache_dir(root: str) -> dict[str, str]:
-    """Point inductor's and Triton's caches below root unless the user set them; returns where they
-    are. Boot calls this before anything compiles (never at import). Importing torch._dynamo (torch
-    2.13) writes inductor's default dir into TORCHINDUCTOR_CACHE_DIR, so that value counts as unset:
-    taken as the user's, it had kept every boot's compiled code in the temp dir."""
-    paths = {"TORCHINDUCTOR_CACHE_DIR": os.path.join(root, "inductor"),
-             "TRITON_CACHE_DIR": os.path.join(root, "triton")}
-    for name, path in paths.items():
-        if os.environ.get(name) in (None, torch_default_dir(name)):
-            os.environ[name] = path
+    """Point inductor's and Triton's caches at cache_dirs(root); returns where they are. Boot calls
+    this before anything compiles (never at import)."""
+    paths = cache_dirs(root)
+    os.environ.update(paths)
     limit = max(64, getattr(torch._dynamo.config, "cache_size_limit", 8))
     torch._dynamo.config.cache_size_limit = limit  # guard sets of one layer fn: per layout x role
-    return {name: os.environ[name] for name in paths}
+    return paths
 
 
-def torch_default_dir(name: str) -> str | None:
+def _torch_default_dir(name: str) -> str | None:
     """The directory torch itself puts in env var `name` when it finds it unset (None: it sets none)."""
     if name != "TORCHINDUCTOR_CACHE_DIR":
         return None
