@@ -17,10 +17,7 @@
 #include <algorithm>
 #include <cmath>
 #include <vector>
-#if defined(__AVX512F__) && defined(__AVX512BW__)
-#include <immintrin.h>
-#define PF_AVX512 1
-#endif
+#include "cpu_simd.h"
 
 namespace {
 
@@ -55,35 +52,20 @@ void store(const at::Tensor& k, const at::Tensor& v, const Cache& c, const int64
 template <typename T>
 inline float widen(T x) { return static_cast<float>(x); }
 
-#ifdef PF_AVX512
-// e^x for x <= 0 (scores less their max), 16 at a time: 2^(x log2 e) split into 2^n (scalef) and 2^f,
-// |f| <= 1/2, by its Taylor series to degree 7 (relative error < 1e-8 before rounding). The library's
-// expf, one value at a time, took most of a 32-sequence step's attention.
-inline __m512 exp16(__m512 x) {
-  const __m512 t = _mm512_mul_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.f)), _mm512_set1_ps(1.4426950408889634f));
-  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 f = _mm512_mul_ps(_mm512_sub_ps(t, n), _mm512_set1_ps(0.6931471805599453f));  // in nats
-  __m512 p = _mm512_set1_ps(1.f / 5040);
-  for (float c : {1.f / 720, 1.f / 120, 1.f / 24, 1.f / 6, 0.5f, 1.f, 1.f}) p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(c));
-  return _mm512_scalef_ps(p, n);
-}
-#endif
-
 void softmax_rows(float* scores, int64_t G, int64_t L) {
   for (int64_t g = 0; g < G; ++g) {
     float* sg = scores + g * L;
     const float mx = *std::max_element(sg, sg + L);
     float sum = 0.f;
     int64_t pos = 0;
-#ifdef PF_AVX512
-    __m512 acc = _mm512_setzero_ps();
-    for (; pos < L; pos += 16) {
-      const __mmask16 m = L - pos >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (L - pos)) - 1);
-      const __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, sg + pos), _mm512_set1_ps(mx)));
-      _mm512_mask_storeu_ps(sg + pos, m, e);
-      acc = _mm512_mask_add_ps(acc, m, acc, e);
+#ifdef PF_LANES
+    pf::vf acc = pf::zero();
+    for (; pos + pf::LANES <= L; pos += pf::LANES) {   // the last L % LANES below, one at a time
+      const pf::vf e = pf::exp_neg(pf::sub(pf::load(sg + pos), pf::set1(mx)));
+      pf::store(sg + pos, e);
+      acc = pf::add(acc, e);
     }
-    sum = _mm512_reduce_add_ps(acc);
+    sum = pf::sum(acc);
 #endif
     for (; pos < L; ++pos) sum += (sg[pos] = std::exp(sg[pos] - mx));
     const float inv = 1.f / sum;
@@ -92,13 +74,7 @@ void softmax_rows(float* scores, int64_t G, int64_t L) {
   }
 }
 
-#ifdef PF_AVX512
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const c10::BFloat16* p) {
-  __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
-
+#ifdef PF_LANES
 // fn(pos, k row, v row) for each of a sequence's L cached positions of kv head h, block by block (no
 // division per position: a divide per row and per 16 lanes cost ~10% of a 32-sequence step's
 // attention). With Fetch, each position also asks for the same position's K and V rows one block on
@@ -124,48 +100,50 @@ inline void for_rows(const Cache& c, const int64_t* table, int64_t L, int64_t h,
   }
 }
 
-// D a multiple of 16 * CH: the G heads' score sums in registers; the weighted V summed CH x 16 lanes
+// D a multiple of LANES * CH: the G heads' score sums in registers; the weighted V summed CH x LANES lanes
 // at a time for all G heads (G * CH independent accumulators: one per head made a chain of dependent
 // FMAs, one per position)
 template <typename T, int G, int CH>
 void attend_vec(const float* qf /* [G, D], scaled */, T* out, const Cache& c, const int64_t* table, int64_t L,
                 int64_t h, int64_t d, float* scores /* [G, L] */) {
   for_rows<T, true>(c, table, L, h, d, [&](int64_t pos, const T* kr, const T*) {
-    __m512 acc[G];
-    for (int g = 0; g < G; ++g) acc[g] = _mm512_setzero_ps();
-    for (int64_t i = 0; i < d; i += 16) {
-      const __m512 kv = load16(kr + i);
-      for (int g = 0; g < G; ++g) acc[g] = _mm512_fmadd_ps(_mm512_loadu_ps(qf + g * d + i), kv, acc[g]);
+    pf::vf acc[G];
+    for (int g = 0; g < G; ++g) acc[g] = pf::zero();
+    for (int64_t i = 0; i < d; i += pf::LANES) {
+      const pf::vf kv = pf::load(kr + i);
+      for (int g = 0; g < G; ++g) acc[g] = pf::fma(pf::load(qf + g * d + i), kv, acc[g]);
     }
-    for (int g = 0; g < G; ++g) scores[g * L + pos] = _mm512_reduce_add_ps(acc[g]);
+    for (int g = 0; g < G; ++g) scores[g * L + pos] = pf::sum(acc[g]);
   });
   softmax_rows(scores, G, L);
-  for (int64_t i0 = 0; i0 < d; i0 += 16 * CH) {
-    __m512 acc[G][CH];
+  for (int64_t i0 = 0; i0 < d; i0 += pf::LANES * CH) {
+    pf::vf acc[G][CH];
     for (int g = 0; g < G; ++g)
-      for (int j = 0; j < CH; ++j) acc[g][j] = _mm512_setzero_ps();
+      for (int j = 0; j < CH; ++j) acc[g][j] = pf::zero();
     for_rows<T, false>(c, table, L, h, d, [&](int64_t pos, const T*, const T* vr) {
       for (int j = 0; j < CH; ++j) {
-        const __m512 vv = load16(vr + i0 + 16 * j);
-        for (int g = 0; g < G; ++g) acc[g][j] = _mm512_fmadd_ps(_mm512_set1_ps(scores[g * L + pos]), vv, acc[g][j]);
+        const pf::vf vv = pf::load(vr + i0 + pf::LANES * j);
+        for (int g = 0; g < G; ++g) acc[g][j] = pf::fma(pf::set1(scores[g * L + pos]), vv, acc[g][j]);
       }
     });
     for (int g = 0; g < G; ++g)
       for (int j = 0; j < CH; ++j) {
-        alignas(64) float lane[16];
-        _mm512_store_ps(lane, acc[g][j]);
-        for (int e = 0; e < 16; ++e) out[g * d + i0 + 16 * j + e] = static_cast<T>(lane[e]);
+        float lane[pf::LANES];
+        pf::store(lane, acc[g][j]);
+        for (int e = 0; e < pf::LANES; ++e) out[g * d + i0 + pf::LANES * j + e] = static_cast<T>(lane[e]);
       }
   }
 }
 
-// The widest CH (lanes of 16 per pass over V) that divides D and keeps G * CH <= 16 accumulators
+// The widest CH (vectors per pass over V) that divides D and keeps G * CH accumulators within half the
+// registers (16 of AVX-512's 32, 8 of AVX2's 16)
 template <typename T, int G>
 bool attend_vec_any(const float* qf, T* out, const Cache& c, const int64_t* table, int64_t L, int64_t h,
                     int64_t d, float* scores) {
-  if (d % 64 == 0 && G * 4 <= 16) return attend_vec<T, G, 4>(qf, out, c, table, L, h, d, scores), true;
-  if (d % 32 == 0 && G * 2 <= 16) return attend_vec<T, G, 2>(qf, out, c, table, L, h, d, scores), true;
-  if (d % 16 == 0) return attend_vec<T, G, 1>(qf, out, c, table, L, h, d, scores), true;
+  constexpr int accs = pf::LANES == 16 ? 16 : 8;
+  if (d % (4 * pf::LANES) == 0 && G * 4 <= accs) return attend_vec<T, G, 4>(qf, out, c, table, L, h, d, scores), true;
+  if (d % (2 * pf::LANES) == 0 && G * 2 <= accs) return attend_vec<T, G, 2>(qf, out, c, table, L, h, d, scores), true;
+  if (d % pf::LANES == 0) return attend_vec<T, G, 1>(qf, out, c, table, L, h, d, scores), true;
   return false;
 }
 #endif
@@ -209,7 +187,7 @@ void attend_one(const T* q /* [G, D] */, T* out /* [G, D] */, const Cache& c, co
   float* qf = scores + G * L;                 // [G, D] the queries as float, scaled
   float* acc = qf + G * d;                    // [G, D]
   for (int64_t i = 0; i < G * d; ++i) qf[i] = widen(q[i]) * scale;
-#ifdef PF_AVX512
+#ifdef PF_LANES
   switch (G) {
     case 1: if (attend_vec_any<T, 1>(qf, out, c, table, L, h, d, scores)) return; break;
     case 2: if (attend_vec_any<T, 2>(qf, out, c, table, L, h, d, scores)) return; break;

@@ -1,11 +1,12 @@
 // Few-row products x @ W^T on the CPU for the decode step: W [N, K] read once, in place, as the
 // arena holds it (row-major, rows a stride apart); x [M, K] with M <= MAX_ROWS; float32 sums. Up to
 // ONE_PASS rows, each weight row is dotted with every row of x; beyond, x is transposed and each
-// weight value, broadcast, multiplies 16 rows of x at once (`wide` below).
+// weight value, broadcast, multiplies a vector of rows of x at once (`wide` below).
 // float32 or bfloat16 weights (x of the same dtype; the output is x's dtype). bfloat16 pairs go
 // through the CPU's bf16 dot instruction (AVX512_BF16: products exact, sums in float32) where it has
-// one, else are widened to float32. Built at run time by phaseflip/kernels/cpu_kernels.py for the
-// machine it runs on (-march=native); rows are split over torch's own threads (at::parallel_for).
+// one, else are widened to float32. Vectors of AVX-512 or AVX2 (cpu_simd.h), plain loops on a CPU with
+// neither. Built at run time by phaseflip/kernels/cpu_kernels.py for the machine it runs on
+// (-march=native); rows are split over torch's own threads (at::parallel_for).
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -14,79 +15,73 @@
 #include <torch/library.h>
 #include <cstring>
 #include <type_traits>
-#if defined(__AVX512F__) && defined(__AVX512BW__)
-#include <immintrin.h>
-#define PF_AVX512 1
-#endif
+#include "cpu_simd.h"
 
 namespace {
 
 constexpr int64_t MAX_ROWS = 64;
 constexpr int64_t ONE_PASS = 4;
 
-#ifdef PF_AVX512
-// One lane step of a dot product: 16 float32 (k .. k+15) or 32 bfloat16 (pairs multiplied and summed
-// by the CPU's bf16 dot instruction where it has one, else widened to float32 16 at a time).
-template <typename W> struct Lanes;
-template <> struct Lanes<float> {
+#ifdef PF_LANES
+// One lane step of a dot product: LANES float32 products (bfloat16 weights widened), or, with the CPU's
+// bf16 dot instruction (AVX512_BF16), 32 bfloat16 pairs multiplied and summed by it; `fma_n` for the
+// last n < step values of a row.
+template <typename W> struct Lanes {
   using X = float;  // what x is held as
-  static constexpr int64_t step = 16;
-  static __mmask16 mask(int64_t n) { return n >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << n) - 1); }
-  static __m512 fma(__m512 acc, const float* w, const float* x, __mmask16 m) {
-    return _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, w), _mm512_maskz_loadu_ps(m, x), acc);
+  static constexpr int64_t step = pf::LANES;
+  static pf::vf fma(pf::vf acc, const W* w, const float* x) { return pf::fma(pf::load(w), pf::load(x), acc); }
+  static pf::vf fma_n(pf::vf acc, const W* w, const float* x, int64_t n) {
+    return pf::fma(pf::load_n(w, n), pf::load_n(x, n), acc);
   }
 };
-#ifdef __AVX512BF16__
+#ifdef PF_BF16_DOT
 template <> struct Lanes<c10::BFloat16> {
   using X = c10::BFloat16;
   static constexpr int64_t step = 32;
-  static __mmask32 mask(int64_t n) { return n >= 32 ? (__mmask32)0xFFFFFFFFu : (__mmask32)((1ull << n) - 1); }
-  static __m512 fma(__m512 acc, const c10::BFloat16* w, const c10::BFloat16* x, __mmask32 m) {
+  static __m512 fma_n(__m512 acc, const X* w, const X* x, int64_t n) {
+    const __mmask32 m = n >= 32 ? (__mmask32)0xFFFFFFFFu : (__mmask32)((1ull << n) - 1);
     return _mm512_dpbf16_ps(acc, (__m512bh)_mm512_maskz_loadu_epi16(m, w), (__m512bh)_mm512_maskz_loadu_epi16(m, x));
   }
-};
-#else
-template <> struct Lanes<c10::BFloat16> {
-  using X = float;
-  static constexpr int64_t step = 16;
-  static __mmask16 mask(int64_t n) { return Lanes<float>::mask(n); }
-  static __m512 fma(__m512 acc, const c10::BFloat16* w, const float* x, __mmask16 m) {
-    __m512i wide = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, w));
-    return _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_slli_epi32(wide, 16)), _mm512_maskz_loadu_ps(m, x), acc);
-  }
+  static __m512 fma(__m512 acc, const X* w, const X* x) { return fma_n(acc, w, x, step); }
 };
 #endif
 
+// Independent sums per row of x: 2 with AVX-512's 32 registers; with AVX2's 16 registers of 8 lanes, 4
+// for up to 2 rows (an FMA's latency over its issue rate wants 8 in flight), else 2 (no spill)
+constexpr int dot_unroll(int m) { return pf::LANES == 16 || m > 2 ? 2 : 4; }
+
 // out[m] = sum_k w[k] * x[m][k]: one weight row read front to back (a single memory stream: 2, 4 or 8
-// rows read side by side measured 1.2-1.6x slower, software prefetch no faster), two independent
-// accumulators per row of x (one chain of dependent FMAs measured slower, four no faster). Those
-// comparisons predate the unroll pragmas: without them GCC kept acc[][] on the stack, a store and a
-// reload around every FMA (bf16 rows in cache at 41-46 GB/s, 78-111 with them; 2 cores)
+// rows read side by side measured 1.2-1.6x slower, software prefetch no faster), dot_unroll(M)
+// independent accumulators per row of x (one chain of dependent FMAs measured slower, four no faster
+// with AVX-512). Those comparisons predate the unroll pragmas: without them GCC kept acc[][] on the
+// stack, a store and a reload around every FMA (bf16 rows in cache at 41-46 GB/s, 78-111 with them)
 template <typename W, int M>
 inline void row_dot(const W* w, const typename Lanes<W>::X* x, int64_t K, float* out) {
   using L = Lanes<W>;
-  constexpr int U = 2;
-  __m512 acc[M][U];
+  constexpr int U = dot_unroll(M);
+  pf::vf acc[M][U];
 #pragma GCC unroll 8
   for (int m = 0; m < M; ++m)
 #pragma GCC unroll 8
-    for (int u = 0; u < U; ++u) acc[m][u] = _mm512_setzero_ps();
+    for (int u = 0; u < U; ++u) acc[m][u] = pf::zero();
   int64_t k = 0;
   for (; k + U * L::step <= K; k += U * L::step) {
 #pragma GCC unroll 8
     for (int u = 0; u < U; ++u)
 #pragma GCC unroll 8
-      for (int m = 0; m < M; ++m)
-        acc[m][u] = L::fma(acc[m][u], w + k + u * L::step, x + m * K + k + u * L::step, L::mask(L::step));
+      for (int m = 0; m < M; ++m) acc[m][u] = L::fma(acc[m][u], w + k + u * L::step, x + m * K + k + u * L::step);
   }
-  for (; k < K; k += L::step)
+  for (; k + L::step <= K; k += L::step)
 #pragma GCC unroll 8
-    for (int m = 0; m < M; ++m) acc[m][0] = L::fma(acc[m][0], w + k, x + m * K + k, L::mask(K - k));
+    for (int m = 0; m < M; ++m) acc[m][0] = L::fma(acc[m][0], w + k, x + m * K + k);
+  if (k < K)
+#pragma GCC unroll 8
+    for (int m = 0; m < M; ++m) acc[m][0] = L::fma_n(acc[m][0], w + k, x + m * K + k, K - k);
 #pragma GCC unroll 8
   for (int m = 0; m < M; ++m) {
 #pragma GCC unroll 8
-    for (int u = 1; u < U; ++u) acc[m][0] = _mm512_add_ps(acc[m][0], acc[m][u]);
-    out[m] = _mm512_reduce_add_ps(acc[m][0]);
+    for (int u = 1; u < U; ++u) acc[m][0] = pf::add(acc[m][0], acc[m][u]);
+    out[m] = pf::sum(acc[m][0]);
   }
 }
 #else
@@ -125,57 +120,47 @@ void run(const at::Tensor& x, const at::Tensor& w, at::Tensor& y) {
 }
 
 // ---- 5 .. MAX_ROWS rows ("wide") ----
+#ifdef PF_LANES
 // x transposed into xt, [K][Mp] float32 (or [K/2][Mp][2] bf16 pairs for the bf16 dot instruction), Mp =
-// M padded to 16 with zeros: one weight value (pair), broadcast, times one vector of xt is 16 rows' terms,
-// so NR weight rows' sums for every row of x stay in registers and no sum is horizontal. Dotting each
-// weight row with each row of x (the one-pass form extended) ran no faster than oneDNN: a load of x per
-// product and a horizontal sum per output.
-// weight rows at once for MB vectors of x rows: at least 8 independent sums (an FMA's latency over its
-// issue rate), at most 16 registers of them
-constexpr int wide_nr(int mb) { return mb == 1 ? 8 : mb == 2 ? 6 : 4; }
+// M padded to whole vectors (LANES rows) with zeros: one weight value (pair), broadcast, times one vector
+// of xt is LANES rows' terms, so NR weight rows' sums for every row of x stay in registers and no sum is
+// horizontal. Dotting each weight row with each row of x (the one-pass form extended) ran no faster
+// than oneDNN: a load of x per product and a horizontal sum per output.
+// Weight rows at once for MB vectors of x rows: at least 8 independent sums (an FMA's latency over its
+// issue rate) where the registers allow, at most 16 of AVX-512's 32 registers, 12 of AVX2's 16
+constexpr int wide_nr(int mb) {
+  if (pf::LANES == 16) return mb == 1 ? 8 : mb == 2 ? 6 : 4;
+  return mb == 1 ? 8 : std::max(1, 12 / mb);
+}
 
-#ifdef PF_AVX512
-template <typename W> struct Wide;
-template <> struct Wide<float> {
+template <typename W> struct Wide {   // xt in float32, a weight value broadcast
   using T = float;   // xt's element
-  using V = __m512;
   static constexpr int64_t kstep = 1;
-  static V load(const T* p) { return _mm512_loadu_ps(p); }
-  static V pair(const float* w) { return _mm512_set1_ps(*w); }
-  static V last(const float* w) { return pair(w); }
-  static __m512 fma(__m512 acc, V x, V w) { return _mm512_fmadd_ps(x, w, acc); }
+  static pf::vf load(const T* p) { return pf::load(p); }
+  static pf::vf pair(const W* w) { return pf::set1(static_cast<float>(*w)); }
+  static pf::vf last(const W* w) { return pair(w); }
+  static pf::vf fma(pf::vf acc, pf::vf x, pf::vf w) { return pf::fma(x, w, acc); }
 };
-#ifdef __AVX512BF16__
+#ifdef PF_BF16_DOT
 template <> struct Wide<c10::BFloat16> {
   using T = c10::BFloat16;
-  using V = __m512bh;
   static constexpr int64_t kstep = 2;
-  static V load(const T* p) { return (__m512bh)_mm512_loadu_si512(p); }
-  static V pair(const c10::BFloat16* w) {
+  static __m512bh load(const T* p) { return (__m512bh)_mm512_loadu_si512(p); }
+  static __m512bh pair(const c10::BFloat16* w) {
     int32_t two;
     std::memcpy(&two, w, 4);
     return (__m512bh)_mm512_set1_epi32(two);
   }
-  static V last(const c10::BFloat16* w) {   // an odd K's last value, paired with zero
+  static __m512bh last(const c10::BFloat16* w) {   // an odd K's last value, paired with zero
     uint16_t one;
     std::memcpy(&one, w, 2);
     return (__m512bh)_mm512_set1_epi32(one);
   }
-  static __m512 fma(__m512 acc, V x, V w) { return _mm512_dpbf16_ps(acc, x, w); }
-};
-#else
-template <> struct Wide<c10::BFloat16> {
-  using T = float;
-  using V = __m512;
-  static constexpr int64_t kstep = 1;
-  static V load(const T* p) { return _mm512_loadu_ps(p); }
-  static V pair(const c10::BFloat16* w) { return _mm512_set1_ps(static_cast<float>(*w)); }
-  static V last(const c10::BFloat16* w) { return pair(w); }
-  static __m512 fma(__m512 acc, V x, V w) { return _mm512_fmadd_ps(x, w, acc); }
+  static __m512 fma(__m512 acc, __m512bh x, __m512bh w) { return _mm512_dpbf16_ps(acc, x, w); }
 };
 #endif
 
-// out[r * MB * 16 + m] = sum_k w_r[k] * x[m][k] for NR weight rows (ldw apart), every padded row m.
+// out[r * Mp + m] = sum_k w_r[k] * x[m][k] for NR weight rows (ldw apart), every padded row m.
 // Meanwhile the next NR rows (from `ahead` on) are fetched, a line each time this step's share of
 // them crosses one: NR rows read side by side are NR streams, which the hardware's prefetch follows
 // poorly (one-row products ran at ~30 GB/s, eight rows side by side ~13 without this).
@@ -183,17 +168,17 @@ template <typename W, int MB, int NR>
 inline void wide_rows(const W* w, int64_t ldw, const typename Wide<W>::T* xt, int64_t K, float* out,
                       const char* ahead) {
   using B = Wide<W>;
-  constexpr int64_t Mp = MB * 16;
-  __m512 acc[NR][MB];
+  constexpr int64_t Mp = MB * pf::LANES;
+  pf::vf acc[NR][MB];
   for (int r = 0; r < NR; ++r)
-    for (int b = 0; b < MB; ++b) acc[r][b] = _mm512_setzero_ps();
+    for (int b = 0; b < MB; ++b) acc[r][b] = pf::zero();
   constexpr int64_t share = NR * sizeof(W);   // bytes of the next rows to fetch per k
   auto step = [&](int64_t k, bool tail) {
     if (((k * share) & 63) < share * B::kstep) _mm_prefetch(ahead + k * share, _MM_HINT_T0);
-    typename B::V xv[MB];
-    for (int b = 0; b < MB; ++b) xv[b] = B::load(xt + k * Mp + b * 16 * B::kstep);
+    decltype(B::load(xt)) xv[MB];
+    for (int b = 0; b < MB; ++b) xv[b] = B::load(xt + k * Mp + b * pf::LANES * B::kstep);
     for (int r = 0; r < NR; ++r) {
-      const typename B::V wv = tail ? B::last(w + r * ldw + k) : B::pair(w + r * ldw + k);
+      const auto wv = tail ? B::last(w + r * ldw + k) : B::pair(w + r * ldw + k);
       for (int b = 0; b < MB; ++b) acc[r][b] = B::fma(acc[r][b], xv[b], wv);
     }
   };
@@ -201,13 +186,13 @@ inline void wide_rows(const W* w, int64_t ldw, const typename Wide<W>::T* xt, in
   for (; k + B::kstep <= K; k += B::kstep) step(k, false);
   if (k < K) step(k, true);
   for (int r = 0; r < NR; ++r)
-    for (int b = 0; b < MB; ++b) _mm512_storeu_ps(out + r * Mp + b * 16, acc[r][b]);
+    for (int b = 0; b < MB; ++b) pf::store(out + r * Mp + b * pf::LANES, acc[r][b]);
 }
 
 template <typename W, int MB>
 void run_wide(const at::Tensor& x, const at::Tensor& w, at::Tensor& y) {
   using T = typename Wide<W>::T;
-  constexpr int64_t Mp = MB * 16, ks = Wide<W>::kstep;
+  constexpr int64_t Mp = MB * pf::LANES, ks = Wide<W>::kstep;
   const int64_t N = w.size(0), K = w.size(1), ldw = w.stride(0), M = x.size(0);
   const at::Tensor xl = x.to(std::is_same<T, float>::value ? at::kFloat : at::kBFloat16).contiguous();
   at::Tensor xt = at::zeros({(K + ks - 1) / ks * Mp * ks}, xl.options());
@@ -233,15 +218,12 @@ void run_wide(const at::Tensor& x, const at::Tensor& w, at::Tensor& y) {
   });
 }
 
-template <typename W>
+// MB: the vectors of LANES rows that hold x's rows (1 .. MAX_ROWS / LANES)
+template <typename W, int MB = 1>
 void dispatch_wide(const at::Tensor& x, const at::Tensor& w, at::Tensor& y) {
-  static_assert(MAX_ROWS == 64, "one case per 16 rows up to MAX_ROWS");
-  switch ((x.size(0) + 15) / 16) {
-    case 1: return run_wide<W, 1>(x, w, y);
-    case 2: return run_wide<W, 2>(x, w, y);
-    case 3: return run_wide<W, 3>(x, w, y);
-    default: return run_wide<W, 4>(x, w, y);
-  }
+  if constexpr (MB < MAX_ROWS / pf::LANES)
+    if (x.size(0) > MB * pf::LANES) return dispatch_wide<W, MB + 1>(x, w, y);
+  run_wide<W, MB>(x, w, y);
 }
 #else
 template <typename W>

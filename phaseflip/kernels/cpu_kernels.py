@@ -19,6 +19,11 @@ next weight rows fetched ahead: 8 / 16 / 32 rows of SmolLM2's layers, fp32, 27.2
 against oneDNN's 34.1 / 40.4 / 59.5, bf16 15.5 / 15.6 / 27.4 against 24.3 / 26.1 / 37.3 (the same
 process, alternating; scratch gemm_k.py). Dotting each weight row with each x row there (the one-pass
 form extended to tiles) was no faster than oneDNN.
+Both kernels are written once over cpu_simd.h's float32 vector: AVX-512 (16 lanes) or AVX2 + FMA (8
+lanes), plain loops where the CPU has neither. Before the AVX2 form, an AVX2-only CPU got the plain
+loops, which the boot measured slowest and never chose (an AMD EPYC Zen 3, 2026-12-02: the step took
+inductor's reductions, the head the library's product): SmolLM2 batch-1 decode 21.9-23.2 ms a token bf16 (now 13.7-15.3, the kernel in every form)
+and 27.3-31.9 fp32 (now 24.3-25.4; 3 rounds each, old and new code in runs minutes apart).
 Why a decode attention of our own: per layer, the general path (kernels/cpu_attention.py) runs a plan
 lookup, a store, a gather of every context into a fresh tensor and one SDPA call from Python: 55-120 us
 a layer at batch 1 (SDPA alone 34 us on a 100-token context), 1.1-2.7 ms at 32 sequences; this one
@@ -51,6 +56,7 @@ import torch
 log = logging.getLogger(__name__)
 
 SOURCES = tuple(Path(__file__).with_name(name) for name in ("cpu_gemv.cpp", "cpu_decode.cpp"))
+HEADERS = (Path(__file__).with_name("cpu_simd.h"),)   # included by the sources (part of the build's key)
 MAX_ROWS = 64     # the kernel's row limit (cpu_gemv.cpp's MAX_ROWS)
 DTYPES = (torch.float32, torch.bfloat16)
 
@@ -119,7 +125,7 @@ def _flags() -> list[str]:
 def _library_path(compiler: str) -> Path:
     from phaseflip.engine.default_model import cache_dir   # the engine's cache dir (no import cycle at load)
     key = hashlib.sha256()
-    for part in (*(src.read_bytes() for src in SOURCES), torch.__version__, compiler, " ".join(_flags()),
+    for part in (*(src.read_bytes() for src in SOURCES + HEADERS), torch.__version__, compiler, " ".join(_flags()),
                  _cpu_flags()):
         key.update(part if isinstance(part, bytes) else part.encode())
     return cache_dir() / "kernels" / f"cpu_kernels-{key.hexdigest()[:16]}.so"

@@ -1,0 +1,99 @@
+// The float32 vector the CPU kernels (cpu_gemv.cpp, cpu_decode.cpp) compute in, one set of names for
+// the two instruction sets they are written for: AVX-512 (F + BW: 16 lanes, masked loads) and AVX2 + FMA
+// (8 lanes; a short tail is copied into a zeroed vector, AVX2 has no mask registers). Where the CPU has
+// neither, PF_LANES stays undefined and the kernels run their plain loops. bfloat16 values are widened
+// to float32 on load (a bf16 is the top half of a float32).
+#pragma once
+#include <c10/util/BFloat16.h>
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+#include <immintrin.h>
+#define PF_LANES 16
+#ifdef __AVX512BF16__
+#define PF_BF16_DOT 1   // the bf16 pair-dot instruction (vdpbf16ps)
+#endif
+#elif defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define PF_LANES 8
+#endif
+
+#ifdef PF_LANES
+namespace pf {
+
+constexpr int64_t LANES = PF_LANES;
+
+#if PF_LANES == 16
+using vf = __m512;
+inline vf zero() { return _mm512_setzero_ps(); }
+inline vf set1(float v) { return _mm512_set1_ps(v); }
+inline vf load(const float* p) { return _mm512_loadu_ps(p); }
+inline vf widen(__m256i h) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)); }
+inline vf load(const c10::BFloat16* p) { return widen(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
+inline __mmask16 first(int64_t n) { return n >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << n) - 1); }
+// the first n (< LANES) values, the other lanes zero
+inline vf load_n(const float* p, int64_t n) { return _mm512_maskz_loadu_ps(first(n), p); }
+inline vf load_n(const c10::BFloat16* p, int64_t n) { return widen(_mm256_maskz_loadu_epi16(first(n), p)); }
+inline void store(float* p, vf v) { _mm512_storeu_ps(p, v); }
+inline void store_n(float* p, vf v, int64_t n) { _mm512_mask_storeu_ps(p, first(n), v); }
+inline vf fma(vf a, vf b, vf acc) { return _mm512_fmadd_ps(a, b, acc); }
+inline vf add(vf a, vf b) { return _mm512_add_ps(a, b); }
+inline vf sub(vf a, vf b) { return _mm512_sub_ps(a, b); }
+inline vf mul(vf a, vf b) { return _mm512_mul_ps(a, b); }
+inline vf max(vf a, vf b) { return _mm512_max_ps(a, b); }
+inline float sum(vf v) { return _mm512_reduce_add_ps(v); }
+inline vf round_even(vf v) { return _mm512_roundscale_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+inline vf times_pow2(vf p, vf n) { return _mm512_scalef_ps(p, n); }   // p * 2^n, n whole
+#else
+using vf = __m256;
+inline vf zero() { return _mm256_setzero_ps(); }
+inline vf set1(float v) { return _mm256_set1_ps(v); }
+inline vf load(const float* p) { return _mm256_loadu_ps(p); }
+inline vf load(const c10::BFloat16* p) {
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+template <typename T>
+inline vf load_n(const T* p, int64_t n) {
+  T part[8] = {};
+  std::copy_n(p, n, part);
+  return load(part);
+}
+inline void store(float* p, vf v) { _mm256_storeu_ps(p, v); }
+inline void store_n(float* p, vf v, int64_t n) {
+  float part[8];
+  _mm256_storeu_ps(part, v);
+  std::copy_n(part, n, p);
+}
+inline vf fma(vf a, vf b, vf acc) { return _mm256_fmadd_ps(a, b, acc); }
+inline vf add(vf a, vf b) { return _mm256_add_ps(a, b); }
+inline vf sub(vf a, vf b) { return _mm256_sub_ps(a, b); }
+inline vf mul(vf a, vf b) { return _mm256_mul_ps(a, b); }
+inline vf max(vf a, vf b) { return _mm256_max_ps(a, b); }
+inline float sum(vf v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+inline vf round_even(vf v) { return _mm256_round_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+inline vf times_pow2(vf p, vf n) {   // p * 2^n for whole n in [-126, 127]: n added to p's exponent field
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+#endif
+
+// e^x for x <= 0 (scores less their max): 2^(x log2 e) split into 2^n and 2^f, |f| <= 1/2, by its Taylor
+// series to degree 7 (relative error < 1e-8 before rounding); x below -87 counts as -87 (e^-87 ~ 1.6e-38,
+// a normal float). The library's expf, one value at a time, took most of a 32-sequence step's attention.
+inline vf exp_neg(vf x) {
+  const vf t = mul(max(x, set1(-87.f)), set1(1.4426950408889634f));
+  const vf n = round_even(t);
+  const vf f = mul(sub(t, n), set1(0.6931471805599453f));   // in nats
+  vf p = set1(1.f / 5040);
+  for (float c : {1.f / 720, 1.f / 120, 1.f / 24, 1.f / 6, 0.5f, 1.f, 1.f}) p = fma(p, f, set1(c));
+  return times_pow2(p, n);
+}
+
+}  // namespace pf
+#endif
