@@ -19,7 +19,9 @@ stationary form is used. From SMALL_BATCH + 1 to 64 rows (batched decode, short 
 over a batch) the kernel's wide form is timed against the ladder's product (`choose_wide_forms`): over
 SmolLM2's 30 layers in float32 it took 31.8-36.7 / 37.7-39.4 / 64.4-65.6 ms at 8 / 16 / 32 rows
 against oneDNN's 46.4-55.5 / 62.3-67.1 / 88.9-89.3, and 64 rows went either way by 2-10% (two boots,
-2 cores, 2026-12-02); unmeasured, the ladder.
+2 cores, 2026-12-02); unmeasured, the ladder. bfloat16 on the ladder takes the library's product or,
+where that was measured slower at boot (`choose_ladder_form`: a CPU without bf16 arithmetic), the
+weight widened to float32 on oneDNN's ladder.
 The plain weight is used as it lies in the arena (no packed copy: a flip refills the arena in place).
 CUDA tensors take F.linear; oneDNN's ladder serves float32 alone; traced CPU code: `_traced_cpu_linear`.
 """
@@ -40,11 +42,13 @@ SMALL_BATCH = 4   # rows up to which a measured small-rows form is used on the C
 SMALL_FORMS = ("stationary", "library", "onednn", "kernel")
 MEASURED_ROWS = (1, 2, SMALL_BATCH)   # the row counts timed at boot; 3 takes SMALL_BATCH's form (small_form)
 WIDE_ROWS = (8, 16, 32, 64)   # the row counts above SMALL_BATCH timed at boot (m rows: the first >= m)
+LADDER_PROBE_ROWS = 128   # the rows (a prefill chunk) bfloat16's two ladder forms are timed at
 
 # This process's measurements, per weight dtype (absent: not measured yet; the defaults apply)
 _small_reports: dict[torch.dtype, dict] = {}   # the small-rows forms and their timings (choose_small_forms)
 _gemv_reports: dict[torch.dtype, dict] = {}    # a compiled step's one-row form (choose_gemv)
 _wide_reports: dict[torch.dtype, dict] = {}    # the wide-rows form (choose_wide_forms)
+_ladder_reports: dict[torch.dtype, dict] = {}  # bfloat16's ladder form (choose_ladder_form)
 
 _onednn = None    # the oneDNN op, resolved on first use (no import-time work); False: not in this build
 
@@ -197,7 +201,11 @@ def _eager_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
 
 
 def _ladder_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """oneDNN on the row ladder where it runs the product (float32 CPU, > SMALL_BATCH rows), else F.linear."""
+    """oneDNN on the row ladder where it runs the product (float32 CPU, > SMALL_BATCH rows; bfloat16
+    widened to float32 where that was measured faster), else F.linear."""
+    if ladder_widens(x.dtype) and not x.is_cuda:
+        wide = _ladder_product(x.float(), weight.float(), None if bias is None else bias.float())
+        return wide.to(x.dtype)
     op = _onednn_for(x)
     if op is None:
         return F.linear(x, weight, bias)
@@ -205,6 +213,37 @@ def _ladder_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
     if rows != m:  # zero rows up to the ladder size (F.pad copies even when it adds nothing)
         x = F.pad(x, (0, 0, 0, rows - m))
     return op(x.contiguous(), weight, bias, "none", [], "")[:m]
+
+
+def ladder_widens(dtype: torch.dtype) -> bool:
+    """Whether this process measured dtype's ladder products faster widened to float32 (choose_ladder_form)."""
+    return _ladder_reports.get(dtype, {}).get("choice") == "widened"
+
+
+def choose_ladder_form(weights: list[torch.Tensor], passes: int = 2) -> dict:
+    """Measure once per process whether bfloat16 products on the ladder (prefill chunks; batches whose
+    wide form is the ladder) run faster as the library's bfloat16 product or widened to float32 on
+    oneDNN's ladder: LADDER_PROBE_ROWS rows times each of `weights` (a layer's projections: the product
+    is GEMM-bound, one layer tells), the two alternating, best of `passes`. On an AVX2-only Zen 3 (no
+    bf16 arithmetic: the library's product runs slow code) SmolLM2's 30 layers at 128 rows took 1515 ms
+    on the library's product and 239 widened (2026-12-02). float32 is on oneDNN already: not measured.
+    Call before `warm`, which then builds the widened ladder. Returns the report (later calls, the first)."""
+    weights = [w for w in weights if w.device.type == "cpu" and w.dim() == 2]
+    if not weights or weights[0].dtype != torch.bfloat16:
+        return {"choice": "not measured (only bfloat16 has two ladder forms)", "ms": None}
+    if torch.bfloat16 not in _ladder_reports:
+        if not _onednn_op():
+            return {"choice": "library (no oneDNN in this build)", "ms": None}
+        xs = _rows(LADDER_PROBE_ROWS, weights)
+        forms = {"library": lambda x, w: F.linear(x, w),
+                 "widened": lambda x, w: _onednn_op()(x.float(), w.float(), None, "none", [], "")}
+        ms = dict.fromkeys(forms, float("inf"))
+        for _ in range(passes):
+            for name, product in forms.items():
+                ms[name] = min(ms[name], _best_ms(lambda: [product(xs[w.shape[1]], w) for w in weights], 1))
+        _ladder_reports[torch.bfloat16] = {"choice": min(ms, key=ms.get), "ms": ms, "rows": LADDER_PROBE_ROWS,
+                                           "weights": len(weights)}
+    return _ladder_reports[torch.bfloat16]
 
 
 def _kernel_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -348,7 +387,7 @@ def warm(projections: Iterable[tuple[torch.Tensor, torch.Tensor | None, int]]) -
             seen[key] = (w, b, max_rows)
     runs = 0
     for w, b, max_rows in seen.values():
-        probe = torch.empty(SMALL_BATCH + 1, w.shape[1], dtype=w.dtype)
+        probe = torch.empty(SMALL_BATCH + 1, w.shape[1], dtype=torch.float32 if ladder_widens(w.dtype) else w.dtype)
         if w.device.type != "cpu" or _onednn_for(probe) is None:
             continue
         x = torch.zeros(row_bucket(max_rows), w.shape[1], dtype=w.dtype)

@@ -202,6 +202,8 @@ class RankRuntime:
             self.arena.refill(name)
             runner = self.runners[name]
             with self._timed(f"gemm_warm:{name}"), _rss_growth() as grown:
+                if not cuda and runner.weights.layers:   # bf16's ladder form decides what `warm` builds
+                    runner.compile_report["ladder"] = linear.choose_ladder_form(list(runner.layer_projections()[0]))
                 gemms = linear.warm(runner.projections())
             self.gemm_bytes = _add(self.gemm_bytes, grown)
             if not cuda:

@@ -231,3 +231,44 @@ def test_the_measured_wide_rows_form_is_the_one_that_runs(monkeypatch):
     lin.linear(torch.randn(30, 64), torch.randn(8, 64))
     assert ran == [f"_{report['forms'][32]}_product"]
     assert lin.choose_wide_forms([torch.randn(8, 8)]) is report   # once per process and dtype
+
+
+@ONEDNN
+def test_a_widened_bf16_ladder_product_is_float32_onednn_rounded_to_bf16(monkeypatch):
+    monkeypatch.setattr(lin, "_ladder_reports", {torch.bfloat16: {"choice": "widened"}})
+    real, ran = lin._onednn_op(), []
+    monkeypatch.setattr(lin, "_onednn", lambda x, *a: ran.append(x.dtype) or real(x, *a))
+    x, w, b = (torch.randn(*s).to(torch.bfloat16) for s in ((100, 48), (40, 48), (40,)))
+    got = lin.linear(x, w, b)
+    assert got.dtype == torch.bfloat16 and ran == [torch.float32]
+    torch.testing.assert_close(got, F.linear(x.float(), w.float(), b.float()).to(torch.bfloat16))
+    monkeypatch.setattr(lin, "_ladder_reports", {})   # unmeasured: the library's bf16 product
+    lin.linear(x, w, b)
+    assert ran == [torch.float32]
+
+
+@ONEDNN
+def test_choose_ladder_form_times_bf16_only(monkeypatch):
+    monkeypatch.setattr(lin, "_ladder_reports", {})
+    assert lin.choose_ladder_form([torch.randn(32, 16)])["ms"] is None   # float32 is on oneDNN already
+    report = lin.choose_ladder_form([torch.randn(32, 16).to(torch.bfloat16)], passes=1)
+    assert set(report["ms"]) == {"library", "widened"} and report["rows"] == lin.LADDER_PROBE_ROWS
+    assert report["choice"] == min(report["ms"], key=report["ms"].get)
+    assert lin.ladder_widens(torch.bfloat16) == (report["choice"] == "widened")
+    assert lin.choose_ladder_form([torch.randn(8, 8).to(torch.bfloat16)]) is report
+
+
+@ONEDNN
+def test_no_widened_gemm_is_built_after_boot(tiny_model_dir, monkeypatch):
+    monkeypatch.setattr(lin, "_ladder_reports", {torch.bfloat16: {"choice": "widened"}})
+    real, rows = lin._onednn_op(), []
+    monkeypatch.setattr(lin, "_onednn", lambda x, w, b, *a: rows.append((tuple(w.shape), x.shape[0])) or
+                        real(x, w, b, *a))
+    monkeypatch.setattr(lin, "wide_form", lambda m, dtype: "ladder")
+    with LLM(model=str(tiny_model_dir("llama")), dtype="bfloat16", max_num_seqs=8, max_model_len=128) as llm:
+        at_boot, booted = set(rows), len(rows)
+        prompts = [{"prompt_token_ids": list(range(3, 3 + n))} for n in (5, 40, 70, 9)]
+        llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True), use_tqdm=False)
+    served = set(rows[booted:])
+    assert served, "the generate never reached the widened ladder: the test proves nothing"
+    assert served <= at_boot, f"GEMMs built after boot: {sorted(served - at_boot)}"
