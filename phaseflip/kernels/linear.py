@@ -43,6 +43,7 @@ SMALL_FORMS = ("stationary", "library", "onednn", "kernel")
 MEASURED_ROWS = (1, 2, SMALL_BATCH)   # the row counts timed at boot; 3 takes SMALL_BATCH's form (small_form)
 WIDE_ROWS = (8, 16, 32, 64)   # the row counts above SMALL_BATCH timed at boot (m rows: the first >= m)
 LADDER_PROBE_ROWS = 128   # the rows (a prefill chunk) bfloat16's two ladder forms are timed at
+WIDEN_BYTES = 32 * 2**20  # the most float32 weight a widened ladder product holds at once
 
 # This process's measurements, per weight dtype (absent: not measured yet; the defaults apply)
 _small_reports: dict[torch.dtype, dict] = {}   # the small-rows forms and their timings (choose_small_forms)
@@ -204,8 +205,7 @@ def _ladder_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
     """oneDNN on the row ladder where it runs the product (float32 CPU, > SMALL_BATCH rows; bfloat16
     widened to float32 where that was measured faster), else F.linear."""
     if ladder_widens(x.dtype) and not x.is_cuda:
-        wide = _ladder_product(x.float(), weight.float(), None if bias is None else bias.float())
-        return wide.to(x.dtype)
+        return _widened_product(x, weight, bias)
     op = _onednn_for(x)
     if op is None:
         return F.linear(x, weight, bias)
@@ -213,6 +213,15 @@ def _ladder_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
     if rows != m:  # zero rows up to the ladder size (F.pad copies even when it adds nothing)
         x = F.pad(x, (0, 0, 0, rows - m))
     return op(x.contiguous(), weight, bias, "none", [], "")[:m]
+
+
+def _widened_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x @ weight^T + bias in float32 on the ladder, rounded to x's dtype: the weight widened WIDEN_BYTES
+    of rows at a time (a bounded transient: an 8B model's head widened whole would be 2.1 GB)."""
+    xf, rows = x.float(), max(1, WIDEN_BYTES // (4 * weight.shape[1]))
+    parts = [_ladder_product(xf, weight[n:n + rows].float(), None if bias is None else bias[n:n + rows].float())
+             for n in range(0, weight.shape[0], rows)]
+    return (parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)).to(x.dtype)
 
 
 def ladder_widens(dtype: torch.dtype) -> bool:

@@ -242,9 +242,12 @@ def test_a_widened_bf16_ladder_product_is_float32_onednn_rounded_to_bf16(monkeyp
     got = lin.linear(x, w, b)
     assert got.dtype == torch.bfloat16 and ran == [torch.float32]
     torch.testing.assert_close(got, F.linear(x.float(), w.float(), b.float()).to(torch.bfloat16))
+    monkeypatch.setattr(lin, "WIDEN_BYTES", 4 * 48 * 16)   # 16 weight rows widened at a time: 3 blocks
+    torch.testing.assert_close(lin.linear(x, w, b), got)
+    assert ran == [torch.float32] * 4
     monkeypatch.setattr(lin, "_ladder_reports", {})   # unmeasured: the library's bf16 product
     lin.linear(x, w, b)
-    assert ran == [torch.float32]
+    assert ran == [torch.float32] * 4
 
 
 @ONEDNN
