@@ -3,8 +3,9 @@ and, for a few rows, the form measured fastest on this machine.
 
 Owns: `linear`, the row ladder (`row_bucket`), `warm` (builds every ladder GEMM at boot), and the boot
 measurements of the small-rows forms (`choose_small_forms`), of the wide-rows form (`choose_wide_forms`:
-the few-rows kernel or the ladder's product, for up to the kernel's 64 rows) and of a compiled step's
-one-row form (`choose_gemv`: inductor's reductions or the eager product, over a pass of the layers).
+the few-rows kernel or the ladder's product, for up to the kernel's 64 rows), of a compiled step's
+one-row form (`choose_gemv`: inductor's reductions or the eager product, over a pass of the layers) and
+of bfloat16's ladder form (`choose_ladder_form`: the library's bf16 product or float32 on oneDNN).
 
 Why: torch's CPU F.linear calls MKL, which on AMD CPUs runs its AVX2 code whatever the CPU offers;
 oneDNN (shipped with torch: `mkldnn::_linear_pointwise`, what inductor's CPU fusions call) picks its
@@ -19,11 +20,9 @@ stationary form is used. From SMALL_BATCH + 1 to 64 rows (batched decode, short 
 over a batch) the kernel's wide form is timed against the ladder's product (`choose_wide_forms`): over
 SmolLM2's 30 layers in float32 it took 31.8-36.7 / 37.7-39.4 / 64.4-65.6 ms at 8 / 16 / 32 rows
 against oneDNN's 46.4-55.5 / 62.3-67.1 / 88.9-89.3, and 64 rows went either way by 2-10% (two boots,
-2 cores, 2026-12-02); unmeasured, the ladder. bfloat16 on the ladder takes the library's product or,
-where that was measured slower at boot (`choose_ladder_form`: a CPU without bf16 arithmetic), the
-weight widened to float32 on oneDNN's ladder.
-The plain weight is used as it lies in the arena (no packed copy: a flip refills the arena in place).
-CUDA tensors take F.linear; oneDNN's ladder serves float32 alone; traced CPU code: `_traced_cpu_linear`.
+2 cores, 2026-12-02); unmeasured, the ladder. The plain weight is used as it lies in the arena (no
+packed copy: a flip refills the arena in place). CUDA tensors take F.linear; traced CPU code:
+`_traced_cpu_linear`.
 """
 from __future__ import annotations
 
@@ -127,16 +126,12 @@ def gemv_reduces(dtype: torch.dtype) -> bool:
 
 def choose_gemv(layers: list[tuple[torch.Tensor, ...]], repeats: int = 3) -> dict:
     """Measure once per process and dtype whether a compiled step's one-row products are faster as
-    inductor's reductions or as the eager product (the measured small-rows form), as the step meets
-    them: a pass over every layer's projections, each layer's products one compiled graph (the eager
-    form as the step calls it: the opaque op, or the library's product where that is the form), the
-    two passes alternating, best of `repeats`. A single weight timed alone misled: on the 113 MB
-    SmolLM2 head the two forms measured within 1% of each other, and where the eager form won by that
-    hair the compiled decode step took 28 ms instead of 18-20 (every projection an opaque call; the
-    whole pass: reductions 21 ms, eager 34-45, fp32, 2 cores, 2026-12-01). Call before any step is
-    compiled: the choice is read when a step is traced. bfloat16 where the few-rows kernel serves
-    takes the kernel without a pass (BF16_KERNEL: the pass misjudged it). Returns the report (later
-    calls for the dtype, the first)."""
+    inductor's reductions or as the eager product (the measured small-rows form, as the step calls it),
+    over a pass of every layer's projections (each layer one compiled graph), alternating, best of
+    `repeats`. A single weight timed alone misled: on SmolLM2's 113 MB head the forms were within 1%,
+    and where eager won by that hair the decode step took 28 ms instead of 18-20 (the pass: reductions
+    21 ms, eager 34-45; fp32, 2026-12-01). Call before any step is traced (the choice is read then).
+    bfloat16 where the kernel serves takes it without a pass (BF16_KERNEL). Returns the report."""
     dtype = layers[0][0].dtype
     pass_bytes = sum(w.numel() * w.element_size() for layer in layers for w in layer)
     if dtype not in _gemv_reports and dtype == torch.bfloat16 and small_form(1, dtype) == "kernel":
@@ -151,17 +146,14 @@ def choose_gemv(layers: list[tuple[torch.Tensor, ...]], repeats: int = 3) -> dic
         for products in passes.values():
             products(xs, layers[0])
         first_ms = (time.perf_counter() - t0) * 1e3
-        ms = dict.fromkeys(passes, float("inf"))
-        for _ in range(repeats):
-            for name, products in passes.items():
-                ms[name] = min(ms[name], _best_ms(lambda: [products(xs, layer) for layer in layers], 1))
+        ms = _alternating_ms({name: lambda p=products: [p(xs, layer) for layer in layers]
+                              for name, products in passes.items()}, repeats)
         _gemv_reports[dtype] = {"choice": min(ms, key=ms.get), "ms": ms, "first_call_ms": first_ms,
                                 "layers": len(layers), "pass_bytes": pass_bytes}
     return _gemv_reports[dtype]
 
 
-# bfloat16 where the few-rows kernel serves: not timed. The layer pass put the two forms within 10% in
-# most boots and chose the reductions in 3 of 14 (2026-12-02), while the served decode step was far apart.
+# bf16 takes the kernel untimed: the layer pass picked the reductions in 3 of 14 boots, the served step in none
 BF16_KERNEL = ("bfloat16 one-row products take the few-rows kernel unmeasured: the whole decode step "
                "served, the choice forced, alternating boots: kernel 13.6-15.2 and 11.0-12.7 ms/token, "
                "reductions 18.3-19.4 and 16.3-18.0 (SmolLM2 batch 1, 2 cores, 2026-12-02; in float32 the "
@@ -189,6 +181,15 @@ def _best_ms(fn, repeats: int, before=None) -> float:
         fn()
         best = min(best, time.perf_counter() - t0)
     return best * 1e3
+
+
+def _alternating_ms(runs: dict, rounds: int) -> dict[str, float]:
+    """The best ms of each of `runs` (name -> a call of no arguments), the calls taking turns `rounds` times."""
+    ms = dict.fromkeys(runs, float("inf"))
+    for _ in range(rounds):
+        for name, run in runs.items():
+            ms[name] = min(ms[name], _best_ms(run, 1))
+    return ms
 
 
 def _eager_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -230,13 +231,11 @@ def ladder_widens(dtype: torch.dtype) -> bool:
 
 
 def choose_ladder_form(weights: list[torch.Tensor], passes: int = 2) -> dict:
-    """Measure once per process whether bfloat16 products on the ladder (prefill chunks; batches whose
-    wide form is the ladder) run faster as the library's bfloat16 product or widened to float32 on
-    oneDNN's ladder: LADDER_PROBE_ROWS rows times each of `weights` (a layer's projections: the product
-    is GEMM-bound, one layer tells), the two alternating, best of `passes`. On an AVX2-only Zen 3 (no
-    bf16 arithmetic: the library's product runs slow code) SmolLM2's 30 layers at 128 rows took 1515 ms
-    on the library's product and 239 widened (2026-12-02). float32 is on oneDNN already: not measured.
-    Call before `warm`, which then builds the widened ladder. Returns the report (later calls, the first)."""
+    """Measure once per process whether bfloat16 products on the ladder run faster as the library's bf16
+    product or widened to float32 on oneDNN's ladder: LADDER_PROBE_ROWS rows times each of `weights` (one
+    layer's projections: GEMM-bound, one layer tells), alternating, best of `passes`. On an AVX2-only
+    Zen 3 (no bf16 arithmetic) SmolLM2's 30 layers at 128 rows took 1515 ms on the library's product,
+    239 widened (2026-12-02). Call before `warm` (it builds the widened ladder). Returns the report."""
     weights = [w for w in weights if w.device.type == "cpu" and w.dim() == 2]
     if not weights or weights[0].dtype != torch.bfloat16:
         return {"choice": "not measured (only bfloat16 has two ladder forms)", "ms": None}
@@ -246,10 +245,8 @@ def choose_ladder_form(weights: list[torch.Tensor], passes: int = 2) -> dict:
         xs = _rows(LADDER_PROBE_ROWS, weights)
         forms = {"library": lambda x, w: F.linear(x, w),
                  "widened": lambda x, w: _onednn_op()(x.float(), w.float(), None, "none", [], "")}
-        ms = dict.fromkeys(forms, float("inf"))
-        for _ in range(passes):
-            for name, product in forms.items():
-                ms[name] = min(ms[name], _best_ms(lambda: [product(xs[w.shape[1]], w) for w in weights], 1))
+        ms = _alternating_ms({name: lambda p=product: [p(xs[w.shape[1]], w) for w in weights]
+                              for name, product in forms.items()}, passes)
         _ladder_reports[torch.bfloat16] = {"choice": min(ms, key=ms.get), "ms": ms, "rows": LADDER_PROBE_ROWS,
                                            "weights": len(weights)}
     return _ladder_reports[torch.bfloat16]
@@ -364,11 +361,8 @@ def choose_wide_forms(weights: list[torch.Tensor], passes: int = 2) -> dict:
     table = {}
     for m in WIDE_ROWS:
         xs = _rows(m, weights)
-        ms = dict.fromkeys(products, float("inf"))
-        for _ in range(passes):
-            for name, product in products.items():
-                ms[name] = min(ms[name], _best_ms(lambda: [product(xs[w.shape[1]], w, None) for w in weights], 1))
-        table[m] = ms
+        table[m] = _alternating_ms({name: lambda p=product: [p(xs[w.shape[1]], w, None) for w in weights]
+                                    for name, product in products.items()}, passes)
     _wide_reports[dtype] = _forms_report(table, weights)
     return _wide_reports[dtype]
 
