@@ -22,8 +22,9 @@ form extended to tiles) was no faster than oneDNN.
 Both kernels are written once over cpu_simd.h's float32 vector: AVX-512 (16 lanes) or AVX2 + FMA (8
 lanes), plain loops where the CPU has neither. Before the AVX2 form, an AVX2-only CPU got the plain
 loops, which the boot measured slowest and never chose (an AMD EPYC Zen 3, 2026-12-02: the step took
-inductor's reductions, the head the library's product): SmolLM2 batch-1 decode 21.9-23.2 ms a token bf16 (now 13.7-15.3, the kernel in every form)
-and 27.3-31.9 fp32 (now 24.3-25.4; 3 rounds each, old and new code in runs minutes apart).
+inductor's reductions, the head the library's product): SmolLM2 batch-1 decode 21.9-23.2 ms a token
+in bf16 (now 13.7-15.3, the kernel in every form) and 27.3-31.9 in fp32 (now 24.3-25.4; 3 rounds each,
+old and new code in runs minutes apart).
 Why a decode attention of our own: per layer, the general path (kernels/cpu_attention.py) runs a plan
 lookup, a store, a gather of every context into a fresh tensor and one SDPA call from Python: 55-120 us
 a layer at batch 1 (SDPA alone 34 us on a 100-token context), 1.1-2.7 ms at 32 sequences; this one
@@ -125,8 +126,8 @@ def _flags() -> list[str]:
 def _library_path(compiler: str) -> Path:
     from phaseflip.engine.default_model import cache_dir   # the engine's cache dir (no import cycle at load)
     key = hashlib.sha256()
-    for part in (*(src.read_bytes() for src in SOURCES + HEADERS), torch.__version__, compiler, " ".join(_flags()),
-                 _cpu_flags()):
+    sources = (src.read_bytes() for src in SOURCES + HEADERS)
+    for part in (*sources, torch.__version__, compiler, " ".join(_flags()), _cpu_flags()):
         key.update(part if isinstance(part, bytes) else part.encode())
     return cache_dir() / "kernels" / f"cpu_kernels-{key.hexdigest()[:16]}.so"
 

@@ -243,8 +243,7 @@ def choose_ladder_form(weights: list[torch.Tensor], passes: int = 2) -> dict:
         if not _onednn_op():
             return {"choice": "library (no oneDNN in this build)", "ms": None}
         xs = _rows(LADDER_PROBE_ROWS, weights)
-        forms = {"library": lambda x, w: F.linear(x, w),
-                 "widened": lambda x, w: _onednn_op()(x.float(), w.float(), None, "none", [], "")}
+        forms = {"library": lambda x, w: F.linear(x, w), "widened": lambda x, w: _widened_product(x, w, None)}
         ms = _alternating_ms({name: lambda p=product: [p(xs[w.shape[1]], w) for w in weights]
                               for name, product in forms.items()}, passes)
         _ladder_reports[torch.bfloat16] = {"choice": min(ms, key=ms.get), "ms": ms, "rows": LADDER_PROBE_ROWS,
@@ -390,7 +389,8 @@ def warm(projections: Iterable[tuple[torch.Tensor, torch.Tensor | None, int]]) -
             seen[key] = (w, b, max_rows)
     runs = 0
     for w, b, max_rows in seen.values():
-        probe = torch.empty(SMALL_BATCH + 1, w.shape[1], dtype=torch.float32 if ladder_widens(w.dtype) else w.dtype)
+        on_ladder = torch.float32 if ladder_widens(w.dtype) else w.dtype   # the dtype oneDNN would run
+        probe = torch.empty(SMALL_BATCH + 1, w.shape[1], dtype=on_ladder)
         if w.device.type != "cpu" or _onednn_for(probe) is None:
             continue
         x = torch.zeros(row_bucket(max_rows), w.shape[1], dtype=w.dtype)
