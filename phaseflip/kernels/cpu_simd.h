@@ -7,7 +7,6 @@
 #include <c10/util/BFloat16.h>
 #include <algorithm>
 #include <cstdint>
-#include <cstring>
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 #include <immintrin.h>
 #define PF_LANES 16
@@ -36,7 +35,6 @@ inline __mmask16 first(int64_t n) { return n >= 16 ? (__mmask16)0xFFFF : (__mmas
 inline vf load_n(const float* p, int64_t n) { return _mm512_maskz_loadu_ps(first(n), p); }
 inline vf load_n(const c10::BFloat16* p, int64_t n) { return widen(_mm256_maskz_loadu_epi16(first(n), p)); }
 inline void store(float* p, vf v) { _mm512_storeu_ps(p, v); }
-inline void store_n(float* p, vf v, int64_t n) { _mm512_mask_storeu_ps(p, first(n), v); }
 inline vf fma(vf a, vf b, vf acc) { return _mm512_fmadd_ps(a, b, acc); }
 inline vf add(vf a, vf b) { return _mm512_add_ps(a, b); }
 inline vf sub(vf a, vf b) { return _mm512_sub_ps(a, b); }
@@ -61,11 +59,6 @@ inline vf load_n(const T* p, int64_t n) {
   return load(part);
 }
 inline void store(float* p, vf v) { _mm256_storeu_ps(p, v); }
-inline void store_n(float* p, vf v, int64_t n) {
-  float part[8];
-  _mm256_storeu_ps(part, v);
-  std::copy_n(part, n, p);
-}
 inline vf fma(vf a, vf b, vf acc) { return _mm256_fmadd_ps(a, b, acc); }
 inline vf add(vf a, vf b) { return _mm256_add_ps(a, b); }
 inline vf sub(vf a, vf b) { return _mm256_sub_ps(a, b); }
