@@ -1,0 +1,35 @@
+"""The CPU arena's host memory: on transparent huge pages where the kernel gives them, whole and zeroed."""
+import pytest
+import torch
+
+from phaseflip.layouts import arena
+
+
+def _huge_kib(t: torch.Tensor) -> int:
+    """AnonHugePages (KiB) of the mapping that holds t's first byte (/proc/self/smaps)."""
+    addr, inside = t.data_ptr(), False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and all(c in "0123456789abcdef-" for c in head):
+                lo, hi = (int(x, 16) for x in head.split("-"))
+                inside = lo <= addr < hi
+            elif inside and head == "AnonHugePages:":
+                return int(line.split()[1])
+    raise AssertionError("no mapping holds the tensor")
+
+
+def test_the_arena_sits_on_huge_pages():
+    if not arena.thp_available():
+        pytest.skip("this kernel gives no transparent huge pages (/sys/kernel/mm/transparent_hugepage/enabled)")
+    t = arena.allocate_arena(9 << 20, "cpu")
+    assert t.data_ptr() % arena.HUGE_PAGE == 0
+    assert _huge_kib(t) >= 4 << 10, "the arena's 9 MiB hold fewer than two 2 MiB pages"
+
+
+@pytest.mark.parametrize("num_bytes", [1, 4095, 3 << 20, (5 << 20) + 17])
+def test_host_bytes_are_whole_zeroed_and_writable(num_bytes):
+    t = arena.host_bytes(num_bytes)
+    assert t.dtype == torch.uint8 and t.numel() == num_bytes and not t.any()
+    t.fill_(7)
+    assert int(t.sum()) == 7 * num_bytes
