@@ -29,12 +29,15 @@ def test_kernel_gives_f_linear_answer(op, dtype, k):
     wide = torch.randn(300, k + 24, generator=g).to(dtype)
     for w in (wide[:, :k].contiguous(), wide[:, :k]):    # rows packed, and a view whose rows lie apart
         for m in range(1, cpu_kernels.MAX_ROWS + 1):
-            x = torch.randn(m, k, generator=g).to(dtype)
-            got = op(x, w)
-            assert got.dtype == dtype and got.shape == (m, 300)
-            want = F.linear(x.float(), w.float())
-            tol = 1e-5 if dtype == torch.float32 else 1e-2
-            torch.testing.assert_close(got.float(), want, rtol=tol, atol=tol * k ** 0.5)
+            packed = torch.randn(m, k, generator=g).to(dtype)
+            apart = torch.randn(m, k + 5, generator=g).to(dtype)[:, 3:k + 3]   # x's rows a stride apart
+            across = torch.randn(k, m, generator=g).to(dtype).t()              # x's values a stride apart
+            for x in (packed, apart, across):
+                got = op(x, w)
+                assert got.dtype == dtype and got.shape == (m, 300)
+                want = F.linear(x.float(), w.float())
+                tol = 1e-5 if dtype == torch.float32 else 1e-2
+                torch.testing.assert_close(got.float(), want, rtol=tol, atol=tol * k ** 0.5)
 
 
 def test_kernel_refuses_what_it_does_not_read(op):
