@@ -212,9 +212,9 @@ void run_wide(const at::Tensor& x, const at::Tensor& w, at::Tensor& y) {
   std::vector<T> xt((K + ks - 1) / ks * Mp * ks);   // zeros: the padding rows and the last pair's tail
   T* tp = xt.data();
   const W* xp = x.data_ptr<W>();
+  const int64_t s0 = x.stride(0), s1 = x.stride(1);
   for (int64_t m = 0; m < M; ++m)
-    for (int64_t k = 0; k < K; ++k)
-      tp[(k / ks * Mp + m) * ks + k % ks] = static_cast<T>(xp[m * x.stride(0) + k * x.stride(1)]);
+    for (int64_t k = 0; k < K; ++k) tp[(k / ks * Mp + m) * ks + k % ks] = static_cast<T>(xp[m * s0 + k * s1]);
   const W* wp = w.data_ptr<W>();
   W* yp = y.data_ptr<W>();
   constexpr int NR = wide_nr(MB);

@@ -19,7 +19,7 @@ import torch
 from phaseflip.layouts.shard import RankWeights, Stacked, replace_tensors
 
 ALIGN = 256  # bytes; every tensor starts on an aligned offset
-HUGE_PAGE = 2 << 20   # bytes: an x86-64 / arm64 transparent huge page
+HUGE_PAGE = 2 << 20   # bytes: a transparent huge page where base pages are 4 KiB (x86-64, most arm64)
 THP_SETTING = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 MADV_POPULATE_WRITE = 23   # linux/mman.h, Linux 5.14+ (Python's mmap module does not name it)
 
