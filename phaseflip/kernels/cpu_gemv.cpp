@@ -1,4 +1,4 @@
-// Few-row products x @ W^T on the CPU for the decode step: W [N, K] read once, in place, as the
+// Few-row products x @ W^T on the CPU (decode steps, short prompt chunks): W [N, K] read once, in place, as the
 // arena holds it (row-major, rows a stride apart); x [M, K] with M <= MAX_ROWS; float32 sums. Up to
 // ONE_PASS rows, each weight row is dotted with every row of x; beyond, x is transposed and each
 // weight value, broadcast, multiplies a vector of rows of x at once (`wide` below).
@@ -19,7 +19,7 @@
 
 namespace {
 
-constexpr int64_t MAX_ROWS = 64;
+constexpr int64_t MAX_ROWS = 256;
 constexpr int64_t ONE_PASS = 4;
 
 #ifdef PF_LANES
@@ -204,17 +204,34 @@ inline void wide_rows(const W* w, int64_t ldw, const typename Wide<W>::T* xt, in
     for (int b = 0; b < MB; ++b) pf::store(out + r * Mp + b * pf::LANES, acc[r][b]);
 }
 
+// x's rows transposed in panels of up to panel_mb<W>() vectors of rows: [panel][K][Mp] (bf16 pairs:
+// [K/2][Mp][2]), zero beyond the last row; each group of weight rows is multiplied with every panel in
+// turn while it sits in L1/L2. AVX2, float32: panels of 16 rows, 6 weight rows at once (2 loads of x
+// and 6 broadcasts per 12 FMAs); one panel of 32 rows left room for 3 weight rows (4 loads of x per 12
+// FMAs, 73 KiB of x per sweep of K=576), 64 rows for 1: SmolLM2's 30 layers' products at 32 / 64 rows
+// 56.4 / 178.1 ms against 43.8 / 85.5 in panels (120 / 76 GFLOPS against 155 / 159; 2 cores,
+// 2026-12-02). AVX2, bfloat16: 32 rows, where each broadcast weight is first widened (6 weight rows a
+// step ran 98 GFLOPS at 32 rows against 112 for 3). AVX-512 (unmeasured here): 64 rows, the one panel
+// it had when MAX_ROWS was 64.
+template <typename W>
+constexpr int panel_mb() {
+  if (pf::LANES == 16) return 4;
+  return std::is_same<W, float>::value ? 2 : 4;
+}
+
 template <typename W, int MB>
 void run_wide(const at::Tensor& x, const at::Tensor& w, at::Tensor& y) {
   using T = typename Wide<W>::T;
   constexpr int64_t Mp = MB * pf::LANES, ks = Wide<W>::kstep;
   const int64_t N = w.size(0), K = w.size(1), ldw = w.stride(0), M = x.size(0);
-  std::vector<T> xt((K + ks - 1) / ks * Mp * ks);   // zeros: the padding rows and the last pair's tail
+  const int64_t panels = (M + Mp - 1) / Mp, Kp = (K + ks - 1) / ks * ks;
+  std::vector<T> xt(panels * Kp * Mp);   // zeros: the padding rows and the last pair's tail
   T* tp = xt.data();
   const W* xp = x.data_ptr<W>();
   const int64_t s0 = x.stride(0), s1 = x.stride(1);
   for (int64_t m = 0; m < M; ++m)
-    for (int64_t k = 0; k < K; ++k) tp[(k / ks * Mp + m) * ks + k % ks] = static_cast<T>(xp[m * s0 + k * s1]);
+    for (int64_t k = 0; k < K; ++k)
+      tp[m / Mp * Kp * Mp + (k / ks * Mp + m % Mp) * ks + k % ks] = static_cast<T>(xp[m * s0 + k * s1]);
   const W* wp = w.data_ptr<W>();
   W* yp = y.data_ptr<W>();
   constexpr int NR = wide_nr(MB);
@@ -223,20 +240,24 @@ void run_wide(const at::Tensor& x, const at::Tensor& w, at::Tensor& y) {
     for (int64_t n = b0 * NR; n < std::min(N, b1 * NR); n += NR) {
       const int64_t rows = std::min<int64_t>(NR, N - n);
       const char* ahead = reinterpret_cast<const char*>(wp + (n + NR) * ldw);   // never dereferenced
-      if (rows == NR) wide_rows<W, MB, NR>(wp + n * ldw, ldw, tp, K, part, ahead);
-      else
+      for (int64_t p = 0; p < panels; ++p) {
+        const T* panel = tp + p * Kp * Mp;
+        if (rows == NR) wide_rows<W, MB, NR>(wp + n * ldw, ldw, panel, K, part, ahead);
+        else
+          for (int64_t r = 0; r < rows; ++r)
+            wide_rows<W, MB, 1>(wp + (n + r) * ldw, ldw, panel, K, part + r * Mp, ahead);
+        const int64_t m1 = std::min(M, (p + 1) * Mp);
         for (int64_t r = 0; r < rows; ++r)
-          wide_rows<W, MB, 1>(wp + (n + r) * ldw, ldw, tp, K, part + r * Mp, ahead);
-      for (int64_t r = 0; r < rows; ++r)
-        for (int64_t m = 0; m < M; ++m) yp[m * N + n + r] = static_cast<W>(part[r * Mp + m]);
+          for (int64_t m = p * Mp; m < m1; ++m) yp[m * N + n + r] = static_cast<W>(part[r * Mp + m - p * Mp]);
+      }
     }
   });
 }
 
-// MB: the vectors of LANES rows that hold x's rows (1 .. MAX_ROWS / LANES)
+// MB: the vectors of LANES rows in one panel of x's rows (1 .. panel_mb); more rows take more panels
 template <typename W, int MB = 1>
 void dispatch_wide(const at::Tensor& x, const at::Tensor& w, at::Tensor& y) {
-  if constexpr (MB < MAX_ROWS / pf::LANES)
+  if constexpr (MB < panel_mb<W>())
     if (x.size(0) > MB * pf::LANES) return dispatch_wide<W, MB + 1>(x, w, y);
   run_wide<W, MB>(x, w, y);
 }

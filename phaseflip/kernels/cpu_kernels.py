@@ -14,10 +14,14 @@ this CPU (2 cores, AVX-512 + BF16; 30 layers of SmolLM2 one-row products, the sa
 bf16 reduction 9.2-9.8 ms, this kernel 7.1-7.4 (30 GB/s); fp32 15.2 against 13.0; four rows, bf16
 35.1 against 14.9. Inductor's own C++ GEMM template reaches this speed only on frozen weights,
 repacked into a copy that a flip would not refill; this kernel reads the arena as it lies. From 5 to
-64 rows it transposes x and broadcasts each weight value over 16 rows of x (no horizontal sums), the
-next weight rows fetched ahead: 8 / 16 / 32 rows of SmolLM2's layers, fp32, 27.2 / 26.2 / 43.2 ms
+MAX_ROWS rows it transposes x and broadcasts each weight value over 16 rows of x (no horizontal sums),
+the next weight rows fetched ahead: 8 / 16 / 32 rows of SmolLM2's layers, fp32, 27.2 / 26.2 / 43.2 ms
 against oneDNN's 34.1 / 40.4 / 59.5, bf16 15.5 / 15.6 / 27.4 against 24.3 / 26.1 / 37.3 (the same
-process, alternating; scratch gemm_k.py). Dotting each weight row with each x row there (the one-pass
+process, alternating; scratch gemm_k.py). Past 16 rows (AVX2) x is cut into panels of 16 rows that
+each group of weight rows meets in turn (cpu_gemv.cpp `panel_mb`), which holds ~155 GFLOPS on 2 Zen 3
+cores (199 peak) at any row count: fp32 64 / 128 / 256 rows 86.8 / 175.2 / 351.7 ms over SmolLM2's
+30 layers against oneDNN's 122.8 / 203.3 / 367.1 (2026-12-02), so short prompt chunks take it too
+where the boot measures it faster (linear.choose_wide_forms). Dotting each weight row with each x row there (the one-pass
 form extended to tiles) was no faster than oneDNN.
 Both kernels are written once over cpu_simd.h's float32 vector: AVX-512 (16 lanes) or AVX2 + FMA (8
 lanes), plain loops where the CPU has neither. Before the AVX2 form, an AVX2-only CPU got the plain
@@ -58,7 +62,7 @@ log = logging.getLogger(__name__)
 
 SOURCES = tuple(Path(__file__).with_name(name) for name in ("cpu_gemv.cpp", "cpu_decode.cpp"))
 HEADERS = (Path(__file__).with_name("cpu_simd.h"),)   # included by the sources (part of the build's key)
-MAX_ROWS = 64     # the kernel's row limit (cpu_gemv.cpp's MAX_ROWS)
+MAX_ROWS = 256    # the kernel's row limit (cpu_gemv.cpp's MAX_ROWS)
 DTYPES = (torch.float32, torch.bfloat16)
 
 _report: dict = {}   # this process's build/load outcome (empty: not tried yet)

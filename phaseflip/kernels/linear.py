@@ -16,11 +16,13 @@ what the GEMMs hold is measured then. For a handful of rows (decode) the fastest
 machine to machine, so it is timed at boot: the library's product (F.linear), the weight-stationary
 W @ x^T (one row run as two, so that MKL takes its skinny GEMM rather than its GEMV), oneDNN padded
 to its ladder, or our few-rows kernel (kernels/cpu_kernels.py, where it builds); unmeasured, the
-stationary form is used. From SMALL_BATCH + 1 to 64 rows (batched decode, short prompt chunks, the head
-over a batch) the kernel's wide form is timed against the ladder's product (`choose_wide_forms`): over
-SmolLM2's 30 layers in float32 it took 31.8-36.7 / 37.7-39.4 / 64.4-65.6 ms at 8 / 16 / 32 rows
+stationary form is used. From SMALL_BATCH + 1 to 256 rows (batched decode, short prompt chunks, the
+head over a batch) the kernel's wide form is timed against the ladder's product (`choose_wide_forms`):
+over SmolLM2's 30 layers in float32 it took 31.8-36.7 / 37.7-39.4 / 64.4-65.6 ms at 8 / 16 / 32 rows
 against oneDNN's 46.4-55.5 / 62.3-67.1 / 88.9-89.3, and 64 rows went either way by 2-10% (two boots,
-2 cores, 2026-12-02); unmeasured, the ladder. The plain weight is used as it lies in the arena (no
+2 cores, 2026-12-02); with x in panels of 16 rows (cpu_gemv.cpp) 43.8 ms at 32 rows and 86.8 / 175.2
+/ 351.7 at 64 / 128 / 256 against oneDNN's 122.8 / 203.3 / 367.1 (later that day); unmeasured, the
+ladder. The plain weight is used as it lies in the arena (no
 packed copy: a flip refills the arena in place). CUDA tensors take F.linear; traced CPU code:
 `_traced_cpu_linear`.
 """
@@ -40,7 +42,8 @@ GEMV_ROWS = 1     # rows a compiled CPU step may multiply with inductor's own re
 SMALL_BATCH = 4   # rows up to which a measured small-rows form is used on the CPU
 SMALL_FORMS = ("stationary", "library", "onednn", "kernel")
 MEASURED_ROWS = (1, 2, SMALL_BATCH)   # the row counts timed at boot; 3 takes SMALL_BATCH's form (small_form)
-WIDE_ROWS = (8, 16, 32, 64)   # the row counts above SMALL_BATCH timed at boot (m rows: the first >= m)
+WIDE_ROWS = (8, 16, 32, 64, 128, 256)   # row counts above SMALL_BATCH timed at boot (m rows: the first >= m)
+WIDE_LAYER_ROWS = 64   # above it, the wide forms are timed on one layer's weights (GEMM-bound: one tells)
 LADDER_PROBE_ROWS = 128   # the rows (a prefill chunk) bfloat16's two ladder forms are timed at
 WIDEN_BYTES = 32 * 2**20  # the most float32 weight a widened ladder product holds at once
 
@@ -345,8 +348,9 @@ def choose_wide_forms(weights: list[torch.Tensor], passes: int = 2) -> dict:
     """Measure once per process and dtype whether products of SMALL_BATCH + 1 .. WIDE_ROWS[-1] rows
     run faster on the few-rows kernel (x transposed, each weight value broadcast over 16 rows of x) or
     on the ladder's product (oneDNN in float32, the library's in bfloat16): at each of WIDE_ROWS, the
-    two over every weight in turn, alternating, best of `passes`. Returns the report (later calls for
-    the dtype, the first)."""
+    two over every weight in turn (above WIDE_LAYER_ROWS over the first four: a layer's projections,
+    ~40 ms a pass at 256 rows against ~1.4 s for all of SmolLM2's), alternating, best of `passes`.
+    Returns the report (later calls for the dtype, the first)."""
     weights = [w for w in weights if w.device.type == "cpu" and w.dim() == 2 and _kernel_serves(w)]
     if not weights:
         return {"choice": "ladder (no CPU weights to measure on)", "forms": {}, "ms": None}
@@ -359,8 +363,8 @@ def choose_wide_forms(weights: list[torch.Tensor], passes: int = 2) -> dict:
     products = {"kernel": _kernel_product, "ladder": _ladder_product}
     table = {}
     for m in WIDE_ROWS:
-        xs = _rows(m, weights)
-        table[m] = _alternating_ms({name: lambda p=product: [p(xs[w.shape[1]], w, None) for w in weights]
+        xs, timed = _rows(m, weights), weights if m <= WIDE_LAYER_ROWS else weights[:4]
+        table[m] = _alternating_ms({name: lambda p=product: [p(xs[w.shape[1]], w, None) for w in timed]
                                     for name, product in products.items()}, passes)
     _wide_reports[dtype] = _forms_report(table, weights)
     return _wide_reports[dtype]
