@@ -188,12 +188,12 @@ def _attend_prefill(q, k, v, rows, row: PrefillRow, scale: float) -> torch.Tenso
     n, hq, d = q.shape
     hkv = k.shape[1]
     group = hq // hkv
-    if row.gather is None:  # the chunk is the whole context: its own K/V, plain causal
-        kc, vc = k.transpose(0, 1), v.transpose(0, 1)
-        if group > 1:
-            kc, vc = kc.repeat_interleave(group, dim=0), vc.repeat_interleave(group, dim=0)
-        out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], kc[None], vc[None], is_causal=True,
-                                             scale=scale)
+    if row.gather is None:  # the chunk is the whole context: its own K/V, plain causal, the kv heads
+        # shared by their query heads inside SDPA (enable_gqa; two repeat_interleave copies before it:
+        # SmolLM2, 128 tokens, 2 cores, 403 us a layer against 454)
+        out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None],
+                                             v.transpose(0, 1)[None], is_causal=True, scale=scale,
+                                             enable_gqa=group > 1)
         return out[0].transpose(0, 1)
     kv = rows.index_select(0, row.gather).view(2, 1, hkv, row.seq_len, d)
     qg = q.transpose(0, 1).reshape(1, hkv, group * n, d)

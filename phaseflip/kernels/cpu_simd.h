@@ -41,6 +41,7 @@ inline vf sub(vf a, vf b) { return _mm512_sub_ps(a, b); }
 inline vf mul(vf a, vf b) { return _mm512_mul_ps(a, b); }
 inline vf max(vf a, vf b) { return _mm512_max_ps(a, b); }
 inline float sum(vf v) { return _mm512_reduce_add_ps(v); }
+inline float max_lane(vf v) { return _mm512_reduce_max_ps(v); }
 inline vf round_even(vf v) { return _mm512_roundscale_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
 inline vf times_pow2(vf p, vf n) { return _mm512_scalef_ps(p, n); }   // p * 2^n, n whole
 #else
@@ -68,6 +69,11 @@ inline float sum(vf v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
   return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+inline float max_lane(vf v) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
 }
 inline vf round_even(vf v) { return _mm256_round_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
 inline vf times_pow2(vf p, vf n) {   // p * 2^n for whole n in [-126, 127]: n added to p's exponent field
