@@ -1,7 +1,7 @@
-// Few-row products x @ W^T on the CPU (decode steps, short prompt chunks): W [N, K] read once, in place, as the
-// arena holds it (row-major, rows a stride apart); x [M, K] with M <= MAX_ROWS; float32 sums. Up to
-// ONE_PASS rows, each weight row is dotted with every row of x; beyond, x is transposed and each
-// weight value, broadcast, multiplies a vector of rows of x at once (`wide` below).
+// Few-row products x @ W^T on the CPU (decode steps, short prompt chunks): W [N, K] read once, in
+// place, as the arena holds it (row-major, rows a stride apart); x [M, K] with M <= MAX_ROWS; float32
+// sums. Up to ONE_PASS rows, each weight row is dotted with every row of x; beyond, x is transposed and
+// each weight value, broadcast, multiplies a vector of rows of x at once (`wide` below).
 // float32 or bfloat16 weights (x of the same dtype; the output is x's dtype). bfloat16 pairs go
 // through the CPU's bf16 dot instruction (AVX512_BF16: products exact, sums in float32) where it has
 // one, else are widened to float32. Vectors of AVX-512 or AVX2 (cpu_simd.h), plain loops on a CPU with
