@@ -18,13 +18,11 @@ W @ x^T (one row run as two, so that MKL takes its skinny GEMM rather than its G
 to its ladder, or our few-rows kernel (kernels/cpu_kernels.py, where it builds); unmeasured, the
 stationary form is used. From SMALL_BATCH + 1 to 256 rows (batched decode, short prompt chunks, the
 head over a batch) the kernel's wide form is timed against the ladder's product (`choose_wide_forms`):
-over SmolLM2's 30 layers in float32 it took 31.8-36.7 / 37.7-39.4 / 64.4-65.6 ms at 8 / 16 / 32 rows
-against oneDNN's 46.4-55.5 / 62.3-67.1 / 88.9-89.3, and 64 rows went either way by 2-10% (two boots,
-2 cores, 2026-12-02); with x in panels of 16 rows (cpu_gemv.cpp) 43.8 ms at 32 rows and 86.8 / 175.2
-/ 351.7 at 64 / 128 / 256 against oneDNN's 122.8 / 203.3 / 367.1 (later that day); unmeasured, the
-ladder. The plain weight is used as it lies in the arena (no
-packed copy: a flip refills the arena in place). CUDA tensors take F.linear; traced CPU code:
-`_traced_cpu_linear`.
+over SmolLM2's 30 layers, float32, 2 Zen 3 cores, it took 31.8-36.7 / 37.7-39.4 / 43.8 / 86.8 / 175.2
+/ 351.7 ms at 8 / 16 / 32 / 64 / 128 / 256 rows against oneDNN's 46.4-55.5 / 62.3-67.1 / 88.9-89.3 /
+122.8 / 203.3 / 367.1 (2026-12-02); unmeasured, the ladder. The plain weight is used as it lies in the
+arena (no packed copy: a flip refills the arena in place). CUDA tensors take F.linear; traced CPU
+code: `_traced_cpu_linear`.
 """
 from __future__ import annotations
 
@@ -174,12 +172,10 @@ def _one_row_products(xs: dict[int, torch.Tensor], weights: tuple[torch.Tensor, 
     return [product(xs[w.shape[1]], w) for w in weights]
 
 
-def _best_ms(fn, repeats: int, before=None) -> float:
-    """The best of `repeats` timed calls of fn, each after an untimed call of `before` (if any)."""
+def _best_ms(fn, repeats: int) -> float:
+    """The best of `repeats` timed calls of fn."""
     best = float("inf")
     for _ in range(repeats):
-        if before is not None:
-            before()
         t0 = time.perf_counter()
         fn()
         best = min(best, time.perf_counter() - t0)
@@ -348,9 +344,9 @@ def choose_wide_forms(weights: list[torch.Tensor], passes: int = 2) -> dict:
     """Measure once per process and dtype whether products of SMALL_BATCH + 1 .. WIDE_ROWS[-1] rows
     run faster on the few-rows kernel (x transposed, each weight value broadcast over 16 rows of x) or
     on the ladder's product (oneDNN in float32, the library's in bfloat16): at each of WIDE_ROWS, the
-    two over every weight in turn (above WIDE_LAYER_ROWS over the first four: a layer's projections,
-    ~40 ms a pass at 256 rows against ~1.4 s for all of SmolLM2's), alternating, best of `passes`.
-    Returns the report (later calls for the dtype, the first)."""
+    two over every weight in turn (above WIDE_LAYER_ROWS the first layer's four: ~40 ms a pass at 256
+    rows, ~1.4 s over SmolLM2's 30), alternating, best of `passes`. Returns the report (later calls for
+    the dtype, the first)."""
     weights = [w for w in weights if w.device.type == "cpu" and w.dim() == 2 and _kernel_serves(w)]
     if not weights:
         return {"choice": "ladder (no CPU weights to measure on)", "forms": {}, "ms": None}
@@ -366,7 +362,7 @@ def choose_wide_forms(weights: list[torch.Tensor], passes: int = 2) -> dict:
         xs, timed = _rows(m, weights), weights if m <= WIDE_LAYER_ROWS else weights[:4]
         table[m] = _alternating_ms({name: lambda p=product: [p(xs[w.shape[1]], w, None) for w in timed]
                                     for name, product in products.items()}, passes)
-    _wide_reports[dtype] = _forms_report(table, weights)
+    _wide_reports[dtype] = {**_forms_report(table, weights), "one_layer_above_rows": WIDE_LAYER_ROWS}
     return _wide_reports[dtype]
 
 
