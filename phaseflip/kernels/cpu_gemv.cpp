@@ -152,7 +152,7 @@ template <typename W> struct Wide {   // xt in float32, a weight value broadcast
   using T = float;   // xt's element
   static constexpr int64_t kstep = 1;
   static pf::vf load(const T* p) { return pf::load(p); }
-  static pf::vf pair(const W* w) { return pf::set1(static_cast<float>(*w)); }
+  static pf::vf pair(const W* w) { return pf::broadcast(w); }
   static pf::vf last(const W* w) { return pair(w); }
   static pf::vf fma(pf::vf acc, pf::vf x, pf::vf w) { return pf::fma(x, w, acc); }
 };
@@ -204,20 +204,15 @@ inline void wide_rows(const W* w, int64_t ldw, const typename Wide<W>::T* xt, in
     for (int b = 0; b < MB; ++b) pf::store(out + r * Mp + b * pf::LANES, acc[r][b]);
 }
 
-// x's rows transposed in panels of up to panel_mb<W>() vectors of rows: [panel][K][Mp] (bf16 pairs:
+// x's rows transposed in panels of up to PANEL_MB vectors of rows: [panel][K][Mp] (bf16 pairs:
 // [K/2][Mp][2]), zero beyond the last row; each group of weight rows is multiplied with every panel in
-// turn while it sits in L1/L2. AVX2, float32: panels of 16 rows, 6 weight rows at once (2 loads of x
-// and 6 broadcasts per 12 FMAs); one panel of 32 rows left room for 3 weight rows (4 loads of x per 12
-// FMAs, 73 KiB of x per sweep of K=576), 64 rows for 1: SmolLM2's 30 layers' products at 32 / 64 rows
+// turn while it sits in L1/L2. AVX2: panels of 16 rows, 6 weight rows at once (2 loads of x and 6
+// broadcasts per 12 FMAs); one panel of 32 rows left room for 3 weight rows (4 loads of x per 12 FMAs,
+// 73 KiB of x per sweep of K=576), 64 rows for 1: SmolLM2's 30 layers' fp32 products at 32 / 64 rows
 // 56.4 / 178.1 ms against 43.8 / 85.5 in panels (120 / 76 GFLOPS against 155 / 159; 2 cores,
-// 2026-12-02). AVX2, bfloat16: 32 rows, where each broadcast weight is first widened (6 weight rows a
-// step ran 98 GFLOPS at 32 rows against 112 for 3). AVX-512 (unmeasured here): 64 rows, the one panel
-// it had when MAX_ROWS was 64.
-template <typename W>
-constexpr int panel_mb() {
-  if (pf::LANES == 16) return 4;
-  return std::is_same<W, float>::value ? 2 : 4;
-}
+// 2026-12-02); bf16, with its broadcast a 16-bit one and a mask (pf::broadcast), 61.5 / 113.2 -> 41.6 /
+// 81.0 (163 / 168 GFLOPS). AVX-512 (unmeasured here): 64 rows, the one panel it had when MAX_ROWS was 64.
+constexpr int PANEL_MB = pf::LANES == 16 ? 4 : 2;
 
 template <typename W, int MB>
 void run_wide(const at::Tensor& x, const at::Tensor& w, at::Tensor& y) {
@@ -254,10 +249,10 @@ void run_wide(const at::Tensor& x, const at::Tensor& w, at::Tensor& y) {
   });
 }
 
-// MB: the vectors of LANES rows in one panel of x's rows (1 .. panel_mb); more rows take more panels
+// MB: the vectors of LANES rows in one panel of x's rows (1 .. PANEL_MB); more rows take more panels
 template <typename W, int MB = 1>
 void dispatch_wide(const at::Tensor& x, const at::Tensor& w, at::Tensor& y) {
-  if constexpr (MB < panel_mb<W>())
+  if constexpr (MB < PANEL_MB)
     if (x.size(0) > MB * pf::LANES) return dispatch_wide<W, MB + 1>(x, w, y);
   run_wide<W, MB>(x, w, y);
 }

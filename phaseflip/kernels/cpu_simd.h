@@ -7,6 +7,7 @@
 #include <c10/util/BFloat16.h>
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 #include <immintrin.h>
 #define PF_LANES 16
@@ -30,6 +31,12 @@ inline vf set1(float v) { return _mm512_set1_ps(v); }
 inline vf load(const float* p) { return _mm512_loadu_ps(p); }
 inline vf widen(__m256i h) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)); }
 inline vf load(const c10::BFloat16* p) { return widen(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
+inline vf broadcast(const float* p) { return _mm512_set1_ps(*p); }
+inline vf broadcast(const c10::BFloat16* p) {   // its 16 bits in every lane's top half
+  int16_t bits;
+  std::memcpy(&bits, p, 2);
+  return _mm512_castsi512_ps(_mm512_and_si512(_mm512_set1_epi16(bits), _mm512_set1_epi32(int(0xFFFF0000u))));
+}
 inline __mmask16 first(int64_t n) { return n >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << n) - 1); }
 // the first n (< LANES) values, the other lanes zero
 inline vf load_n(const float* p, int64_t n) { return _mm512_maskz_loadu_ps(first(n), p); }
@@ -52,6 +59,12 @@ inline vf load(const float* p) { return _mm256_loadu_ps(p); }
 inline vf load(const c10::BFloat16* p) {
   const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+inline vf broadcast(const float* p) { return _mm256_set1_ps(*p); }
+inline vf broadcast(const c10::BFloat16* p) {   // its 16 bits in every lane's top half (a 16-bit
+  int16_t bits;                                 // broadcast and a mask: no scalar widening)
+  std::memcpy(&bits, p, 2);
+  return _mm256_castsi256_ps(_mm256_and_si256(_mm256_set1_epi16(bits), _mm256_set1_epi32(int(0xFFFF0000u))));
 }
 template <typename T>
 inline vf load_n(const T* p, int64_t n) {
