@@ -63,6 +63,9 @@ log = logging.getLogger(__name__)
 SOURCES = tuple(Path(__file__).with_name(name) for name in ("cpu_gemv.cpp", "cpu_decode.cpp"))
 HEADERS = (Path(__file__).with_name("cpu_simd.h"),)   # included by the sources (part of the build's key)
 MAX_ROWS = 256    # the kernel's row limit (cpu_gemv.cpp's MAX_ROWS)
+# the row counts the load-time check multiplies: every one to 64 (each one-pass form, each panel width,
+# 1-4 panels), then partial and whole panels up to the limit (every count to 256 cost ~0.2 s a boot)
+CHECK_ROWS = (*range(1, 65), 65, 100, 128, 131, 200, MAX_ROWS)
 DTYPES = (torch.float32, torch.bfloat16)
 
 _report: dict = {}   # this process's build/load outcome (empty: not tried yet)
@@ -172,12 +175,12 @@ def _register_fake() -> None:
 
 
 def _disagreement() -> str | None:
-    """None when the kernel gives F.linear's answer on a few small products (every dtype, 1..MAX_ROWS
+    """None when the kernel gives F.linear's answer on a few small products (every dtype, CHECK_ROWS
     rows, a K with a tail), else what differed."""
     g = torch.Generator().manual_seed(0)
     for dtype in DTYPES:
         w = torch.randn(37, 83, generator=g).to(dtype)
-        for m in range(1, MAX_ROWS + 1):
+        for m in CHECK_ROWS:
             x = torch.randn(m, 83, generator=g).to(dtype)
             got = torch.ops.phaseflip_cpu.few_rows_linear(x, w).float()
             want = x.float() @ w.float().t()

@@ -22,18 +22,13 @@ def op():
     return op
 
 
-# every row count to 64 (each one-pass form, each panel width, 1-4 panels of 16), then past whole panels
-# and the limit
-ROWS = [*range(1, 65), 65, 100, 128, 131, 200, cpu_kernels.MAX_ROWS]
-
-
 @pytest.mark.parametrize("dtype", cpu_kernels.DTYPES)
 @pytest.mark.parametrize("k", [64, 576, 83])           # whole lanes, SmolLM2's width, a tail
 def test_kernel_gives_f_linear_answer(op, dtype, k):
     g = torch.Generator().manual_seed(k)
     wide = torch.randn(300, k + 24, generator=g).to(dtype)
     for w in (wide[:, :k].contiguous(), wide[:, :k]):    # rows packed, and a view whose rows lie apart
-        for m in ROWS:
+        for m in cpu_kernels.CHECK_ROWS:
             packed = torch.randn(m, k, generator=g).to(dtype)
             apart = torch.randn(m, k + 5, generator=g).to(dtype)[:, 3:k + 3]   # x's rows a stride apart
             across = torch.randn(k, m, generator=g).to(dtype).t()              # x's values a stride apart
