@@ -14,8 +14,8 @@ Tokens of padding sequences (and tokens past query_start_loc[-1]) produce zeros.
 
 On CUDA tensors the op runs the Triton kernels (kernels/triton_kv_store.py, kernels/triton_attention.py:
 no host sync, so it can be captured); on the CPU the batched path of kernels/cpu_attention.py. Compiled
-CPU steps call phaseflip_cpu::paged_attention instead (kernels/cpu_decode.cpp, same schema): a decode
-step stays in C++, any other step comes back to this op. The torch reference below, written plainly,
+CPU steps call phaseflip_cpu::paged_attention instead (kernels/cpu_decode.cpp, same schema): decodes
+and prompt chunks stay in C++ (cpu_prefill.cpp: the chunks), a step it declines comes back to this op. The torch reference below, written plainly,
 is the oracle all are tested against.
 """
 from __future__ import annotations

@@ -213,9 +213,9 @@ def _as_rows(kv_layer: torch.Tensor) -> torch.Tensor:
 def paged_attention_cpu(q, k, v, kv_layer, slot_mapping, block_tables, seq_lens, query_start_loc,
                         scale: float) -> torch.Tensor:
     """Store this step's K/V, then attend; the contract of kernels/attention.py, with the layer's caches
-    as one [num_blocks, 2, block_size, Hkv, D] view. Returns [T, Hq, D]. A step whose sequences bring
-    one query token each (decode) goes to the C++ kernel where it is built (kernels/cpu_kernels.py),
-    which reads the cache in place; it declines (an empty result) any other step."""
+    as one [num_blocks, 2, block_size, Hkv, D] view. Returns [T, Hq, D]. The C++ kernel takes the step
+    where it is built (kernels/cpu_kernels.py), reading the cache in place: decodes, and prompt chunks
+    at head sizes its tiles divide; it declines (an empty result) any other step, which runs here."""
     kernel = cpu_kernels.decode_attention_op() if q.dtype in cpu_kernels.DTYPES else None
     if kernel is not None:
         out = kernel(q, k, v, kv_layer, slot_mapping, block_tables, seq_lens, query_start_loc, scale)

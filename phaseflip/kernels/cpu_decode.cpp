@@ -1,10 +1,11 @@
-// Paged attention for a decode step on the CPU, read in place: every query token reads its
-// sequence's K and V rows straight from the paged cache (block table -> block -> row), one (sequence,
-// kv head) per task over torch's threads, with no gathered copy of any context. The contract is
-// kernels/attention.py's (store this step's K/V at slot_mapping, then attend; padding tokens give
-// zeros), for steps whose sequences each bring at most one query token: for any other step the op
-// returns an empty tensor and touches nothing (the caller runs its general path). Built and loaded by
-// phaseflip/kernels/cpu_kernels.py with cpu_gemv.cpp.
+// Paged attention for a step on the CPU, read in place: every decode token (a sequence's one query
+// token) reads its sequence's K and V rows straight from the paged cache (block table -> block ->
+// row), one (sequence, kv head) per task over torch's threads, with no gathered copy of any context;
+// a sequence that brings a prompt chunk (more than one token) goes to cpu_prefill.cpp's tiles. The
+// contract is kernels/attention.py's (store this step's K/V at slot_mapping, then attend; padding
+// tokens give zeros). A step with a chunk at a head size the tiles do not serve (paged::chunk_served)
+// gets an empty tensor and nothing is touched (the caller runs its general path). Built and loaded by
+// phaseflip/kernels/cpu_kernels.py with cpu_gemv.cpp and cpu_prefill.cpp.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -17,19 +18,12 @@
 #include <algorithm>
 #include <cmath>
 #include <vector>
-#include "cpu_simd.h"
+#include "cpu_paged.h"
 
 namespace {
 
-struct Cache {            // one layer's [num_blocks, 2 (k, v), block_size, Hkv, D] view, any strides
-  char* base;
-  int64_t num_blocks, block_size, sb, skv, so, sh;   // strides in elements
-};
-
-template <typename T>
-inline T* row(const Cache& c, int64_t block, int64_t off, int64_t head, int kv) {
-  return reinterpret_cast<T*>(c.base) + block * c.sb + kv * c.skv + off * c.so + head * c.sh;
-}
+using paged::Cache;
+using paged::row;
 
 template <typename T>
 void store(const at::Tensor& k, const at::Tensor& v, const Cache& c, const int64_t* slots, int64_t T_, int64_t hkv,
@@ -51,34 +45,6 @@ void store(const at::Tensor& k, const at::Tensor& v, const Cache& c, const int64
 
 template <typename T>
 inline float widen(T x) { return static_cast<float>(x); }
-
-void softmax_rows(float* scores, int64_t G, int64_t L) {
-  for (int64_t g = 0; g < G; ++g) {
-    float* sg = scores + g * L;
-    float mx = -INFINITY, sum = 0.f;
-    int64_t pos = 0;
-#ifdef PF_LANES
-    pf::vf top = pf::set1(-INFINITY);   // a vector max: std::max_element took ~9% of the attention's cycles
-    for (; pos + pf::LANES <= L; pos += pf::LANES) top = pf::max(top, pf::load(sg + pos));
-    mx = pf::max_lane(top);
-#endif
-    for (; pos < L; ++pos) mx = std::max(mx, sg[pos]);
-    pos = 0;
-#ifdef PF_LANES
-    pf::vf acc = pf::zero();
-    for (; pos + pf::LANES <= L; pos += pf::LANES) {   // the last L % LANES below, one at a time
-      const pf::vf e = pf::exp_neg(pf::sub(pf::load(sg + pos), pf::set1(mx)));
-      pf::store(sg + pos, e);
-      acc = pf::add(acc, e);
-    }
-    sum = pf::sum(acc);
-#endif
-    for (; pos < L; ++pos) sum += (sg[pos] = std::exp(sg[pos] - mx));
-    const float inv = 1.f / sum;
-#pragma omp simd
-    for (int64_t i = 0; i < L; ++i) sg[i] *= inv;
-  }
-}
 
 #ifdef PF_LANES
 // fn(pos, k row, v row) for each of a sequence's L cached positions of kv head h, block by block (no
@@ -121,7 +87,7 @@ void attend_vec(const float* qf /* [G, D], scaled */, T* out, const Cache& c, co
     }
     for (int g = 0; g < G; ++g) scores[g * L + pos] = pf::sum(acc[g]);
   });
-  softmax_rows(scores, G, L);
+  paged::softmax_rows(scores, G, L, L);
   for (int64_t i0 = 0; i0 < d; i0 += pf::LANES * CH) {
     pf::vf acc[G][CH];
     for (int g = 0; g < G; ++g)
@@ -169,7 +135,7 @@ void attend_loops(const float* qf, T* out, const Cache& c, const int64_t* table,
       scores[g * L + pos] = s;
     }
   }
-  softmax_rows(scores, G, L);
+  paged::softmax_rows(scores, G, L, L);
   std::fill_n(acc, G * d, 0.f);
   for (int64_t pos = 0; pos < L; ++pos) {
     const T* vr = row<T>(c, table[pos / c.block_size], pos % c.block_size, h, 1);
@@ -182,14 +148,20 @@ void attend_loops(const float* qf, T* out, const Cache& c, const int64_t* table,
   for (int64_t i = 0; i < G * d; ++i) out[i] = static_cast<T>(acc[i]);
 }
 
+// The blocks holding a sequence's L positions, each one of the cache's
+void check_table(const int64_t* table, int64_t L, int64_t width, const Cache& c) {
+  TORCH_CHECK((L + c.block_size - 1) / c.block_size <= width, "decode_attention: ", L,
+              " positions need more blocks than the table's ", width);
+  for (int64_t b = 0; b * c.block_size < L; ++b)
+    TORCH_CHECK(table[b] >= 0 && table[b] < c.num_blocks, "decode_attention: block id ", table[b], " outside 0..",
+                c.num_blocks - 1);
+}
+
 // One sequence's G query heads of kv head h over its L cached positions: scores, softmax, weighted V.
 // Two passes over the context, K then V, each row read once for all G heads; sums in float32.
 template <typename T>
 void attend_one(const T* q /* [G, D] */, T* out /* [G, D] */, const Cache& c, const int64_t* table, int64_t L,
                 int64_t h, int64_t G, int64_t d, float scale, std::vector<float>& buf) {
-  for (int64_t b = 0; b * c.block_size < L; ++b)
-    TORCH_CHECK(table[b] >= 0 && table[b] < c.num_blocks, "decode_attention: block id ", table[b], " outside 0..",
-                c.num_blocks - 1);
   buf.resize(G * (L + 2 * d));
   float* scores = buf.data();                 // [G, L]
   float* qf = scores + G * L;                 // [G, D] the queries as float, scaled
@@ -222,17 +194,23 @@ void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const Ca
   const int64_t* tp = tables.data_ptr<int64_t>();
   const T* qp = q.data_ptr<T>();
   T* op = out.data_ptr<T>();
-  at::parallel_for(0, S * hkv, 1, [&](int64_t i0, int64_t i1) {
+  for (int64_t s = 0; s < S; ++s)
+    if (lp[s] > 0 && sp[s] < T_) check_table(tp + s * B, lp[s], B, c);
+  at::parallel_for(0, S * hkv, 1, [&](int64_t i0, int64_t i1) {   // one query token a sequence
     std::vector<float> buf;
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t s = i / hkv, h = i % hkv, L = lp[s], t = sp[s];
       if (L <= 0 || sp[s + 1] - t != 1 || t >= T_) continue;   // a padding sequence: its rows stay zero
-      TORCH_CHECK((L + c.block_size - 1) / c.block_size <= B, "decode_attention: ", L,
-                  " positions need more blocks than the table's ", B);
       attend_one<T>(qp + (t * hq + h * G) * d, op + (t * hq + h * G) * d, c, tp + s * B, L, h, G, d,
                     static_cast<float>(scale), buf);
     }
   });
+  for (int64_t s = 0; s < S; ++s) {   // prompt chunks, one after another (each parallel inside)
+    const int64_t L = lp[s], t = sp[s], n = sp[s + 1] - t;
+    if (L > 0 && n > 1 && t < T_)
+      paged::attend_chunk<T>(qp + t * hq * d, op + t * hq * d, c, tp + s * B, L, n, hq, hkv, d,
+                             static_cast<float>(scale));
+  }
 }
 
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& kv,
@@ -253,15 +231,20 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
   const int64_t S = seq_lens.size(0);
   TORCH_CHECK(query_start_loc.size(0) == S + 1 && block_tables.size(0) == S && slot_mapping.size(0) == q.size(0),
               "decode_attention: metadata shapes disagree");
-  const at::Tensor starts = query_start_loc.contiguous();
+  const at::Tensor starts = query_start_loc.contiguous(), lens = seq_lens.contiguous();
   const int64_t* sp = starts.data_ptr<int64_t>();
-  for (int64_t s = 0; s < S; ++s)
-    if (sp[s + 1] - sp[s] > 1) return at::empty({0}, q.options());   // a prefill row: not this kernel's
+  const int64_t* lp = lens.data_ptr<int64_t>();
+  for (int64_t s = 0; s < S; ++s) {
+    const int64_t n = sp[s + 1] - sp[s];
+    if (n > 1 && !paged::chunk_served(q.size(2))) return at::empty({0}, q.options());   // not this build's
+    TORCH_CHECK(n <= 1 || lp[s] <= 0 || (n <= lp[s] && sp[s + 1] <= q.size(0)), "decode_attention: sequence ", s,
+                " brings ", n, " tokens (from ", sp[s], ") to a context of ", lp[s], " in a step of ", q.size(0));
+  }
   Cache c{static_cast<char*>(kv.data_ptr()), kv.size(0), kv.size(2), kv.stride(0), kv.stride(1), kv.stride(2),
           kv.stride(3)};
   at::Tensor out = at::zeros(q.sizes(), q.options());
   const at::Tensor qc = q.contiguous(), kc = k.contiguous(), vc = v.contiguous(), slots = slot_mapping.contiguous(),
-                   tables = block_tables.contiguous(), lens = seq_lens.contiguous();
+                   tables = block_tables.contiguous();
   if (q.scalar_type() == at::kFloat)
     run<float>(qc, kc, vc, c, slots, tables, lens, starts, scale, out);
   else
@@ -269,10 +252,10 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
   return out;
 }
 
-// The whole paged-attention op for the CPU with the decode kernel in front: a step it serves (every
-// sequence one query token) costs one C++ call from a compiled graph; any other step (or dtype) goes on
-// to phaseflip::paged_attention (kernels/attention.py, whose body is Python). Before, every layer of a
-// decode step went through that Python body to reach the kernel: ~15-20 us a layer.
+// The whole paged-attention op for the CPU with the kernel above in front: a step it serves costs one
+// C++ call from a compiled graph; any other step (or dtype) goes on to phaseflip::paged_attention
+// (kernels/attention.py, whose body is Python). Before, every layer of a decode step went through that
+// Python body to reach the kernel: ~15-20 us a layer.
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& kv_cache,
                            int64_t layer, const at::Tensor& slot_mapping, const at::Tensor& block_tables,
                            const at::Tensor& seq_lens, const at::Tensor& query_start_loc, double scale) {

@@ -1,5 +1,5 @@
-"""The CPU kernels of our own (cpu_gemv.cpp, cpu_decode.cpp): built for this machine on first use, loaded
-as torch ops.
+"""The CPU kernels of our own (cpu_gemv.cpp, cpu_decode.cpp, cpu_prefill.cpp): built for this machine on
+first use, loaded as torch ops.
 
 Owns: `few_rows_op` (`phaseflip_cpu::few_rows_linear`), `decode_attention_op`
 (`phaseflip_cpu::decode_attention`), `paged_attention_op` (`phaseflip_cpu::paged_attention`: the decode
@@ -38,6 +38,10 @@ cache hot. With 30 layers' caches read from memory in turn (as a step reads them
 sequences of 161 and 257 positions: float32 0.52-0.53 and 0.84-1.17 ms a layer, bfloat16 0.35-0.39 and
 0.45-0.49 (2026-12-02, after the K pass learnt to fetch the next block's rows: 0.92-1.22, 1.60-1.63,
 0.71-0.73, 1.00-1.09 before; scratch attn32.py, two alternating rounds).
+Prompt chunks take the same op (cpu_prefill.cpp: register tiles over a float32 copy of each kv head's
+context), not the plan path's gather and SDPA: SmolLM2's heads, a 128-token prompt 398-456 us a layer
+against 827-862, 512 tokens 4.1-5.1 ms against 8.8-10.2, bf16 alike (2 cores, the same process
+alternating, 2026-12-02; scratch pa3.py).
 
 The build: one g++ call (-O3 -march=native -fopenmp, torch's headers and libraries), its output
 renamed into place so that ranks building at once never load half a file, under the phaseflip cache
@@ -60,8 +64,8 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SOURCES = tuple(Path(__file__).with_name(name) for name in ("cpu_gemv.cpp", "cpu_decode.cpp"))
-HEADERS = (Path(__file__).with_name("cpu_simd.h"),)   # included by the sources (part of the build's key)
+SOURCES = tuple(Path(__file__).with_name(name) for name in ("cpu_gemv.cpp", "cpu_decode.cpp", "cpu_prefill.cpp"))
+HEADERS = tuple(Path(__file__).with_name(name) for name in ("cpu_simd.h", "cpu_paged.h"))   # included by the sources (part of the build's key)
 MAX_ROWS = 256    # the kernel's row limit (cpu_gemv.cpp's MAX_ROWS)
 # the row counts the load-time check multiplies: every one to 64 (each one-pass form, each panel width,
 # 1-4 panels), then partial and whole panels up to the limit (every count to 256 cost ~0.2 s a boot)

@@ -191,14 +191,51 @@ def test_decodes_with_scores_past_exp_range_match_naive():
     check(out, args, seqs, hist, tol=1e-3)   # the scores' own rounding, magnified 200x
 
 
-def test_the_decode_kernel_declines_a_step_with_a_prompt_chunk():
-    """It returns nothing and writes nothing where a sequence brings more than one token."""
+@pytest.mark.parametrize("hq, hkv, d", [(9, 3, 64), (16, 2, 32), (8, 8, 128), (4, 1, 16)])
+@pytest.mark.parametrize("seqs", [
+    [(0, 128)],                            # a whole prompt: 8 blocks of query tokens, causal
+    [(37, 50)],                            # a chunk over a cached prefix, neither a whole number of blocks
+    [(300, 17)],                           # a short chunk over a long prefix
+    [(10, 1), (0, 40), (8, 1), (4, 33)],   # chunks and decodes in one step
+    [(0, 2), (5, 3)],                      # chunks shorter than a row group
+])
+def test_prompt_chunks_at_model_head_sizes_match_naive(hq, hkv, d, seqs):
+    """Head sizes a multiple of two vectors take the kernel's chunk tiles (kernels/cpu_prefill.cpp)
+    where it is built; the kernel writes every row itself (the general path is switched off)."""
+    args, hist = build(seqs, num_blocks=200, pad_tokens=2, pad_seqs=1, hq=hq, hkv=hkv, d=d, block_size=16)
+    served = cpu_kernels.decode_attention_op() is not None and d % 32 == 0   # 16 or 32 lanes x 2
+    with pytest.MonkeyPatch.context() as mp:
+        if served:
+            mp.setattr(cpu_attention, "_plans", None)   # any use of the general path would raise
+        check(IMPLS["op"](**args), args, seqs, hist, tol=1e-4)
+
+
+def test_prompt_chunks_with_scores_past_exp_range_match_naive():
+    seqs = [(0, 40), (20, 30)]
+    args, hist = build(seqs, num_blocks=120, hq=9, hkv=3, d=64, block_size=16)
+    args["q"] = args["q"] * 200
+    out = IMPLS["op"](**args)
+    assert torch.isfinite(out).all()
+    check(out, args, seqs, hist, tol=1e-3)
+
+
+def test_the_kernel_declines_a_prompt_chunk_at_a_head_size_its_tiles_do_not_divide():
+    """It returns nothing and writes nothing (the caller's general path runs the step)."""
     op = _kernel_or_skip()
-    args, _ = build([(5, 1), (0, 3)], num_blocks=20)
+    args, _ = build([(5, 1), (0, 3)], num_blocks=20, d=24)
     before = args["kv_cache"].clone()
     out = op(args["q"], args["k"], args["v"], args["kv_cache"][:, 0], args["slot_mapping"], args["block_tables"],
              args["seq_lens"], args["query_start_loc"], args["scale"])
     assert out.numel() == 0 and torch.equal(args["kv_cache"], before)
+
+
+def test_the_kernel_refuses_a_chunk_longer_than_its_context():
+    op = _kernel_or_skip()
+    args, _ = build([(0, 5)], num_blocks=20, hq=9, hkv=3, d=64, block_size=16)
+    args["seq_lens"][0] = 4
+    with pytest.raises(RuntimeError, match="sequence 0 brings 5 tokens .from 0. to a context of 4"):
+        op(args["q"], args["k"], args["v"], args["kv_cache"][:, 0], args["slot_mapping"], args["block_tables"],
+           args["seq_lens"], args["query_start_loc"], args["scale"])
 
 
 def test_the_decode_kernel_refuses_a_block_id_outside_the_cache():
@@ -210,10 +247,10 @@ def test_the_decode_kernel_refuses_a_block_id_outside_the_cache():
            args["seq_lens"], args["query_start_loc"], args["scale"])
 
 
-def test_bf16_decodes_agree_with_the_general_path():
+@pytest.mark.parametrize("seqs", [[(n, 1) for n in (2, 90, 7, 40)], [(0, 70), (9, 1), (33, 20)]])
+def test_bf16_steps_agree_with_the_general_path(seqs):
     """bfloat16 caches: the kernel (float32 sums, read in place) against the plan path's SDPA."""
     _kernel_or_skip()
-    seqs = [(n, 1) for n in (2, 90, 7, 40)]
     args, _ = build(seqs, num_blocks=120, pad_tokens=1, pad_seqs=1, hq=9, hkv=3, d=64, block_size=16)
     args = {k: v.to(torch.bfloat16) if isinstance(v, torch.Tensor) and v.is_floating_point() else v
             for k, v in args.items()}

@@ -1,0 +1,61 @@
+// One layer's paged KV cache as the CPU attention kernels read it (cpu_decode.cpp: one query token a
+// sequence; cpu_prefill.cpp: prompt chunks), and what both need: a row's address, a row-wise softmax,
+// and the chunk kernel's entry points.
+#pragma once
+#include <c10/util/BFloat16.h>
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include "cpu_simd.h"
+
+namespace paged {
+
+struct Cache {            // one layer's [num_blocks, 2 (k, v), block_size, Hkv, D] view, any strides
+  char* base;
+  int64_t num_blocks, block_size, sb, skv, so, sh;   // strides in elements
+};
+
+template <typename T>
+inline T* row(const Cache& c, int64_t block, int64_t off, int64_t head, int kv) {
+  return reinterpret_cast<T*>(c.base) + block * c.sb + kv * c.skv + off * c.so + head * c.sh;
+}
+
+// G rows of L scores, `stride` apart, each replaced by its softmax
+inline void softmax_rows(float* scores, int64_t G, int64_t L, int64_t stride) {
+  for (int64_t g = 0; g < G; ++g) {
+    float* sg = scores + g * stride;
+    float mx = -INFINITY, sum = 0.f;
+    int64_t pos = 0;
+#ifdef PF_LANES
+    pf::vf top = pf::set1(-INFINITY);   // a vector max: std::max_element took ~9% of the attention's cycles
+    for (; pos + pf::LANES <= L; pos += pf::LANES) top = pf::max(top, pf::load(sg + pos));
+    mx = pf::max_lane(top);
+#endif
+    for (; pos < L; ++pos) mx = std::max(mx, sg[pos]);
+    pos = 0;
+#ifdef PF_LANES
+    pf::vf acc = pf::zero();
+    for (; pos + pf::LANES <= L; pos += pf::LANES) {   // the last L % LANES below, one at a time
+      const pf::vf e = pf::exp_neg(pf::sub(pf::load(sg + pos), pf::set1(mx)));
+      pf::store(sg + pos, e);
+      acc = pf::add(acc, e);
+    }
+    sum = pf::sum(acc);
+#endif
+    for (; pos < L; ++pos) sum += (sg[pos] = std::exp(sg[pos] - mx));
+    const float inv = 1.f / sum;
+#pragma omp simd
+    for (int64_t i = 0; i < L; ++i) sg[i] *= inv;
+  }
+}
+
+// Whether attend_chunk serves head size d on this build (its vector tiles need d a multiple of them)
+bool chunk_served(int64_t d);
+
+// A prompt chunk of n tokens, the last n of a sequence's L cached positions (already stored): token i
+// attends positions 0 .. L - n + i. q and out: the chunk's [n, Hq, D] rows; table: its block table.
+template <typename T>
+void attend_chunk(const T* q, T* out, const Cache& c, const int64_t* table, int64_t L, int64_t n, int64_t hq,
+                  int64_t hkv, int64_t d, float scale);
+
+}  // namespace paged
