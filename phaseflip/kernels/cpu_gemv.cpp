@@ -204,6 +204,62 @@ inline void wide_rows(const W* w, int64_t ldw, const typename Wide<W>::T* xt, in
     for (int b = 0; b < MB; ++b) pf::store(out + r * Mp + b * pf::LANES, acc[r][b]);
 }
 
+#ifdef __AVX2__
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const c10::BFloat16* p) {   // widened: a bf16 is the top half of a float32
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+// 8 rows (s0 apart) x 8 columns of x as float32, transposed: dst[k * ld + 0..7] = column k's 8 values
+template <typename W>
+inline void transpose8(const W* x, int64_t s0, float* dst, int64_t ld) {
+  __m256 r[8], t[8], u[8];
+  for (int i = 0; i < 8; ++i) r[i] = load8(x + i * s0);
+  for (int i = 0; i < 8; i += 2) {
+    t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);       // r_i[0] r_i+1[0] r_i[1] r_i+1[1] | [4] [5]
+    t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);   // [2] [3] | [6] [7]
+  }
+  for (int i = 0; i < 8; i += 4) {
+    u[i] = _mm256_shuffle_ps(t[i], t[i + 2], _MM_SHUFFLE(1, 0, 1, 0));       // 4 rows' [0] | [4]
+    u[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], _MM_SHUFFLE(3, 2, 3, 2));   // [1] | [5]
+    u[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(1, 0, 1, 0));   // [2] | [6]
+    u[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(3, 2, 3, 2));   // [3] | [7]
+  }
+  for (int j = 0; j < 4; ++j) {
+    _mm256_storeu_ps(dst + j * ld, _mm256_permute2f128_ps(u[j], u[j + 4], 0x20));
+    _mm256_storeu_ps(dst + (j + 4) * ld, _mm256_permute2f128_ps(u[j], u[j + 4], 0x31));
+  }
+}
+#endif
+
+// Rows m_from .. M - 1 of x [M, K] (strides s0, s1) into the panels run_wide reads: 8 x 8 blocks
+// transposed in registers where the values become float32 lanes and x's rows are contiguous, the rest
+// one value at a time. One value at a time throughout (and a fresh zeroed buffer per call) took 0.8-0.9
+// ns a value, ~0.35 ms of each layer's products at 128 rows on one thread; now 0.2-0.3 over both
+// threads: SmolLM2's 30 layers at 128 / 32 rows 174.5 / 43.3 ms -> 165.8 / 41.7 (156 -> 164 GFLOPS),
+// bf16 128 rows 170.2 -> 159.7 ms (2 cores, the same process, 2026-12-02; scratch tr.py, wide_ab.py)
+template <typename W, typename T, int64_t Mp, int64_t ks>
+void pack(const W* xp, int64_t s0, int64_t s1, int64_t m_from, int64_t M, int64_t K, int64_t Kp, T* tp) {
+  int64_t m8 = m_from, k8 = 0;
+#ifdef __AVX2__
+  if constexpr (ks == 1 && std::is_same<T, float>::value)
+    if (s1 == 1) {
+      m8 = m_from + (M - m_from) / 8 * 8, k8 = K / 8 * 8;
+      for (int64_t m0 = m_from; m0 < m8; m0 += 8)
+        for (int64_t k0 = 0; k0 < k8; k0 += 8)
+          transpose8(xp + m0 * s0 + k0, s0, tp + m0 / Mp * Kp * Mp + k0 * Mp + m0 % Mp, Mp);
+    }
+#endif
+  const auto put = [&](int64_t m, int64_t k) {
+    tp[m / Mp * Kp * Mp + (k / ks * Mp + m % Mp) * ks + k % ks] = static_cast<T>(xp[m * s0 + k * s1]);
+  };
+  for (int64_t m = m_from; m < m8; ++m)
+    for (int64_t k = k8; k < K; ++k) put(m, k);
+  for (int64_t m = m8; m < M; ++m)
+    for (int64_t k = 0; k < K; ++k) put(m, k);
+}
+
 // x's rows transposed in panels of up to PANEL_MB vectors of rows: [panel][K][Mp] (bf16 pairs:
 // [K/2][Mp][2]), zero beyond the last row; each group of weight rows is multiplied with every panel in
 // turn while it sits in L1/L2. AVX2: panels of 16 rows, 6 weight rows at once (2 loads of x and 6
@@ -220,13 +276,20 @@ void run_wide(const at::Tensor& x, const at::Tensor& w, at::Tensor& y) {
   constexpr int64_t Mp = MB * pf::LANES, ks = Wide<W>::kstep;
   const int64_t N = w.size(0), K = w.size(1), ldw = w.stride(0), M = x.size(0);
   const int64_t panels = (M + Mp - 1) / Mp, Kp = (K + ks - 1) / ks * ks;
-  std::vector<T> xt(panels * Kp * Mp);   // zeros: the padding rows and the last pair's tail
+  // the calling thread's buffer, kept between calls (a fresh one cost an allocation and its zeroing
+  // per product; it holds up to MAX_ROWS x the widest K), zeroed where no value lands: the last panel
+  // (its padding rows) and an odd K's last pair
+  thread_local std::vector<T> xt;
+  if (xt.size() < size_t(panels * Kp * Mp)) xt.resize(panels * Kp * Mp);
   T* tp = xt.data();
+  std::fill(tp + (panels - 1) * Kp * Mp, tp + panels * Kp * Mp, T(0));
+  if (Kp != K)
+    for (int64_t p = 0; p + 1 < panels; ++p) std::fill(tp + (p * Kp + K - 1) * Mp, tp + (p + 1) * Kp * Mp, T(0));
   const W* xp = x.data_ptr<W>();
   const int64_t s0 = x.stride(0), s1 = x.stride(1);
-  for (int64_t m = 0; m < M; ++m)
-    for (int64_t k = 0; k < K; ++k)
-      tp[m / Mp * Kp * Mp + (k / ks * Mp + m % Mp) * ks + k % ks] = static_cast<T>(xp[m * s0 + k * s1]);
+  at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
+    pack<W, T, Mp, ks>(xp, s0, s1, p0 * Mp, std::min(M, p1 * Mp), K, Kp, tp);
+  });
   const W* wp = w.data_ptr<W>();
   W* yp = y.data_ptr<W>();
   constexpr int NR = wide_nr(MB);
