@@ -1,5 +1,5 @@
 // Few-row products x @ W^T on the CPU (decode steps, short prompt chunks): W [N, K] read once, in
-// place, as the arena holds it (row-major, rows a stride apart); x [M, K] with M <= MAX_ROWS; float32
+// place, as the arena holds it (row-major, rows a stride apart); x [M, K], MAX_ROWS rows a pass; float32
 // sums. Up to ONE_PASS rows, each weight row is dotted with every row of x; beyond, x is transposed and
 // each weight value, broadcast, multiplies a vector of rows of x at once (`wide` below).
 // float32 or bfloat16 weights (x of the same dtype; the output is x's dtype). bfloat16 pairs go
@@ -19,7 +19,7 @@
 
 namespace {
 
-constexpr int64_t MAX_ROWS = 256;
+constexpr int64_t MAX_ROWS = 256;   // rows of x a pass: more are taken MAX_ROWS at a time
 constexpr int64_t ONE_PASS = 4;
 
 #ifdef PF_LANES
@@ -363,7 +363,7 @@ void dispatch_rows(const at::Tensor& x, const at::Tensor& w, at::Tensor& y) {
 at::Tensor few_rows_linear(const at::Tensor& x, const at::Tensor& w) {
   TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1),
               "few_rows_linear: x [M, K] and weight [N, K] expected, got ", x.sizes(), " and ", w.sizes());
-  TORCH_CHECK(x.size(0) >= 1 && x.size(0) <= MAX_ROWS, "few_rows_linear: 1..", MAX_ROWS, " rows, got ", x.size(0));
+  TORCH_CHECK(x.size(0) >= 1, "few_rows_linear: at least one row of x, got ", x.size(0));
   TORCH_CHECK(x.scalar_type() == w.scalar_type() &&
                   (w.scalar_type() == at::kFloat || w.scalar_type() == at::kBFloat16),
               "few_rows_linear: float32 or bfloat16 x and weight of one dtype, got ", x.scalar_type(), " and ",
@@ -371,8 +371,14 @@ at::Tensor few_rows_linear(const at::Tensor& x, const at::Tensor& w) {
   TORCH_CHECK(w.stride(1) == 1 && w.stride(0) >= w.size(1), "few_rows_linear: weight rows must be contiguous");
   TORCH_CHECK(!x.is_cuda() && !w.is_cuda(), "few_rows_linear: CPU tensors only");
   at::Tensor y = at::empty({x.size(0), w.size(0)}, x.options());
-  if (w.scalar_type() == at::kFloat) dispatch_rows<float>(x, w, y);
-  else dispatch_rows<c10::BFloat16>(x, w, y);
+  // more than MAX_ROWS rows in equal passes (x's panels stay in L2; 513 rows: 3 x 171, not 256 + 256 + 1)
+  const int64_t M = x.size(0), passes = (M + MAX_ROWS - 1) / MAX_ROWS, step = (M + passes - 1) / passes;
+  for (int64_t m0 = 0; m0 < M; m0 += step) {
+    const int64_t rows = std::min(step, M - m0);
+    at::Tensor part = y.narrow(0, m0, rows);                // y's rows, N apart, written in place
+    if (w.scalar_type() == at::kFloat) dispatch_rows<float>(x.narrow(0, m0, rows), w, part);
+    else dispatch_rows<c10::BFloat16>(x.narrow(0, m0, rows), w, part);
+  }
   return y;
 }
 

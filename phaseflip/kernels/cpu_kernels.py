@@ -66,10 +66,11 @@ log = logging.getLogger(__name__)
 
 SOURCES = tuple(Path(__file__).with_name(name) for name in ("cpu_gemv.cpp", "cpu_decode.cpp", "cpu_prefill.cpp"))
 HEADERS = tuple(Path(__file__).with_name(name) for name in ("cpu_simd.h", "cpu_paged.h"))   # included by the sources (part of the build's key)
-MAX_ROWS = 256    # the kernel's row limit (cpu_gemv.cpp's MAX_ROWS)
+MAX_ROWS = 256    # the kernel's rows a pass (cpu_gemv.cpp's MAX_ROWS): more take equal passes
 # the row counts the load-time check multiplies: every one to 64 (each one-pass form, each panel width,
-# 1-4 panels), then partial and whole panels up to the limit (every count to 256 cost ~0.2 s a boot)
-CHECK_ROWS = (*range(1, 65), 65, 100, 128, 131, 200, MAX_ROWS)
+# 1-4 panels), then partial and whole panels up to a pass, and two and three passes (every count to 256
+# cost ~0.2 s a boot)
+CHECK_ROWS = (*range(1, 65), 65, 100, 128, 131, 200, MAX_ROWS, MAX_ROWS + 1, 3 * MAX_ROWS - 5)
 DTYPES = (torch.float32, torch.bfloat16)
 
 _report: dict = {}   # this process's build/load outcome (empty: not tried yet)

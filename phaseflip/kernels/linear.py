@@ -3,7 +3,7 @@ and, for a few rows, the form measured fastest on this machine.
 
 Owns: `linear`, the row ladder (`row_bucket`), `warm` (builds every ladder GEMM at boot), and the boot
 measurements of the small-rows forms (`choose_small_forms`), of the wide-rows form (`choose_wide_forms`:
-the few-rows kernel or the ladder's product, for up to the kernel's 64 rows), of a compiled step's
+the few-rows kernel or the ladder's product, above SMALL_BATCH rows), of a compiled step's
 one-row form (`choose_gemv`: inductor's reductions or the eager product, over a pass of the layers) and
 of bfloat16's ladder form (`choose_ladder_form`: the library's bf16 product or float32 on oneDNN).
 
@@ -16,11 +16,13 @@ what the GEMMs hold is measured then. For a handful of rows (decode) the fastest
 machine to machine, so it is timed at boot: the library's product (F.linear), the weight-stationary
 W @ x^T (one row run as two, so that MKL takes its skinny GEMM rather than its GEMV), oneDNN padded
 to its ladder, or our few-rows kernel (kernels/cpu_kernels.py, where it builds); unmeasured, the
-stationary form is used. From SMALL_BATCH + 1 to 256 rows (batched decode, short prompt chunks, the
-head over a batch) the kernel's wide form is timed against the ladder's product (`choose_wide_forms`):
-over SmolLM2's 30 layers, float32, 2 Zen 3 cores, it took 31.8-36.7 / 37.7-39.4 / 43.8 / 86.8 / 175.2
-/ 351.7 ms at 8 / 16 / 32 / 64 / 128 / 256 rows against oneDNN's 46.4-55.5 / 62.3-67.1 / 88.9-89.3 /
-122.8 / 203.3 / 367.1 (2026-12-02); unmeasured, the ladder. The plain weight is used as it lies in the
+stationary form is used. Above SMALL_BATCH rows (batched decode, prompt chunks, the head over a
+batch) the kernel's wide form is timed against the ladder's product (`choose_wide_forms`): over
+SmolLM2's 30 layers, float32, 2 Zen 3 cores, it took 31.8-36.7 / 37.7-39.4 / 43.8 / 86.8 / 175.2 /
+351.7 ms at 8 / 16 / 32 / 64 / 128 / 256 rows against oneDNN's 46.4-55.5 / 62.3-67.1 / 88.9-89.3 /
+122.8 / 203.3 / 367.1, and after the kernel's packing and y stores were mended 39 / 146 / 291 ms at
+32 / 128 / 256 rows (~186 GFLOPS of the cores' 199); 512 rows, in two passes of 256, 612 ms against
+oneDNN's 693 and MKL's 635 (2026-12-02); unmeasured, the ladder. The plain weight is used as it lies in the
 arena (no packed copy: a flip refills the arena in place). CUDA tensors take F.linear; traced CPU
 code: `_traced_cpu_linear`.
 """
@@ -40,7 +42,9 @@ GEMV_ROWS = 1     # rows a compiled CPU step may multiply with inductor's own re
 SMALL_BATCH = 4   # rows up to which a measured small-rows form is used on the CPU
 SMALL_FORMS = ("stationary", "library", "onednn", "kernel")
 MEASURED_ROWS = (1, 2, SMALL_BATCH)   # the row counts timed at boot; 3 takes SMALL_BATCH's form (small_form)
-WIDE_ROWS = (8, 16, 32, 64, 128, 256)   # row counts above SMALL_BATCH timed at boot (m rows: the first >= m)
+# row counts above SMALL_BATCH timed at boot: m rows take the first >= m, more than the last the last's
+# (the kernel takes them in equal passes of up to cpu_kernels.MAX_ROWS)
+WIDE_ROWS = (8, 16, 32, 64, 128, 256, 512)
 WIDE_LAYER_ROWS = 64   # above it, the wide forms are timed on one layer's weights (GEMM-bound: one tells)
 LADDER_PROBE_ROWS = 128   # the rows (a prefill chunk) bfloat16's two ladder forms are timed at
 WIDEN_BYTES = 32 * 2**20  # the most float32 weight a widened ladder product holds at once
@@ -333,20 +337,21 @@ def _best_pass_ms(form: str, xs: dict[int, torch.Tensor], weights: list[torch.Te
 
 def wide_form(m: int, dtype: torch.dtype) -> str:
     """The form a product of m > SMALL_BATCH rows takes: "kernel" where this process measured the
-    few-rows kernel faster for the smallest timed row count >= m (WIDE_ROWS), else "ladder"."""
+    few-rows kernel faster for the smallest timed row count >= m (WIDE_ROWS; past them, the largest),
+    else "ladder"."""
     report = _wide_reports.get(dtype)
-    if report is None or not SMALL_BATCH < m <= WIDE_ROWS[-1] or not _form_serves("kernel", dtype):
+    if report is None or m <= SMALL_BATCH or not _form_serves("kernel", dtype):
         return "ladder"
-    return report["forms"].get(next(r for r in WIDE_ROWS if r >= m), "ladder")
+    return report["forms"].get(next((r for r in WIDE_ROWS if r >= m), WIDE_ROWS[-1]), "ladder")
 
 
 def choose_wide_forms(weights: list[torch.Tensor], passes: int = 2) -> dict:
-    """Measure once per process and dtype whether products of SMALL_BATCH + 1 .. WIDE_ROWS[-1] rows
-    run faster on the few-rows kernel (x transposed, each weight value broadcast over 16 rows of x) or
-    on the ladder's product (oneDNN in float32, the library's in bfloat16): at each of WIDE_ROWS, the
-    two over every weight in turn (above WIDE_LAYER_ROWS the first layer's four: ~40 ms a pass at 256
-    rows, ~1.4 s over SmolLM2's 30), alternating, best of `passes`. Returns the report (later calls for
-    the dtype, the first)."""
+    """Measure once per process and dtype whether products of more than SMALL_BATCH rows run faster
+    on the few-rows kernel (x transposed, each weight value broadcast over 16 rows of x) or on the
+    ladder's product (oneDNN in float32, the library's in bfloat16): at each of WIDE_ROWS, the two
+    over every weight in turn (above WIDE_LAYER_ROWS the first layer's four: ~40 / ~80 ms a pass at
+    256 / 512 rows, ~1.4 / 2.8 s over SmolLM2's 30), alternating, best of `passes`. Returns the report
+    (later calls for the dtype, the first)."""
     weights = [w for w in weights if w.device.type == "cpu" and w.dim() == 2 and _kernel_serves(w)]
     if not weights:
         return {"choice": "ladder (no CPU weights to measure on)", "forms": {}, "ms": None}

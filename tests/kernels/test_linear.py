@@ -207,11 +207,11 @@ def test_every_wide_rows_form_equals_f_linear(form, monkeypatch):
     monkeypatch.setattr(lin, "_wide_reports", {torch.float32: {"forms": dict.fromkeys(lin.WIDE_ROWS, form)}})
     g = torch.Generator().manual_seed(2)
     w, b = torch.randn(96, 64, generator=g), torch.randn(96, generator=g)
-    for m in (lin.SMALL_BATCH + 1, 9, 40, lin.WIDE_ROWS[-1]):
+    for m in (lin.SMALL_BATCH + 1, 9, 40, lin.WIDE_ROWS[-1], lin.WIDE_ROWS[-1] + 77):   # the last: passes
         x = torch.randn(m, 64, generator=g)
         assert lin.wide_form(m, x.dtype) == form
         torch.testing.assert_close(lin.linear(x, w, b), F.linear(x, w, b), rtol=1e-5, atol=1e-4)
-    assert lin.wide_form(lin.WIDE_ROWS[-1] + 1, torch.float32) == "ladder"   # past the kernel's rows
+    assert lin.wide_form(3 * lin.WIDE_ROWS[-1], torch.float32) == form   # past them, the last timed form
     assert lin.wide_form(0, torch.float32) == "ladder" and lin.linear(torch.empty(0, 64), w).shape == (0, 96)
 
 
