@@ -18,11 +18,9 @@ W @ x^T (one row run as two, so that MKL takes its skinny GEMM rather than its G
 to its ladder, or our few-rows kernel (kernels/cpu_kernels.py, where it builds); unmeasured, the
 stationary form is used. Above SMALL_BATCH rows (batched decode, prompt chunks, the head over a
 batch) the kernel's wide form is timed against the ladder's product (`choose_wide_forms`): over
-SmolLM2's 30 layers, float32, 2 Zen 3 cores, it took 31.8-36.7 / 37.7-39.4 / 43.8 / 86.8 / 175.2 /
-351.7 ms at 8 / 16 / 32 / 64 / 128 / 256 rows against oneDNN's 46.4-55.5 / 62.3-67.1 / 88.9-89.3 /
-122.8 / 203.3 / 367.1, and after the kernel's packing and y stores were mended 39 / 146 / 291 ms at
-32 / 128 / 256 rows (~186 GFLOPS of the cores' 199); 512 rows, in two passes of 256, 612 ms against
-oneDNN's 693 and MKL's 635 (2026-12-02); unmeasured, the ladder. The plain weight is used as it lies in the
+SmolLM2's 30 layers, float32, 2 Zen 3 cores, 8 / 32 / 128 / 256 / 512 rows took 31.8-36.7 / 39 / 146
+/ 291 / 612 ms against oneDNN's 46.4-55.5 / 88.9 / 203 / 367 / 693 (~186 GFLOPS of the cores' 199 from
+128 rows; 2026-12-02); unmeasured, the ladder. The plain weight is used as it lies in the
 arena (no packed copy: a flip refills the arena in place). CUDA tensors take F.linear; traced CPU
 code: `_traced_cpu_linear`.
 """
@@ -42,9 +40,7 @@ GEMV_ROWS = 1     # rows a compiled CPU step may multiply with inductor's own re
 SMALL_BATCH = 4   # rows up to which a measured small-rows form is used on the CPU
 SMALL_FORMS = ("stationary", "library", "onednn", "kernel")
 MEASURED_ROWS = (1, 2, SMALL_BATCH)   # the row counts timed at boot; 3 takes SMALL_BATCH's form (small_form)
-# row counts above SMALL_BATCH timed at boot: m rows take the first >= m, more than the last the last's
-# (the kernel takes them in equal passes of up to cpu_kernels.MAX_ROWS)
-WIDE_ROWS = (8, 16, 32, 64, 128, 256, 512)
+WIDE_ROWS = (8, 16, 32, 64, 128, 256, 512)   # timed at boot: m rows take the first >= m, else the last
 WIDE_LAYER_ROWS = 64   # above it, the wide forms are timed on one layer's weights (GEMM-bound: one tells)
 LADDER_PROBE_ROWS = 128   # the rows (a prefill chunk) bfloat16's two ladder forms are timed at
 WIDEN_BYTES = 32 * 2**20  # the most float32 weight a widened ladder product holds at once
@@ -336,9 +332,8 @@ def _best_pass_ms(form: str, xs: dict[int, torch.Tensor], weights: list[torch.Te
 
 
 def wide_form(m: int, dtype: torch.dtype) -> str:
-    """The form a product of m > SMALL_BATCH rows takes: "kernel" where this process measured the
-    few-rows kernel faster for the smallest timed row count >= m (WIDE_ROWS; past them, the largest),
-    else "ladder"."""
+    """The form a product of m > SMALL_BATCH rows takes: "kernel" where this process measured the kernel
+    faster at the smallest timed row count >= m (WIDE_ROWS; past them, the largest), else "ladder"."""
     report = _wide_reports.get(dtype)
     if report is None or m <= SMALL_BATCH or not _form_serves("kernel", dtype):
         return "ladder"
