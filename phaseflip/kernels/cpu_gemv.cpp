@@ -204,18 +204,12 @@ inline void wide_rows(const W* w, int64_t ldw, const typename Wide<W>::T* xt, in
     for (int b = 0; b < MB; ++b) pf::store(out + r * Mp + b * pf::LANES, acc[r][b]);
 }
 
-#ifdef __AVX2__
-inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-inline __m256 load8(const c10::BFloat16* p) {   // widened: a bf16 is the top half of a float32
-  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-}
-
+#ifdef PF_LANES
 // 8 rows (s0 apart) x 8 columns of x as float32, transposed: dst[k * ld + 0..7] = column k's 8 values
 template <typename W>
 inline void transpose8(const W* x, int64_t s0, float* dst, int64_t ld) {
   __m256 r[8], t[8], u[8];
-  for (int i = 0; i < 8; ++i) r[i] = load8(x + i * s0);
+  for (int i = 0; i < 8; ++i) r[i] = pf::load8(x + i * s0);
   for (int i = 0; i < 8; i += 2) {
     t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);       // r_i[0] r_i+1[0] r_i[1] r_i+1[1] | [4] [5]
     t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);   // [2] [3] | [6] [7]
@@ -242,7 +236,7 @@ inline void transpose8(const W* x, int64_t s0, float* dst, int64_t ld) {
 template <typename W, typename T, int64_t Mp, int64_t ks>
 void pack(const W* xp, int64_t s0, int64_t s1, int64_t m_from, int64_t M, int64_t K, int64_t Kp, T* tp) {
   int64_t m8 = m_from, k8 = 0;
-#ifdef __AVX2__
+#ifdef PF_LANES
   if constexpr (ks == 1 && std::is_same<T, float>::value)
     if (s1 == 1) {
       m8 = m_from + (M - m_from) / 8 * 8, k8 = K / 8 * 8;

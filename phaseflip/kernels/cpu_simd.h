@@ -24,6 +24,13 @@ namespace pf {
 
 constexpr int64_t LANES = PF_LANES;
 
+// 8 values as float32 in a 256-bit vector, which both instruction sets have (bfloat16 widened)
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const c10::BFloat16* p) {
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
 #if PF_LANES == 16
 using vf = __m512;
 inline vf zero() { return _mm512_setzero_ps(); }
@@ -56,10 +63,7 @@ using vf = __m256;
 inline vf zero() { return _mm256_setzero_ps(); }
 inline vf set1(float v) { return _mm256_set1_ps(v); }
 inline vf load(const float* p) { return _mm256_loadu_ps(p); }
-inline vf load(const c10::BFloat16* p) {
-  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-}
+inline vf load(const c10::BFloat16* p) { return load8(p); }
 inline vf broadcast(const float* p) { return _mm256_set1_ps(*p); }
 inline vf broadcast(const c10::BFloat16* p) {   // its 16 bits in every lane's top half (a 16-bit
   int16_t bits;                                 // broadcast and a mask: no scalar widening)
