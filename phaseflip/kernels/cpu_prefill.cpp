@@ -89,6 +89,8 @@ struct Rows {   // one task's query rows: tokens i0 .. i1 - 1 of the chunk, G he
   int64_t i0, i1, G, p0;   // p0: the chunk's first position (L - n)
   int64_t count() const { return (i1 - i0) * G; }
   int64_t sees(int64_t r) const { return p0 + i0 + r / G + 1; }   // positions row r attends
+  // where row r (kv head h's query head r % G of token i0 + r / G) lies in the chunk's [n, Hq, D] rows
+  int64_t at(int64_t r, int64_t h, int64_t hq, int64_t d) const { return ((i0 + r / G) * hq + h * G + r % G) * d; }
 };
 
 // One task: kv head h's G query heads of tokens rows.i0 .. i1 - 1; buf holds its float32 rows
@@ -103,7 +105,7 @@ void attend_rows(const T* q, T* out, const Context& ctx, int64_t h, const Rows& 
   float* p = s + MR * width;          // [width][MR] the same, as a panel
   float* o = p + MR * width;          // [MR, NC] one tile of the output
   for (int64_t r = 0; r < R; ++r) {
-    const T* qr = q + ((rows.i0 + r / rows.G) * hq + h * rows.G + r % rows.G) * d;
+    const T* qr = q + rows.at(r, h, hq, d);
     for (int64_t e = 0; e < d; ++e) qf[(r / MR * d + e) * MR + r % MR] = static_cast<float>(qr[e]) * scale;
   }
   for (int64_t g0 = 0; g0 < R; g0 += MR) {
@@ -118,7 +120,7 @@ void attend_rows(const T* q, T* out, const Context& ctx, int64_t h, const Rows& 
     for (int64_t e0 = 0; e0 < d; e0 += NC) {
       tile(p, ctx.v_of(h) + e0, d, seen, o, NC);
       for (int64_t r = g0; r <= last; ++r) {
-        T* dst = out + ((rows.i0 + r / rows.G) * hq + h * rows.G + r % rows.G) * d + e0;
+        T* dst = out + rows.at(r, h, hq, d) + e0;
         for (int64_t e = 0; e < NC; ++e) dst[e] = static_cast<T>(o[(r - g0) * NC + e]);
       }
     }
