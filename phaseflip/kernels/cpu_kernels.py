@@ -18,7 +18,7 @@ MAX_ROWS rows it transposes x and broadcasts each weight value over 16 rows of x
 the next weight rows fetched ahead: 8 / 16 / 32 rows of SmolLM2's layers, fp32, 27.2 / 26.2 / 43.2 ms
 against oneDNN's 34.1 / 40.4 / 59.5, bf16 15.5 / 15.6 / 27.4 against 24.3 / 26.1 / 37.3 (the same
 process, alternating; scratch gemm_k.py). Past 16 rows (AVX2) x is cut into panels of 16 rows that
-each group of weight rows meets in turn (cpu_gemv.cpp `PANEL_MB`), which holds ~155 GFLOPS on 2 Zen 3
+each group of weight rows meets in turn (cpu_wide.h `PANEL_MB`), which holds ~155 GFLOPS on 2 Zen 3
 cores (199 peak) at any row count: fp32 64 / 128 / 256 rows 86.8 / 175.2 / 351.7 ms over SmolLM2's
 30 layers against oneDNN's 122.8 / 203.3 / 367.1 (2026-12-02), so short prompt chunks take it too
 where the boot measures it faster (linear.choose_wide_forms). Dotting each weight row with each x row
@@ -65,7 +65,7 @@ import torch
 log = logging.getLogger(__name__)
 
 SOURCES = tuple(Path(__file__).with_name(name) for name in ("cpu_gemv.cpp", "cpu_decode.cpp", "cpu_prefill.cpp"))
-HEADERS = tuple(Path(__file__).with_name(name) for name in ("cpu_simd.h", "cpu_paged.h"))   # included by the sources (part of the build's key)
+HEADERS = tuple(Path(__file__).with_name(name) for name in ("cpu_simd.h", "cpu_paged.h", "cpu_wide.h"))   # included by the sources (part of the build's key)
 MAX_ROWS = 256    # the kernel's rows a pass (cpu_gemv.cpp's MAX_ROWS): more take equal passes
 # the row counts the load-time check multiplies: every one to 64 (each one-pass form, each panel width,
 # 1-4 panels), then partial and whole panels up to a pass, and two and three passes (every count to 256
