@@ -2,7 +2,9 @@
 
 Owns: StepKey and CapturedStep, and the backends that record a step:
   - "eager" / "compiled" (CPU): the recorded step is the (compiled) callable bound to the bucket's
-    buffer views; replay calls it. An eager step may instead be replayed on exact-size inputs.
+    buffer views; replay calls it (a compiled decode step as a graphs/compile.py DirectStep, which
+    calls its graph without dynamo once bound). An eager step may instead be replayed on exact-size
+    inputs.
   - "cuda": a torch.cuda.CUDAGraph captured over the same views after a warm-up, on a side stream, in
     the memory pool the caller passes (one per rank, shared by every layout's graphs).
 Replay = copy inputs into the views (the caller) + replay. A step may have variants (e.g. a decode

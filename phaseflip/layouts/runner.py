@@ -17,6 +17,7 @@ import torch
 
 from phaseflip.graphs.buffers import StaticBuffers
 from phaseflip.graphs.capture import StepKey, capture_cuda, capture_eager
+from phaseflip.graphs.compile import DirectStep
 from phaseflip.graphs.registry import GraphRegistry
 from phaseflip.kernels.linear import GEMV_ROWS
 from phaseflip.layouts.comm import NoComm, RankComm
@@ -144,6 +145,8 @@ class LayoutRunner(CompileChoice):
                 key = StepKey(self.layout, phase.value, bucket)
                 backend = self.choices.get((phase.value, bucket), "eager")
                 fn = self.compiled_steps[phase] if backend == "compiled" else self.step_fn
+                if pool is None and backend == "compiled" and phase is Phase.DECODE:
+                    fn = DirectStep(fn)   # the whole compiled step, replayed without dynamo once bound
                 fn = self._decode_fns(fn) if phase is Phase.DECODE else fn
                 if pool is not None:
                     step = capture_cuda(key, fn, self.buffers, self._sizes(sizes), pool, stream)
