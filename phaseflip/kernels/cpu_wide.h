@@ -84,7 +84,6 @@ inline void wide_rows(const W* w, int64_t ldw, const typename Wide<W>::T* xt, in
     for (int b = 0; b < MB; ++b) pf::store(out + r * Mp + b * pf::LANES, acc[r][b]);
 }
 
-#ifdef PF_LANES
 // 8 rows (s0 apart) x 8 columns of x as float32, transposed: dst[k * ld + 0..7] = column k's 8 values
 template <typename W>
 inline void transpose8(const W* x, int64_t s0, float* dst, int64_t ld) {
@@ -105,7 +104,6 @@ inline void transpose8(const W* x, int64_t s0, float* dst, int64_t ld) {
     _mm256_storeu_ps(dst + (j + 4) * ld, _mm256_permute2f128_ps(u[j], u[j + 4], 0x31));
   }
 }
-#endif
 
 // Rows m_from .. M - 1 of x [M, K] (strides s0, s1) into the panels `run` reads: 8 x 8 blocks
 // transposed in registers where the values become float32 lanes and x's rows are contiguous, the rest
@@ -116,7 +114,6 @@ inline void transpose8(const W* x, int64_t s0, float* dst, int64_t ld) {
 template <typename W, typename T, int64_t Mp, int64_t ks>
 void pack(const W* xp, int64_t s0, int64_t s1, int64_t m_from, int64_t M, int64_t K, int64_t Kp, T* tp) {
   int64_t m8 = m_from, k8 = 0;
-#ifdef PF_LANES
   if constexpr (ks == 1 && std::is_same<T, float>::value)
     if (s1 == 1) {
       m8 = m_from + (M - m_from) / 8 * 8, k8 = K / 8 * 8;
@@ -124,7 +121,6 @@ void pack(const W* xp, int64_t s0, int64_t s1, int64_t m_from, int64_t M, int64_
         for (int64_t k0 = 0; k0 < k8; k0 += 8)
           transpose8(xp + m0 * s0 + k0, s0, tp + m0 / Mp * Kp * Mp + k0 * Mp + m0 % Mp, Mp);
     }
-#endif
   const auto put = [&](int64_t m, int64_t k) {
     tp[m / Mp * Kp * Mp + (k / ks * Mp + m % Mp) * ks + k % ks] = static_cast<T>(xp[m * s0 + k * s1]);
   };
