@@ -130,15 +130,21 @@ void pack(const W* xp, int64_t s0, int64_t s1, int64_t m_from, int64_t M, int64_
     for (int64_t k = 0; k < K; ++k) put(m, k);
 }
 
-// x's rows transposed in panels of up to PANEL_MB vectors of rows: [panel][K][Mp] (bf16 pairs:
+// x's rows transposed in panels of up to panel_mb vectors of rows: [panel][K][Mp] (bf16 pairs:
 // [K/2][Mp][2]), zero beyond the last row; each group of weight rows is multiplied with every panel in
 // turn while it sits in L1/L2. AVX2: panels of 16 rows, 6 weight rows at once (2 loads of x and 6
 // broadcasts per 12 FMAs); one panel of 32 rows left room for 3 weight rows (4 loads of x per 12 FMAs,
 // 73 KiB of x per sweep of K=576), 64 rows for 1: SmolLM2's 30 layers' fp32 products at 32 / 64 rows
 // 56.4 / 178.1 ms against 43.8 / 85.5 in panels (120 / 76 GFLOPS against 155 / 159; 2 cores,
 // 2026-12-02); bf16, with its broadcast a 16-bit one and a mask (pf::broadcast), 61.5 / 113.2 -> 41.6 /
-// 81.0 (163 / 168 GFLOPS). AVX-512 (unmeasured here): 64 rows, the one panel it had when MAX_ROWS was 64.
-constexpr int PANEL_MB = pf::LANES == 16 ? 4 : 2;
+// 81.0 (163 / 168 GFLOPS). AVX-512 (Zen 4, 2 cores): float32 panels of 32 rows (72 KiB of x per sweep
+// of K=576, as AVX2's 16), not 64 (147 KiB, 4 loads of x from L2 per 16 FMAs): the 30 layers at 64 /
+// 128 / 256 / 512 rows 87.3 / 192.3 / 338.3 / 989.0 ms -> 68.5 / 143.4 / 277.5 / 596.5 (156 / 141 / 161
+// / 110 -> 199 / 190 / 196 / 182 GFLOPS; oneDNN 142 / 134 / 155 / 190), 8-32 rows within 4%; bf16 pairs
+// keep 64-row panels (the same 72 KiB): 32 / 128 rows 24.1 / 76.3 ms against 25.4 / 79.1 in 32-row
+// panels (2026-12-03; scratch wide_ab.py, one process, alternating).
+template <typename W>
+constexpr int panel_mb() { return pf::LANES == 16 && sizeof(typename Wide<W>::T) == 2 ? 4 : 2; }
 
 template <typename W, int MB>
 void run(const at::Tensor& x, const at::Tensor& w, at::Tensor& y) {
@@ -192,10 +198,10 @@ void run(const at::Tensor& x, const at::Tensor& w, at::Tensor& y) {
   });
 }
 
-// MB: the vectors of LANES rows in one panel of x's rows (1 .. PANEL_MB); more rows take more panels
+// MB: the vectors of LANES rows in one panel of x's rows (1 .. panel_mb); more rows take more panels
 template <typename W, int MB = 1>
 void dispatch(const at::Tensor& x, const at::Tensor& w, at::Tensor& y) {
-  if constexpr (MB < PANEL_MB)
+  if constexpr (MB < panel_mb<W>())
     if (x.size(0) > MB * pf::LANES) return dispatch<W, MB + 1>(x, w, y);
   run<W, MB>(x, w, y);
 }
