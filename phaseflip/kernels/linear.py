@@ -20,10 +20,9 @@ stationary form is used. Above SMALL_BATCH rows (batched decode, prompt chunks, 
 batch) the kernel's wide form is timed against the ladder's product (`choose_wide_forms`): over
 SmolLM2's 30 layers, float32, 2 Zen 3 cores, 8 / 32 / 128 / 256 / 512 rows took 31.8-36.7 / 39 / 146
 / 291 / 612 ms against oneDNN's 46.4-55.5 / 88.9 / 203 / 367 / 693 (~186 GFLOPS of the cores' 199 from
-128 rows; 2026-12-02); on a Zen 4 (AVX-512, fused projections) 64 / 128 / 256 / 512 rows 68.5 /
-143.4 / 277.5 / 596.5 ms against oneDNN's 95.6 / 202.5 / 351.3 / 573.5 (2026-12-03); unmeasured, the ladder. The plain weight is used as it lies in the
-arena (no packed copy: a flip refills the arena in place). CUDA tensors take F.linear; traced CPU
-code: `_traced_cpu_linear`.
+128 rows; 2026-12-02; a Zen 4's AVX-512 timings are in cpu_wide.h); unmeasured, the ladder. The plain
+weight is used as it lies in the arena (no packed copy: a flip refills the arena in place). CUDA
+tensors take F.linear; traced CPU code: `_traced_cpu_linear`.
 """
 from __future__ import annotations
 
