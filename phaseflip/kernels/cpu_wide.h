@@ -138,7 +138,7 @@ void pack(const W* xp, int64_t s0, int64_t s1, int64_t m_from, int64_t M, int64_
 // 56.4 / 178.1 ms against 43.8 / 85.5 in panels (120 / 76 GFLOPS against 155 / 159; 2 cores,
 // 2026-12-02); bf16, with its broadcast a 16-bit one and a mask (pf::broadcast), 61.5 / 113.2 -> 41.6 /
 // 81.0 (163 / 168 GFLOPS). AVX-512 (Zen 4, 2 cores): float32 panels of 32 rows (72 KiB of x per sweep
-// of K=576, as AVX2's 16), not 64 (147 KiB, 4 loads of x from L2 per 16 FMAs): the 30 layers at 64 /
+// of K=576; AVX2's 16 are 36 KiB), not 64 (147 KiB, 4 loads of x from L2 per 16 FMAs): the 30 layers at 64 /
 // 128 / 256 / 512 rows 87.3 / 192.3 / 338.3 / 989.0 ms -> 68.5 / 143.4 / 277.5 / 596.5 (156 / 141 / 161
 // / 110 -> 199 / 190 / 196 / 182 GFLOPS; oneDNN 142 / 134 / 155 / 190), 8-32 rows within 4%; bf16 pairs
 // keep 64-row panels (the same 72 KiB): 32 / 128 rows 24.1 / 76.3 ms against 25.4 / 79.1 in 32-row
