@@ -148,19 +148,23 @@ void attend_loops(const float* qf, T* out, const Cache& c, const int64_t* table,
   for (int64_t i = 0; i < G * d; ++i) out[i] = static_cast<T>(acc[i]);
 }
 
+}  // namespace
+
+namespace paged {
+
 // The blocks holding a sequence's L positions, each one of the cache's
 void check_table(const int64_t* table, int64_t L, int64_t width, const Cache& c) {
-  TORCH_CHECK((L + c.block_size - 1) / c.block_size <= width, "decode_attention: ", L,
+  TORCH_CHECK((L + c.block_size - 1) / c.block_size <= width, "paged KV: ", L,
               " positions need more blocks than the table's ", width);
   for (int64_t b = 0; b * c.block_size < L; ++b)
-    TORCH_CHECK(table[b] >= 0 && table[b] < c.num_blocks, "decode_attention: block id ", table[b], " outside 0..",
+    TORCH_CHECK(table[b] >= 0 && table[b] < c.num_blocks, "paged KV: block id ", table[b], " outside 0..",
                 c.num_blocks - 1);
 }
 
 // One sequence's G query heads of kv head h over its L cached positions: scores, softmax, weighted V.
 // Two passes over the context, K then V, each row read once for all G heads; sums in float32.
 template <typename T>
-void attend_one(const T* q /* [G, D] */, T* out /* [G, D] */, const Cache& c, const int64_t* table, int64_t L,
+void attend_token(const T* q /* [G, D] */, T* out /* [G, D] */, const Cache& c, const int64_t* table, int64_t L,
                 int64_t h, int64_t G, int64_t d, float scale, std::vector<float>& buf) {
   buf.resize(G * (L + 2 * d));
   float* scores = buf.data();                 // [G, L]
@@ -183,6 +187,18 @@ void attend_one(const T* q /* [G, D] */, T* out /* [G, D] */, const Cache& c, co
   attend_loops<T>(qf, out, c, table, L, h, G, d, scores, acc);
 }
 
+template void attend_token<float>(const float*, float*, const Cache&, const int64_t*, int64_t, int64_t, int64_t,
+                                  int64_t, float, std::vector<float>&);
+template void attend_token<c10::BFloat16>(const c10::BFloat16*, c10::BFloat16*, const Cache&, const int64_t*, int64_t,
+                                          int64_t, int64_t, int64_t, float, std::vector<float>&);
+
+}  // namespace paged
+
+namespace {
+
+using paged::attend_token;
+using paged::check_table;
+
 template <typename T>
 void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const Cache& c, const at::Tensor& slots,
          const at::Tensor& tables, const at::Tensor& lens, const at::Tensor& starts, double scale, at::Tensor& out) {
@@ -201,7 +217,7 @@ void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const Ca
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t s = i / hkv, h = i % hkv, L = lp[s], t = sp[s];
       if (L <= 0 || sp[s + 1] - t != 1 || t >= T_) continue;   // a padding sequence: its rows stay zero
-      attend_one<T>(qp + (t * hq + h * G) * d, op + (t * hq + h * G) * d, c, tp + s * B, L, h, G, d,
+      attend_token<T>(qp + (t * hq + h * G) * d, op + (t * hq + h * G) * d, c, tp + s * B, L, h, G, d,
                     static_cast<float>(scale), buf);
     }
   });

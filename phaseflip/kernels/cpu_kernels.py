@@ -1,11 +1,12 @@
-"""The CPU kernels of our own (cpu_gemv.cpp, cpu_decode.cpp, cpu_prefill.cpp): built for this machine on
-first use, loaded as torch ops.
+"""The CPU kernels of our own (cpu_gemv.cpp, cpu_decode.cpp, cpu_prefill.cpp, cpu_layer.cpp): built for
+this machine on first use, loaded as torch ops.
 
 Owns: `few_rows_op` (`phaseflip_cpu::few_rows_linear`), `decode_attention_op`
 (`phaseflip_cpu::decode_attention`), `paged_attention_op` (`phaseflip_cpu::paged_attention`: the decode
-kernel in front of phaseflip::paged_attention, for compiled CPU steps), each None where the kernels
-cannot be built or give a wrong answer, and `kernel_report` (whether they are there, why not, where
-they live, what the build cost).
+kernel in front of phaseflip::paged_attention, for compiled CPU steps), `decode_layers_op`
+(`phaseflip_cpu::decode_layers`: one token through the decoder layers, kernels/fused_layer.py), each
+None where the kernels cannot be built or give a wrong answer, and `kernel_report` (whether they are
+there, why not, where they live, what the build cost).
 
 Why a few-rows product of our own: a decode step's projections multiply one to four rows by every weight,
 a pass over the whole model that should run at the memory's read speed. Neither the library's GEMM
@@ -64,8 +65,8 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SOURCES = tuple(Path(__file__).with_name(name) for name in ("cpu_gemv.cpp", "cpu_decode.cpp", "cpu_prefill.cpp"))
-HEADERS = tuple(Path(__file__).with_name(name) for name in ("cpu_simd.h", "cpu_paged.h", "cpu_wide.h"))   # included by the sources (part of the build's key)
+SOURCES = tuple(Path(__file__).with_name(name) for name in ("cpu_gemv.cpp", "cpu_decode.cpp", "cpu_prefill.cpp", "cpu_layer.cpp"))
+HEADERS = tuple(Path(__file__).with_name(name) for name in ("cpu_simd.h", "cpu_dot.h", "cpu_paged.h", "cpu_wide.h"))   # included by the sources (part of the build's key)
 MAX_ROWS = 256    # the kernel's rows a pass (cpu_gemv.cpp's MAX_ROWS): more take equal passes
 # the row counts the load-time check multiplies: every one to 64 (each one-pass form, each panel width,
 # 1-4 panels), then partial and whole panels up to a pass, and two and three passes (every count to 256
@@ -91,6 +92,12 @@ def paged_attention_op():
     """torch.ops.phaseflip_cpu.paged_attention (phaseflip::paged_attention's schema and contract, the
     decode kernel first); None where the kernels are not here (kernel_report)."""
     return torch.ops.phaseflip_cpu.paged_attention if _loaded() else None
+
+
+def decode_layers_op():
+    """torch.ops.phaseflip_cpu.decode_layers (cpu_layer.cpp: one token through a stack of decoder
+    layers); None where the kernels are not here (kernel_report)."""
+    return torch.ops.phaseflip_cpu.decode_layers if _loaded() else None
 
 
 def _loaded() -> bool:

@@ -1,11 +1,12 @@
 // One layer's paged KV cache as the CPU attention kernels read it (cpu_decode.cpp: one query token a
-// sequence; cpu_prefill.cpp: prompt chunks), and what both need: a row's address, a row-wise softmax,
-// and the chunk kernel's entry points.
+// sequence; cpu_prefill.cpp: prompt chunks; cpu_layer.cpp: a whole one-token decoder layer), and what
+// they share: a row's address, a row-wise softmax, the table check and the kernels' entry points.
 #pragma once
 #include <c10/util/BFloat16.h>
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <vector>
 #include "cpu_simd.h"
 
 namespace paged {
@@ -48,6 +49,15 @@ inline void softmax_rows(float* scores, int64_t G, int64_t L, int64_t stride) {
     for (int64_t i = 0; i < L; ++i) sg[i] *= inv;
   }
 }
+
+// The blocks holding a sequence's L positions, each one of the cache's (a TORCH_CHECK otherwise)
+void check_table(const int64_t* table, int64_t L, int64_t width, const Cache& c);
+
+// One query token's G heads (those of kv head h) over a sequence's L cached positions, already stored:
+// scores, softmax, weighted V, sums in float32 (cpu_decode.cpp). buf: the caller's scratch.
+template <typename T>
+void attend_token(const T* q /* [G, D] */, T* out /* [G, D] */, const Cache& c, const int64_t* table, int64_t L,
+                  int64_t h, int64_t G, int64_t d, float scale, std::vector<float>& buf);
 
 // Whether attend_chunk serves head size d on this build (its vector tiles need d a multiple of them)
 bool chunk_served(int64_t d);

@@ -41,8 +41,10 @@ class CompileChoice:
         runs compiled. "auto" on the CPU: the decode step at 1 and 2 rows and at its largest bucket, and
         the prefill role at its smallest bucket, keep the compiled step only where it is measured
         faster than eager; a bucket between takes the choice of the largest (they share its dynamic
-        graph). "auto" on CUDA: every bucket is measured as CUDA graphs at capture (_choose_by_replay).
-        Every choice is reported with the numbers it was made from."""
+        graph). At 1 row the eager step runs the fused layers where they serve (kernels/fused_layer.py),
+        so there this sets inductor's step against the hand-written one. "auto" on CUDA: every bucket is
+        measured as CUDA graphs at capture (_choose_by_replay). Every choice is reported with the
+        numbers it was made from."""
         if mode == "off":
             for phase in Phase:
                 self.compile_report[phase.value] = {"choice": "eager", "reason": "compile='off'"}

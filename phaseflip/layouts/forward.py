@@ -13,6 +13,7 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
+from phaseflip.kernels import fused_layer
 from phaseflip.kernels.attention import attend
 from phaseflip.kernels.dispatch import add_rms_norm, apply_rotary, rms_norm, silu_and_mul
 from phaseflip.kernels.linear import linear
@@ -82,8 +83,12 @@ def forward(w: RankWeights, cfg: ModelConfig, shard: RankShard, meta: dict[str, 
     residual = embed(w, shard, meta["input_ids"], comm) if shard.has_embed else hidden_in  # [T, H]
     cos_sin = rope_table[meta["positions"]]                          # [T, D]
     delta = None  # the last block's output, not yet added to the residual stream (fused add + norm)
-    for i, lw in enumerate(w.layers):
-        delta, residual = layer_fn(lw, cfg, shard, delta, residual, meta, kv, i, cos_sin, comm)
+    if w.layers and fused_layer.serves(residual, shard.tp_size, kv.tensor, meta["block_tables"]):
+        delta, residual = fused_layer.decoder_layers(w.layers, cfg.rms_norm_eps, cfg.head_dim ** -0.5, residual,
+                                                     meta, kv.tensor, cos_sin)   # one token, every layer, one call
+    else:
+        for i, lw in enumerate(w.layers):
+            delta, residual = layer_fn(lw, cfg, shard, delta, residual, meta, kv, i, cos_sin, comm)
     if shard.has_head:
         return _add_norm(delta, residual, w.norm, cfg.rms_norm_eps)[0]
     return residual if delta is None else residual + delta

@@ -18,7 +18,7 @@ import torch
 from phaseflip.graphs.buffers import BufferSpec, StaticBuffers
 from phaseflip.graphs.compile import use_cache_dir
 from phaseflip.graphs.registry import GraphRegistry
-from phaseflip.kernels import linear
+from phaseflip.kernels import fused_layer, linear
 from phaseflip.kernels.rotary import cos_sin_table
 from phaseflip.layouts.arena import WeightArena, allocate_arena, arena_bases, image_slots, pack_image
 from phaseflip.layouts.comm import break_graphs_at_collectives
@@ -213,6 +213,9 @@ class RankRuntime:
                     runner.compile_report["wide_rows"] = linear.choose_wide_forms(weights)
                     if boot.compile != "off" and runner.weights.layers:
                         runner.compile_report["gemv"] = linear.choose_gemv(runner.layer_projections())
+                    if runner.weights.layers:
+                        runner.compile_report["fused_layers"] = fused_layer.report(
+                            runner.weights.layers[0].qkv_proj.dtype, runner.shard.tp_size)
             with self._timed(f"compile:{name}"), _rss_growth() as grown:
                 runner.prepare_compiled(boot.compile, cuda)
             self.compile_bytes = _add(self.compile_bytes, grown)

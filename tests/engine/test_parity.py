@@ -10,6 +10,7 @@ import random
 import pytest
 
 from phaseflip import LLM, SamplingParams
+from phaseflip.kernels import cpu_kernels, fused_layer, linear
 from tests.models import compare_greedy, hf_greedy
 
 NEW_TOKENS = 32
@@ -75,3 +76,32 @@ def test_smollm2_matches_hf(smollm_reference, variant):
     ok, ties, msg = compare_greedy(ours, ref)
     print(f"\n[parity] smollm2/{variant}: {msg}")
     assert ok, msg
+
+
+@pytest.fixture
+def fused_forced(monkeypatch) -> list:
+    """Batch-1 steps through the fused layers (kernels/fused_layer.py) whatever the boot measured (a tiny
+    model's one-row products may measure faster in another form); the list counts the fused calls."""
+    if cpu_kernels.decode_layers_op() is None:
+        pytest.skip(f"no CPU kernels here: {cpu_kernels.kernel_report()['reason']}")
+    calls, run = [], fused_layer.decoder_layers
+    monkeypatch.setattr(linear, "one_row_kernel", lambda dtype: True)
+    monkeypatch.setattr(fused_layer, "decoder_layers", lambda *a: calls.append(1) or run(*a))
+    return calls
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3"])
+def test_fused_layers_match_hf(references, kind, fused_forced):
+    model_dir, prompts, ref = references(kind)
+    ok, ties, msg = compare_greedy(run_engine(model_dir, prompts, "alone"), ref)
+    print(f"\n[parity] {kind}/fused: {msg}")
+    assert ok, msg
+    assert len(fused_forced) >= len(prompts) * (NEW_TOKENS - 1), "batch-1 decode steps ran fused"
+
+
+def test_smollm2_fused_layers_match_hf(smollm_reference, fused_forced):
+    model_dir, prompts, ref = smollm_reference
+    ok, ties, msg = compare_greedy(run_engine(model_dir, prompts, "alone", max_model_len=512), ref)
+    print(f"\n[parity] smollm2/fused: {msg}")
+    assert ok, msg
+    assert len(fused_forced) >= len(prompts) * (NEW_TOKENS - 1), "batch-1 decode steps ran fused"

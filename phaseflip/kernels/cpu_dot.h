@@ -1,0 +1,96 @@
+// The dot product of one weight row with up to a few rows of x, and a range of weight rows so dotted
+// (`gemv_range`): what the few-rows product (cpu_gemv.cpp) and the one-token decoder layer
+// (cpu_layer.cpp) stream the weights through. float32 or bfloat16 weights; x float32, or bfloat16 where
+// the CPU's bf16 pair-dot instruction serves (Lanes<W>::X); sums in float32.
+#pragma once
+#include <c10/util/BFloat16.h>
+#include <cstdint>
+#include "cpu_simd.h"
+
+namespace dot {
+#ifdef PF_LANES
+// One lane step of a dot product: LANES float32 products (bfloat16 weights widened), or, with the CPU's
+// bf16 dot instruction (AVX512_BF16), 32 bfloat16 pairs multiplied and summed by it; `fma_n` for the
+// last n < step values of a row.
+template <typename W> struct Lanes {
+  using X = float;  // what x is held as
+  static constexpr int64_t step = pf::LANES;
+  static pf::vf fma(pf::vf acc, const W* w, const float* x) { return pf::fma(pf::load(w), pf::load(x), acc); }
+  static pf::vf fma_n(pf::vf acc, const W* w, const float* x, int64_t n) {
+    return pf::fma(pf::load_n(w, n), pf::load_n(x, n), acc);
+  }
+};
+#ifdef PF_BF16_DOT
+template <> struct Lanes<c10::BFloat16> {
+  using X = c10::BFloat16;
+  static constexpr int64_t step = 32;
+  static __m512 fma_n(__m512 acc, const X* w, const X* x, int64_t n) {
+    const __mmask32 m = n >= 32 ? (__mmask32)0xFFFFFFFFu : (__mmask32)((1ull << n) - 1);
+    return _mm512_dpbf16_ps(acc, (__m512bh)_mm512_maskz_loadu_epi16(m, w), (__m512bh)_mm512_maskz_loadu_epi16(m, x));
+  }
+  static __m512 fma(__m512 acc, const X* w, const X* x) { return fma_n(acc, w, x, step); }
+};
+#endif
+
+// Independent sums per row of x: 2 with AVX-512's 32 registers; with AVX2's 16 registers of 8 lanes, 4
+// for up to 2 rows (an FMA's latency over its issue rate wants 8 in flight), else 2 (no spill)
+constexpr int dot_unroll(int m) { return pf::LANES == 16 || m > 2 ? 2 : 4; }
+
+// out[m] = sum_k w[k] * x[m][k]: one weight row read front to back (a single memory stream: 2, 4 or 8
+// rows read side by side measured 1.2-1.6x slower, software prefetch no faster), dot_unroll(M)
+// independent accumulators per row of x (one chain of dependent FMAs measured slower, four no faster
+// with AVX-512). Those comparisons predate the unroll pragmas: without them GCC kept acc[][] on the
+// stack, a store and a reload around every FMA (bf16 rows in cache at 41-46 GB/s, 78-111 with them)
+template <typename W, int M>
+inline void row_dot(const W* w, const typename Lanes<W>::X* x, int64_t K, float* out) {
+  using L = Lanes<W>;
+  constexpr int U = dot_unroll(M);
+  pf::vf acc[M][U];
+#pragma GCC unroll 8
+  for (int m = 0; m < M; ++m)
+#pragma GCC unroll 8
+    for (int u = 0; u < U; ++u) acc[m][u] = pf::zero();
+  int64_t k = 0;
+  for (; k + U * L::step <= K; k += U * L::step) {
+#pragma GCC unroll 8
+    for (int u = 0; u < U; ++u)
+#pragma GCC unroll 8
+      for (int m = 0; m < M; ++m) acc[m][u] = L::fma(acc[m][u], w + k + u * L::step, x + m * K + k + u * L::step);
+  }
+  for (; k + L::step <= K; k += L::step)
+#pragma GCC unroll 8
+    for (int m = 0; m < M; ++m) acc[m][0] = L::fma(acc[m][0], w + k, x + m * K + k);
+  if (k < K)
+#pragma GCC unroll 8
+    for (int m = 0; m < M; ++m) acc[m][0] = L::fma_n(acc[m][0], w + k, x + m * K + k, K - k);
+#pragma GCC unroll 8
+  for (int m = 0; m < M; ++m) {
+#pragma GCC unroll 8
+    for (int u = 1; u < U; ++u) acc[m][0] = pf::add(acc[m][0], acc[m][u]);
+    out[m] = pf::sum(acc[m][0]);
+  }
+}
+#else
+template <typename W> struct Lanes { using X = float; };
+
+template <typename W, int M>
+inline void row_dot(const W* w, const float* x, int64_t K, float* out) {
+  for (int m = 0; m < M; ++m) {
+    float s = 0.f;
+    for (int64_t k = 0; k < K; ++k) s += static_cast<float>(w[k]) * x[m * K + k];
+    out[m] = s;
+  }
+}
+#endif
+
+template <typename W, int M>
+void gemv_range(const W* w, int64_t ldw, const typename Lanes<W>::X* x, int64_t K, W* y, int64_t N, int64_t n0,
+                int64_t n1) {
+  float part[M];
+  for (int64_t n = n0; n < n1; ++n) {
+    row_dot<W, M>(w + n * ldw, x, K, part);
+    for (int m = 0; m < M; ++m) y[m * N + n] = static_cast<W>(part[m]);
+  }
+}
+
+}  // namespace dot

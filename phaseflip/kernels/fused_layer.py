@@ -1,0 +1,62 @@
+"""The decoder layers of a one-token step as one C++ call on the CPU (cpu_layer.cpp), and when a step
+takes it.
+
+Owns: `serves` (whether forward's layers run as that call), `decoder_layers` (the call in forward.py's
+terms) and `report` (what a boot says about it).
+
+Why: a batch-1 decode step streams every weight once, so it should run at the memory's read speed. As
+~8 operators a layer, inductor's or eager ones, its two threads met at a join after each and the main
+thread's dispatch ran alone between them: the replayed compiled step ran at 0.70-0.87 of a torch.sum over
+the same bytes while its products alone streamed at ~0.95 of it (SmolLM2 fp32, 2 Zen 4 cores,
+2026-12-03). The fused call runs every layer in one parallel region with a barrier between phases.
+
+When: eager steps only, one token of one sequence, the whole layer on this rank (no tensor-parallel
+partial sums to reduce between its phases), float32 or bfloat16, where the few-rows kernel built and
+the boot did not measure another one-row product faster (its products are the kernel's row dot). A
+compiled step traces the layers for inductor instead, so compile="auto"'s boot measurement of the
+batch-1 bucket (compiled against eager, layouts/compile_choice.py) sets inductor's step against this
+one and keeps the faster; compile="on" runs inductor's, compile="off" this one.
+"""
+from __future__ import annotations
+
+import torch
+
+from phaseflip.kernels import cpu_kernels, linear
+
+DTYPES = (torch.float32, torch.bfloat16)
+
+
+def serves(residual: torch.Tensor, tp_size: int, kv_cache: torch.Tensor, block_tables: torch.Tensor) -> bool:
+    """Whether forward's layers run as one decode_layers call (see the module's "When")."""
+    if residual.is_cuda or torch.compiler.is_compiling() or tp_size != 1 or residual.dtype not in DTYPES:
+        return False
+    if residual.shape[0] != 1 or block_tables.shape[0] != 1 or kv_cache.dim() != 6:
+        return False
+    return linear.one_row_kernel(residual.dtype) and cpu_kernels.decode_layers_op() is not None
+
+
+def decoder_layers(layers: list, eps: float, scale: float, residual: torch.Tensor, meta: dict[str, torch.Tensor],
+                   kv_cache: torch.Tensor, cos_sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """forward's loop of decoder_layer over `layers` for one token: (the last MLP's output, the residual
+    stream before it), each layer's K/V of the token stored at meta["slot_mapping"] (layer i of the
+    list in layer i of kv_cache)."""
+    def each(name: str) -> list[torch.Tensor]:
+        return [t for t in (getattr(lw, name) for lw in layers) if t is not None]
+    return cpu_kernels.decode_layers_op()(
+        None, residual, each("input_layernorm"), each("qkv_proj"), each("qkv_bias"), each("q_norm"), each("k_norm"),
+        each("o_proj"), each("post_attention_layernorm"), each("gate_up_proj"), each("down_proj"), kv_cache,
+        meta["slot_mapping"], meta["block_tables"], meta["seq_lens"], cos_sin, eps, scale)
+
+
+def report(dtype: torch.dtype, tp_size: int) -> dict:
+    """Whether this rank's eager batch-1 steps run the fused layers, and why not where they do not."""
+    reason = None
+    if tp_size != 1:
+        reason = f"layers split over {tp_size} ranks (partial sums reduced between phases)"
+    elif dtype not in DTYPES:
+        reason = f"{dtype} (float32 and bfloat16 only)"
+    elif cpu_kernels.decode_layers_op() is None:
+        reason = f"no kernels: {cpu_kernels.kernel_report()['reason']}"
+    elif not linear.one_row_kernel(dtype):
+        reason = f"the boot measured one-row products faster as {linear.small_form(1, dtype)!r} than the kernel"
+    return {"choice": "operators" if reason else "fused layers", "reason": reason}
