@@ -1,12 +1,13 @@
 // A one-token forward through a stack of decoder layers on the CPU (a batch-1 decode step's layers) in
 // ONE parallel region: forward.py's decoder_layer at T == 1, layer after layer, written as phases with a
 // barrier between them instead of an operator (and a fork and join of torch's threads) each. A layer's
-// phases: residual add + RMSNorm; the qkv product (rows split over the threads); per kv head: q/k norms
-// (Qwen3), rotary, the K/V store and the attention over the paged cache (cpu_decode.cpp's
-// attend_token); the o product; residual add + RMSNorm; gate and up products with SiLU-and-mul on each
-// thread's own rows; the down product. Each product streams its weight once through cpu_dot.h's row
-// dot. Values are rounded to the weights' dtype where the reference's operators round (kernels/norm.py,
-// rotary.py, activation.py): bfloat16 gives eager torch's values, float32 is unaffected.
+// phases: residual add + RMSNorm; the qkv product (rows split over the threads); per kv head: k norm
+// (Qwen3), rotary and the K/V store; per query head: q norm, rotary and the attention over the paged
+// cache (cpu_decode.cpp's attend_token); the o product; residual add + RMSNorm; gate and up products
+// with SiLU-and-mul on each thread's own rows; the down product. Each product streams its weight once
+// through cpu_dot.h's row dot. Values are rounded to the weights' dtype where the reference's operators
+// round (kernels/norm.py, rotary.py, activation.py): bfloat16 gives eager torch's values, float32 is
+// unaffected.
 // Why: at batch 1 the weights stream at the memory's speed, but between ~8 operators a layer the two
 // threads met at every join and the main thread's dispatch ran alone; one call a layer still left ~40 us
 // a layer outside the region (SmolLM2 fp32, 2 Zen 4 cores, 2026-12-03). Built and loaded by
@@ -99,31 +100,43 @@ struct Token {   // where the token's K/V go and what it attends
   const float* cos_sin;       // [D]
 };
 
-// Kv head h of the token: q/k norms, rotary, the K/V store at the token's slot, then its G query heads
-// attend the ctx cached positions (zeros where ctx <= 0, as cpu_decode.cpp gives a padding token)
+// Kv head h of the token: k norm (Qwen3), rotary, and the K/V store at the token's slot
 template <typename W>
-void attend_head(const Weights<W>& w, const Dims& n, const paged::Cache& c, const Token& tok, float eps,
-                 float scale, Scratch<W>& s, int64_t h, std::vector<float>& buf) {
-  const int64_t d = n.d, G = n.hq / n.hkv;
+void store_head(const Weights<W>& w, const Dims& n, const paged::Cache& c, const Token& tok, float eps,
+                Scratch<W>& s, int64_t h) {
+  const int64_t d = n.d;
   W* k = s.qkv.data() + (n.hq + h) * d;
   const W* v = s.qkv.data() + (n.hq + n.hkv + h) * d;
-  for (int64_t g = h * G; g < (h + 1) * G; ++g) {
+  if (w.k_norm) head_norm(k, w.k_norm, d, eps);
+  if (tok.slot < 0) return;
+  const int64_t block = tok.slot / c.block_size, off = tok.slot % c.block_size;
+  rotate(k, paged::row<W>(c, block, off, h, 0), tok.cos_sin, d);
+  std::copy_n(v, d, paged::row<W>(c, block, off, h, 1));
+}
+
+// Query heads [g0, g1) of the token (stored K/V): q norm (Qwen3), rotary, then each run of them that
+// shares a kv head attends the ctx cached positions in one pass over its K and V (zeros where ctx <= 0,
+// as cpu_decode.cpp gives a padding token). Split by query heads, not kv heads: SmolLM2's 3 kv heads on
+// 2 threads left one thread with twice the other's attention
+template <typename W>
+void attend_heads(const Weights<W>& w, const Dims& n, const paged::Cache& c, const Token& tok, float eps,
+                  float scale, Scratch<W>& s, int64_t g0, int64_t g1, std::vector<float>& buf) {
+  const int64_t d = n.d, G = n.hq / n.hkv;
+  for (int64_t g = g0; g < g1; ++g) {
     W* qg = s.qkv.data() + g * d;
     if (w.q_norm) head_norm(qg, w.q_norm, d, eps);
     rotate(qg, s.q.data() + g * d, tok.cos_sin, d);
   }
-  if (w.k_norm) head_norm(k, w.k_norm, d, eps);
-  if (tok.slot >= 0) {
-    const int64_t block = tok.slot / c.block_size, off = tok.slot % c.block_size;
-    rotate(k, paged::row<W>(c, block, off, h, 0), tok.cos_sin, d);
-    std::copy_n(v, d, paged::row<W>(c, block, off, h, 1));
+  for (int64_t g = g0; g < g1;) {
+    const int64_t h = g / G, end = std::min(g1, (h + 1) * G);
+    W* out = s.attn.data() + g * d;
+    if (tok.ctx > 0)
+      paged::attend_token<W>(s.q.data() + g * d, out, c, tok.table, tok.ctx, h, end - g, d, scale, buf);
+    else
+      std::fill_n(out, (end - g) * d, static_cast<W>(0.f));
+    for (int64_t i = 0; i < (end - g) * d; ++i) s.attn_x[g * d + i] = static_cast<typename Scratch<W>::X>(out[i]);
+    g = end;
   }
-  W* out = s.attn.data() + h * G * d;
-  if (tok.ctx > 0)
-    paged::attend_token<W>(s.q.data() + h * G * d, out, c, tok.table, tok.ctx, h, G, d, scale, buf);
-  else
-    std::fill_n(out, G * d, static_cast<W>(0.f));
-  for (int64_t i = 0; i < G * d; ++i) s.attn_x[h * G * d + i] = static_cast<typename Scratch<W>::X>(out[i]);
 }
 
 // The layers in order: delta (nullptr: none yet) and resid in; delta_out (the last MLP's output) and
@@ -150,7 +163,10 @@ void layers(const std::vector<Weights<W>>& ws, const Dims& n, const W* delta, co
         for (int64_t i = n0; i < n1; ++i)
           s.qkv[i] = static_cast<W>(static_cast<float>(s.qkv[i]) + static_cast<float>(w.qkv_b[i]));
 #pragma omp barrier
-      for (int64_t h = t; h < n.hkv; h += nt) attend_head(w, n, caches[l], tok, eps, scale, s, h, buf);
+      for (int64_t h = t; h < n.hkv; h += nt) store_head(w, n, caches[l], tok, eps, s, h);
+#pragma omp barrier
+      share(n.hq, t, nt, n0, n1);
+      attend_heads(w, n, caches[l], tok, eps, scale, s, n0, n1, buf);
 #pragma omp barrier
       share(n.H, t, nt, n0, n1);
       dot::gemv_range<W, 1>(w.o, w.ld_o, s.attn_x.data(), n.hq * n.d, s.o.data(), n.H, n0, n1);
