@@ -193,7 +193,20 @@ def boot(model: Path, dtype: str, threads: int, compile_mode: str | None, work: 
               enable_prefix_caching=False, **kw)
     for prompts, n in (([work["decode"]], 8), ([work["prefill"][max(PROMPT_LENS)]], 2), (work["batch"], 2)):
         _timed(llm, prompts, n)  # warm-up: every step shape the rounds use
+    _log_batch1(llm)
     return llm
+
+
+def _log_batch1(llm: LLM) -> None:
+    """What the boot chose for batch-1 decode and the numbers it chose from (the fused layers run eager)."""
+    for rank in llm.inspect()["ranks"]:
+        for layout, report in rank["compile"].items():
+            buckets = report.get("decode", {}).get("buckets", {})
+            one = buckets.get(1, buckets.get("1", {}))
+            fused = report.get("fused_layers", {})
+            _log(f"rank {rank['rank']} {layout}: batch-1 decode {one.get('choice')} (compiled "
+                 f"{one.get('compiled_ms')} ms, eager {one.get('eager_ms')} ms); eager layers: "
+                 f"{fused.get('choice')}{' (' + fused['reason'] + ')' if fused.get('reason') else ''}")
 
 
 def step_decode(o: dict, llms: dict, ggufs: dict, work: dict, outtype: str) -> dict[str, tuple]:
