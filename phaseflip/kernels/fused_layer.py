@@ -11,8 +11,8 @@ the same bytes while its products alone streamed at ~0.95 of it (SmolLM2 fp32, 2
 2026-12-03). The fused call runs every layer in one parallel region with a barrier between phases.
 
 When: eager steps only, one token of one sequence, the whole layer on this rank (no tensor-parallel
-partial sums to reduce between its phases), float32 or bfloat16, where the few-rows kernel built and
-the boot did not measure another one-row product faster (its products are the kernel's row dot). A
+partial sums to reduce between its phases), float32 or bfloat16, where the boot measured the few-rows
+kernel the fastest one-row product (the fused products are its row dot). A
 compiled step traces the layers for inductor instead, so compile="auto"'s boot measurement of the
 batch-1 bucket (compiled against eager, layouts/compile_choice.py) sets inductor's step against this
 one and keeps the faster; compile="on" runs inductor's, compile="off" this one.
@@ -28,11 +28,9 @@ DTYPES = (torch.float32, torch.bfloat16)
 
 def serves(residual: torch.Tensor, tp_size: int, kv_cache: torch.Tensor, block_tables: torch.Tensor) -> bool:
     """Whether forward's layers run as one decode_layers call (see the module's "When")."""
-    if residual.is_cuda or torch.compiler.is_compiling() or tp_size != 1 or residual.dtype not in DTYPES:
+    if residual.is_cuda or torch.compiler.is_compiling() or kv_cache.dim() != 6:
         return False
-    if residual.shape[0] != 1 or block_tables.shape[0] != 1 or kv_cache.dim() != 6:
-        return False
-    return linear.one_row_kernel(residual.dtype) and cpu_kernels.decode_layers_op() is not None
+    return residual.shape[0] == 1 and block_tables.shape[0] == 1 and _why_not(residual.dtype, tp_size) is None
 
 
 def decoder_layers(layers: list, eps: float, scale: float, residual: torch.Tensor, meta: dict[str, torch.Tensor],
@@ -50,13 +48,19 @@ def decoder_layers(layers: list, eps: float, scale: float, residual: torch.Tenso
 
 def report(dtype: torch.dtype, tp_size: int) -> dict:
     """Whether this rank's eager batch-1 steps run the fused layers, and why not where they do not."""
-    reason = None
-    if tp_size != 1:
-        reason = f"layers split over {tp_size} ranks (partial sums reduced between phases)"
-    elif dtype not in DTYPES:
-        reason = f"{dtype} (float32 and bfloat16 only)"
-    elif cpu_kernels.decode_layers_op() is None:
-        reason = f"no kernels: {cpu_kernels.kernel_report()['reason']}"
-    elif not linear.one_row_kernel(dtype):
-        reason = f"the boot measured one-row products faster as {linear.small_form(1, dtype)!r} than the kernel"
+    reason = _why_not(dtype, tp_size)
     return {"choice": "operators" if reason else "fused layers", "reason": reason}
+
+
+def _why_not(dtype: torch.dtype, tp_size: int) -> str | None:
+    """Why one token's steps of this dtype on a rank of tp_size do not run fused (None: they do)."""
+    if tp_size != 1:
+        return f"layers split over {tp_size} ranks (partial sums reduced between phases)"
+    if dtype not in DTYPES:
+        return f"{dtype} (float32 and bfloat16 only)"
+    if cpu_kernels.decode_layers_op() is None:
+        return f"no kernels: {cpu_kernels.kernel_report()['reason']}"
+    if linear.small_form(1, dtype) != "kernel":   # the fused products are the kernel's row dot
+        return (f"one-row products take {linear.small_form(1, dtype)!r}, not the few-rows kernel (the boot's "
+                "measurement; unmeasured: 'stationary')")
+    return None

@@ -264,14 +264,6 @@ def small_form(m: int, dtype: torch.dtype) -> str:
     return form if _form_serves(form, dtype) else "stationary"
 
 
-def one_row_kernel(dtype: torch.dtype) -> bool:
-    """Whether one-row products take the few-rows kernel: the boot measured it fastest, or nothing was
-    measured and the kernel serves dtype (kernels/fused_layer.py runs its row dot)."""
-    report = _small_reports.get(dtype)
-    form = "kernel" if report is None else report["forms"][1]
-    return form == "kernel" and _form_serves(form, dtype)
-
-
 def _form_serves(form: str, dtype: torch.dtype) -> bool:
     """Whether a small-rows form can run for dtype: oneDNN where this build has the op and for float32
     alone (its ladder is built for that); the kernel where it built and for the dtypes it reads."""

@@ -10,7 +10,7 @@ import random
 import pytest
 
 from phaseflip import LLM, SamplingParams
-from phaseflip.kernels import cpu_kernels, fused_layer, linear
+from phaseflip.kernels import cpu_kernels, fused_layer
 from tests.models import compare_greedy, hf_greedy
 
 NEW_TOKENS = 32
@@ -85,7 +85,7 @@ def fused_forced(monkeypatch) -> list:
     if cpu_kernels.decode_layers_op() is None:
         pytest.skip(f"no CPU kernels here: {cpu_kernels.kernel_report()['reason']}")
     calls, run = [], fused_layer.decoder_layers
-    monkeypatch.setattr(linear, "one_row_kernel", lambda dtype: True)
+    monkeypatch.setattr(fused_layer, "_why_not", lambda dtype, tp_size: None)
     monkeypatch.setattr(fused_layer, "decoder_layers", lambda *a: calls.append(1) or run(*a))
     return calls
 

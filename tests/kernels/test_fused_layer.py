@@ -98,7 +98,8 @@ def test_the_token_is_stored_in_every_layer_and_nothing_else():
 
 
 def test_which_calls_run_fused(monkeypatch):
-    monkeypatch.setattr(linear, "_small_reports", {})   # nothing measured in this process yet: the kernel
+    kernel = {"forms": {1: "kernel", 2: "kernel", 4: "kernel"}}   # what the boot measured fastest
+    monkeypatch.setattr(linear, "_small_reports", {torch.float32: kernel, torch.float16: kernel})
     x, kv, tables = torch.zeros(1, H), torch.zeros(1, 1, 2, BLOCK, HKV, D), torch.zeros(1, 4, dtype=torch.long)
     assert fused_layer.serves(x, 1, kv, tables)
     assert not fused_layer.serves(torch.zeros(2, H), 1, kv, tables)          # two tokens
@@ -112,6 +113,8 @@ def test_which_calls_run_fused(monkeypatch):
     assert not fused_layer.serves(x, 1, kv, tables)                           # the boot measured another faster
     report = fused_layer.report(torch.float32, 1)
     assert report["choice"] == "operators" and "'library'" in report["reason"]
+    monkeypatch.setattr(linear, "_small_reports", {})
+    assert not fused_layer.serves(x, 1, kv, tables)                           # nothing measured
     assert fused_layer.report(torch.float32, 2)["reason"].startswith("layers split over 2 ranks")
 
 
