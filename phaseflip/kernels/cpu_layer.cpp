@@ -6,8 +6,9 @@
 // cache (cpu_decode.cpp's attend_token); the o product; residual add + RMSNorm; gate and up products
 // with SiLU-and-mul on each thread's own rows; the down product. Each product streams its weight once
 // through cpu_dot.h's row dot. Values are rounded to the weights' dtype where the reference's operators
-// round (kernels/norm.py, rotary.py, activation.py): bfloat16 gives eager torch's values, float32 is
-// unaffected.
+// round (kernels/norm.py, rotary.py, activation.py), so bfloat16 follows eager torch's roundings (a norm's
+// sum of squares is added in another order than torch's, so a value can still land one rounding apart);
+// float32 is unaffected.
 // Why: at batch 1 the weights stream at the memory's speed, but between ~8 operators a layer the two
 // threads met at every join and the main thread's dispatch ran alone; one call a layer still left ~40 us
 // a layer outside the region (SmolLM2 fp32, 2 Zen 4 cores, 2026-12-03). Built and loaded by
@@ -244,12 +245,14 @@ std::tuple<at::Tensor, at::Tensor> decode_layers(
   TORCH_CHECK(dt == at::kFloat || dt == at::kBFloat16, "decode_layers: float32 or bfloat16, got ", dt);
   TORCH_CHECK(residual.dim() == 2 && residual.size(0) == 1 && residual.is_contiguous() && !residual.is_cuda(),
               "decode_layers: one token's contiguous CPU residual [1, H], got ", residual.sizes());
-  TORCH_CHECK(!qkv.empty() && !o.empty() && !down.empty(), "decode_layers: at least one layer");
+  TORCH_CHECK(!qkv.empty() && !o.empty() && !gate_up.empty() && !down.empty(), "decode_layers: at least one layer");
   TORCH_CHECK(kv_cache.dim() == 6 && kv_cache.stride(5) == 1 && kv_cache.scalar_type() == dt &&
                   kv_cache.size(1) >= static_cast<int64_t>(qkv.size()),
               "decode_layers: the cache [blocks, layers, 2, block_size, Hkv, D] of the layers' dtype, a layer each of ",
               qkv.size(), ", got ", kv_cache.sizes(), " ", kv_cache.scalar_type());
   const int64_t H = residual.size(1), d = kv_cache.size(5), hkv = kv_cache.size(4);
+  TORCH_CHECK(d > 0 && d % 2 == 0 && hkv > 0, "decode_layers: an even head size and kv heads, got D ", d, ", Hkv ",
+              hkv);
   TORCH_CHECK(o[0].dim() == 2 && o[0].size(1) % d == 0 && (o[0].size(1) / d) % hkv == 0,
               "decode_layers: o_proj [H, hq * D] with hq a multiple of ", hkv, " kv heads, got ", o[0].sizes());
   TORCH_CHECK(gate_up[0].dim() == 2 && gate_up[0].size(0) % 2 == 0,

@@ -10,12 +10,13 @@ thread's dispatch ran alone between them: the replayed compiled step ran at 0.70
 the same bytes while its products alone streamed at ~0.95 of it (SmolLM2 fp32, 2 Zen 4 cores,
 2026-12-03). The fused call runs every layer in one parallel region with a barrier between phases.
 
-When: eager steps only, one token of one sequence, the whole layer on this rank (no tensor-parallel
-partial sums to reduce between its phases), float32 or bfloat16, where the boot measured the few-rows
-kernel the fastest one-row product (the fused products are its row dot). A
-compiled step traces the layers for inductor instead, so compile="auto"'s boot measurement of the
-batch-1 bucket (compiled against eager, layouts/compile_choice.py) sets inductor's step against this
-one and keeps the faster; compile="on" runs inductor's, compile="off" this one.
+When: calls outside a trace (eager steps, and the eager forward around a compiled prefill's layers),
+one token of one sequence, the whole layer on this rank (no tensor-parallel partial sums to reduce
+between its phases), float32 or bfloat16, where the boot measured the few-rows kernel the fastest
+one-row product (the fused products are its row dot). A compiled decode step traces its layers for
+inductor instead, so compile="auto"'s boot measurement of the batch-1 bucket (compiled against eager,
+layouts/compile_choice.py) sets inductor's step against this one and keeps the faster; compile="on"
+runs inductor's, compile="off" this one.
 """
 from __future__ import annotations
 

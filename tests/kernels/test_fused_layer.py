@@ -143,3 +143,5 @@ def test_the_op_names_what_it_refuses():
         call(meta={**meta, "block_tables": torch.tensor([[9, 0, 1, 2, 3, 4]])})
     with pytest.raises(RuntimeError, match=r"cos_sin \[1, D\] float32"):
         call(cos_sin=torch.zeros(1, D + 2))
+    with pytest.raises(RuntimeError, match="an even head size and kv heads, got D 31"):
+        call(cache=torch.zeros(8, LAYERS, 2, BLOCK, HKV, D - 1))
