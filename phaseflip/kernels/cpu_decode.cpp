@@ -256,8 +256,7 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
     TORCH_CHECK(n <= 1 || lp[s] <= 0 || (n <= lp[s] && sp[s + 1] <= q.size(0)), "decode_attention: sequence ", s,
                 " brings ", n, " tokens (from ", sp[s], ") to a context of ", lp[s], " in a step of ", q.size(0));
   }
-  Cache c{static_cast<char*>(kv.data_ptr()), kv.size(0), kv.size(2), kv.stride(0), kv.stride(1), kv.stride(2),
-          kv.stride(3)};
+  const Cache c = paged::cache_of(kv);
   at::Tensor out = at::zeros(q.sizes(), q.options());
   const at::Tensor qc = q.contiguous(), kc = k.contiguous(), vc = v.contiguous(), slots = slot_mapping.contiguous(),
                    tables = block_tables.contiguous();

@@ -20,7 +20,6 @@
 #include <omp.h>
 #include <torch/library.h>
 #include <cmath>
-#include <optional>
 #include <tuple>
 #include <type_traits>
 #include <vector>
@@ -58,7 +57,8 @@ template <typename W, typename X>
 void add_norm(const W* delta, const W* resid, const W* w, int64_t n, float eps, W* res, X* h) {
   float sq = 0.f;
   for (int64_t i = 0; i < n; ++i) {
-    const float r = delta ? rnd<W>(static_cast<float>(resid[i]) + static_cast<float>(delta[i])) : static_cast<float>(resid[i]);
+    const float r = delta ? rnd<W>(static_cast<float>(resid[i]) + static_cast<float>(delta[i]))
+                          : static_cast<float>(resid[i]);
     res[i] = static_cast<W>(r);
     sq += r * r;
   }
@@ -140,11 +140,11 @@ void attend_heads(const Weights<W>& w, const Dims& n, const paged::Cache& c, con
   }
 }
 
-// The layers in order: delta (nullptr: none yet) and resid in; delta_out (the last MLP's output) and
-// res_out (the residual stream before it) out, and each layer's K/V of the token stored. The outputs
-// carry the stream from layer to layer; a barrier closes each layer (the next one's norm reads all of it)
+// The layers in order: the residual stream resid in; delta_out (the last MLP's output) and res_out (the
+// residual stream before it) out, and each layer's K/V of the token stored. The outputs carry the stream
+// from layer to layer; a barrier closes each layer (the next one's norm reads all of it)
 template <typename W>
-void layers(const std::vector<Weights<W>>& ws, const Dims& n, const W* delta, const W* resid, W* delta_out,
+void layers(const std::vector<Weights<W>>& ws, const Dims& n, const W* resid, W* delta_out,
             W* res_out, const std::vector<paged::Cache>& caches, const Token& tok, float eps, float scale) {
   static thread_local Scratch<W> mine;   // the calling thread's
   Scratch<W>& s = mine;                  // named in the region: the region's threads share it (mine
@@ -157,7 +157,7 @@ void layers(const std::vector<Weights<W>>& ws, const Dims& n, const W* delta, co
     for (size_t l = 0; l < ws.size(); ++l) {
       const Weights<W>& w = ws[l];
 #pragma omp single
-      add_norm(l ? delta_out : delta, l ? res_out : resid, w.ln1, n.H, eps, res_out, s.h.data());
+      add_norm(l ? delta_out : nullptr, l ? res_out : resid, w.ln1, n.H, eps, res_out, s.h.data());
       share(n.nqkv, t, nt, n0, n1);
       dot::gemv_range<W, 1>(w.qkv, w.ld_qkv, s.h.data(), n.H, s.qkv.data(), n.nqkv, n0, n1);
       if (w.qkv_b)
@@ -236,7 +236,7 @@ std::vector<Weights<W>> checked(const LayerLists& L, const Dims& n, at::ScalarTy
 }
 
 std::tuple<at::Tensor, at::Tensor> decode_layers(
-    const std::optional<at::Tensor>& delta, const at::Tensor& residual, at::TensorList input_norm,
+    const at::Tensor& residual, at::TensorList input_norm,
     at::TensorList qkv, at::TensorList qkv_bias, at::TensorList q_norm, at::TensorList k_norm, at::TensorList o,
     at::TensorList post_norm, at::TensorList gate_up, at::TensorList down, const at::Tensor& kv_cache,
     const at::Tensor& slot_mapping, const at::Tensor& block_tables, const at::Tensor& seq_lens,
@@ -258,19 +258,14 @@ std::tuple<at::Tensor, at::Tensor> decode_layers(
   TORCH_CHECK(gate_up[0].dim() == 2 && gate_up[0].size(0) % 2 == 0,
               "decode_layers: gate_up_proj [2 I, H], got ", gate_up[0].sizes());
   const Dims n{H, o[0].size(1) / d, hkv, d, gate_up[0].size(0) / 2, (o[0].size(1) / d + 2 * hkv) * d};
-  if (delta) TORCH_CHECK(delta->sizes() == residual.sizes() && delta->is_contiguous() && delta->scalar_type() == dt,
-                         "decode_layers: delta must be like the residual, got ", delta->sizes());
   for (const at::Tensor* m : {&slot_mapping, &block_tables, &seq_lens})
     TORCH_CHECK(m->scalar_type() == at::kLong && m->is_contiguous() && m->size(0) == 1,
                 "decode_layers: int64 metadata of one token and one sequence, got ", m->sizes());
   TORCH_CHECK(cos_sin.scalar_type() == at::kFloat && cos_sin.numel() == d && cos_sin.is_contiguous(),
               "decode_layers: cos_sin [1, D] float32, got ", cos_sin.sizes());
   std::vector<paged::Cache> caches;
-  for (size_t l = 0; l < qkv.size(); ++l) {
-    const at::Tensor kv = kv_cache.select(1, static_cast<int64_t>(l));
-    caches.push_back({static_cast<char*>(kv.data_ptr()), kv.size(0), kv.size(2), kv.stride(0), kv.stride(1),
-                      kv.stride(2), kv.stride(3)});
-  }
+  for (size_t l = 0; l < qkv.size(); ++l)
+    caches.push_back(paged::cache_of(kv_cache.select(1, static_cast<int64_t>(l))));
   const paged::Cache& c = caches[0];
   const Token tok{slot_mapping.data_ptr<int64_t>()[0], seq_lens.data_ptr<int64_t>()[0], block_tables.size(1),
                   block_tables.data_ptr<int64_t>(), cos_sin.data_ptr<float>()};
@@ -281,7 +276,7 @@ std::tuple<at::Tensor, at::Tensor> decode_layers(
   const LayerLists lists{input_norm, qkv, qkv_bias, q_norm, k_norm, o, post_norm, gate_up, down};
   const auto run = [&](auto zero) {
     using W = decltype(zero);
-    layers<W>(checked<W>(lists, n, dt), n, delta ? delta->data_ptr<W>() : nullptr, residual.data_ptr<W>(),
+    layers<W>(checked<W>(lists, n, dt), n, residual.data_ptr<W>(),
               delta_out.data_ptr<W>(), res_out.data_ptr<W>(), caches, tok, static_cast<float>(eps),
               static_cast<float>(scale));
   };
@@ -293,7 +288,7 @@ std::tuple<at::Tensor, at::Tensor> decode_layers(
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(phaseflip_cpu, m) {
-  m.def("decode_layers(Tensor? delta, Tensor residual, Tensor[] input_norm, Tensor[] qkv, Tensor[] qkv_bias, "
+  m.def("decode_layers(Tensor residual, Tensor[] input_norm, Tensor[] qkv, Tensor[] qkv_bias, "
         "Tensor[] q_norm, Tensor[] k_norm, Tensor[] o, Tensor[] post_norm, Tensor[] gate_up, Tensor[] down, "
         "Tensor(a!) kv_cache, Tensor slot_mapping, Tensor block_tables, Tensor seq_lens, Tensor cos_sin, "
         "float eps, float scale) -> (Tensor, Tensor)");

@@ -2,6 +2,7 @@
 // sequence; cpu_prefill.cpp: prompt chunks; cpu_layer.cpp: a whole one-token decoder layer), and what
 // they share: a row's address, a row-wise softmax, the table check and the kernels' entry points.
 #pragma once
+#include <ATen/core/Tensor.h>
 #include <c10/util/BFloat16.h>
 #include <algorithm>
 #include <cmath>
@@ -15,6 +16,12 @@ struct Cache {            // one layer's [num_blocks, 2 (k, v), block_size, Hkv,
   char* base;
   int64_t num_blocks, block_size, sb, skv, so, sh;   // strides in elements
 };
+
+// The Cache of a layer's view kv [num_blocks, 2, block_size, Hkv, D]
+inline Cache cache_of(const at::Tensor& kv) {
+  return {static_cast<char*>(kv.data_ptr()), kv.size(0), kv.size(2), kv.stride(0), kv.stride(1), kv.stride(2),
+          kv.stride(3)};
+}
 
 template <typename T>
 inline T* row(const Cache& c, int64_t block, int64_t off, int64_t head, int kv) {

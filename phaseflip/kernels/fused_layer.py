@@ -42,7 +42,7 @@ def decoder_layers(layers: list, eps: float, scale: float, residual: torch.Tenso
     def each(name: str) -> list[torch.Tensor]:
         return [t for t in (getattr(lw, name) for lw in layers) if t is not None]
     return cpu_kernels.decode_layers_op()(
-        None, residual, each("input_layernorm"), each("qkv_proj"), each("qkv_bias"), each("q_norm"), each("k_norm"),
+        residual, each("input_layernorm"), each("qkv_proj"), each("qkv_bias"), each("q_norm"), each("k_norm"),
         each("o_proj"), each("post_attention_layernorm"), each("gate_up_proj"), each("down_proj"), kv_cache,
         meta["slot_mapping"], meta["block_tables"], meta["seq_lens"], cos_sin, eps, scale)
 
