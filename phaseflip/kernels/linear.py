@@ -45,11 +45,17 @@ WIDE_LAYER_ROWS = 64   # above it, the wide forms are timed on one layer's weigh
 LADDER_PROBE_ROWS = 128   # the rows (a prefill chunk) bfloat16's two ladder forms are timed at
 WIDEN_BYTES = 32 * 2**20  # the most float32 weight a widened ladder product holds at once
 
-# This process's measurements, per weight dtype (absent: not measured yet; the defaults apply)
+# The measurements the products of each weight dtype follow: the last model measured (absent: not
+# measured yet; the defaults apply). Engines alive side by side in one process on different models of a
+# dtype share the last one's (the rank processes hold one model each).
 _small_reports: dict[torch.dtype, dict] = {}   # the small-rows forms and their timings (choose_small_forms)
 _gemv_reports: dict[torch.dtype, dict] = {}    # a compiled step's one-row form (choose_gemv)
 _wide_reports: dict[torch.dtype, dict] = {}    # the wide-rows form (choose_wide_forms)
 _ladder_reports: dict[torch.dtype, dict] = {}  # bfloat16's ladder form (choose_ladder_form)
+# Every measurement of this process by (what, dtype, model): a model's second layout (or engine) takes
+# its model's, another model is measured anew. Keyed by dtype alone, a tiny model measured first had
+# put SmolLM2's one-row products on the library's product: its batch-1 decode 2x slower (2026-12-03).
+_measured: dict[tuple, dict] = {}
 
 _onednn = None    # the oneDNN op, resolved on first use (no import-time work); False: not in this build
 
@@ -125,33 +131,37 @@ def gemv_reduces(dtype: torch.dtype) -> bool:
     return report is None or report["choice"] == "reduction"
 
 
-def choose_gemv(layers: list[tuple[torch.Tensor, ...]], repeats: int = 3) -> dict:
-    """Measure once per process and dtype whether a compiled step's one-row products are faster as
-    inductor's reductions or as the eager product (the measured small-rows form, as the step calls it),
+def choose_gemv(layers: list[tuple[torch.Tensor, ...]], repeats: int = 3, model=None) -> dict:
+    """Measure once per process, dtype and model (_once) whether a compiled step's one-row products are
+    faster as inductor's reductions or as the eager product (the measured small-rows form, as the step calls it),
     over a pass of every layer's projections (each layer one compiled graph), alternating, best of
     `repeats`. A single weight timed alone misled: on SmolLM2's 113 MB head the forms were within 1%,
     and where eager won by that hair the decode step took 28 ms instead of 18-20 (the pass: reductions
     21 ms, eager 34-45; fp32, 2026-12-01). Call before any step is traced (the choice is read then).
     bfloat16 where the kernel serves takes it without a pass (BF16_KERNEL). Returns the report."""
+    dtype, weights = layers[0][0].dtype, [w for layer in layers for w in layer]
+    return _once(_gemv_reports, "gemv", dtype, model, weights, partial(_gemv_passes, layers, repeats))
+
+
+def _gemv_passes(layers: list[tuple[torch.Tensor, ...]], repeats: int) -> dict:
+    """choose_gemv's measurement."""
     dtype = layers[0][0].dtype
     pass_bytes = sum(w.numel() * w.element_size() for layer in layers for w in layer)
-    if dtype not in _gemv_reports and dtype == torch.bfloat16 and small_form(1, dtype) == "kernel":
-        _gemv_reports[dtype] = {"choice": "kernel", "ms": None, "first_call_ms": None, "layers": len(layers),
-                                "pass_bytes": pass_bytes, "reason": BF16_KERNEL}
-    if dtype not in _gemv_reports:
-        xs = {w.shape[1]: torch.randn(1, w.shape[1], dtype=dtype) for layer in layers for w in layer}
-        form = small_form(1, dtype)
-        passes = {"reduction": torch.compile(partial(_one_row_products, form="reduction"), dynamic=False),
-                  form: torch.compile(partial(_one_row_products, form=form), dynamic=False)}
-        t0 = time.perf_counter()
-        for products in passes.values():
-            products(xs, layers[0])
-        first_ms = (time.perf_counter() - t0) * 1e3
-        ms = _alternating_ms({name: lambda p=products: [p(xs, layer) for layer in layers]
-                              for name, products in passes.items()}, repeats)
-        _gemv_reports[dtype] = {"choice": min(ms, key=ms.get), "ms": ms, "first_call_ms": first_ms,
-                                "layers": len(layers), "pass_bytes": pass_bytes}
-    return _gemv_reports[dtype]
+    if dtype == torch.bfloat16 and small_form(1, dtype) == "kernel":
+        return {"choice": "kernel", "ms": None, "first_call_ms": None, "layers": len(layers),
+                "pass_bytes": pass_bytes, "reason": BF16_KERNEL}
+    xs = {w.shape[1]: torch.randn(1, w.shape[1], dtype=dtype) for layer in layers for w in layer}
+    form = small_form(1, dtype)
+    passes = {"reduction": torch.compile(partial(_one_row_products, form="reduction"), dynamic=False),
+              form: torch.compile(partial(_one_row_products, form=form), dynamic=False)}
+    t0 = time.perf_counter()
+    for products in passes.values():
+        products(xs, layers[0])
+    first_ms = (time.perf_counter() - t0) * 1e3
+    ms = _alternating_ms({name: lambda p=products: [p(xs, layer) for layer in layers]
+                          for name, products in passes.items()}, repeats)
+    return {"choice": min(ms, key=ms.get), "ms": ms, "first_call_ms": first_ms,
+            "layers": len(layers), "pass_bytes": pass_bytes}
 
 
 # bf16 takes the kernel untimed: the layer pass picked the reductions in 3 of 14 boots, the served step in none
@@ -189,6 +199,16 @@ def _alternating_ms(runs: dict, rounds: int) -> dict[str, float]:
         for name, run in runs.items():
             ms[name] = min(ms[name], _best_ms(run, 1))
     return ms
+
+
+def _once(reports: dict, what: str, dtype: torch.dtype, model, weights: list[torch.Tensor], measure) -> dict:
+    """`what`'s report for (dtype, model), measure() on the first call for them; it becomes the one dtype's
+    products follow. model: any hashable naming the model (None: the shapes of `weights`)."""
+    key = (what, dtype, model if model is not None else tuple(sorted({tuple(w.shape) for w in weights})))
+    if key not in _measured:
+        _measured[key] = measure()
+    reports[dtype] = _measured[key]
+    return reports[dtype]
 
 
 def _eager_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -229,8 +249,8 @@ def ladder_widens(dtype: torch.dtype) -> bool:
     return _ladder_reports.get(dtype, {}).get("choice") == "widened"
 
 
-def choose_ladder_form(weights: list[torch.Tensor], passes: int = 2) -> dict:
-    """Measure once per process whether bfloat16 products on the ladder run faster as the library's bf16
+def choose_ladder_form(weights: list[torch.Tensor], passes: int = 2, model=None) -> dict:
+    """Measure once per process and model (_once) whether bfloat16 products on the ladder run faster as the library's bf16
     product or widened to float32 on oneDNN's ladder: LADDER_PROBE_ROWS rows times each of `weights` (one
     layer's projections: GEMM-bound, one layer tells), alternating, best of `passes`. On an AVX2-only
     Zen 3 (no bf16 arithmetic) SmolLM2's 30 layers at 128 rows took 1515 ms on the library's product,
@@ -238,16 +258,16 @@ def choose_ladder_form(weights: list[torch.Tensor], passes: int = 2) -> dict:
     weights = [w for w in weights if w.device.type == "cpu" and w.dim() == 2]
     if not weights or weights[0].dtype != torch.bfloat16:
         return {"choice": "not measured (only bfloat16 has two ladder forms)", "ms": None}
-    if torch.bfloat16 not in _ladder_reports:
-        if not _onednn_op():
-            return {"choice": "library (no oneDNN in this build)", "ms": None}
+    if not _onednn_op():
+        return {"choice": "library (no oneDNN in this build)", "ms": None}
+
+    def measure() -> dict:
         xs = _rows(LADDER_PROBE_ROWS, weights)
         forms = {"library": lambda x, w: F.linear(x, w), "widened": lambda x, w: _widened_product(x, w, None)}
         ms = _alternating_ms({name: lambda p=product: [p(xs[w.shape[1]], w) for w in weights]
                               for name, product in forms.items()}, passes)
-        _ladder_reports[torch.bfloat16] = {"choice": min(ms, key=ms.get), "ms": ms, "rows": LADDER_PROBE_ROWS,
-                                           "weights": len(weights)}
-    return _ladder_reports[torch.bfloat16]
+        return {"choice": min(ms, key=ms.get), "ms": ms, "rows": LADDER_PROBE_ROWS, "weights": len(weights)}
+    return _once(_ladder_reports, "ladder", torch.bfloat16, model, weights, measure)
 
 
 def _kernel_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -293,21 +313,21 @@ def _small_product(form: str, x: torch.Tensor, weight: torch.Tensor,
     return out if bias is None else out.add_(bias)
 
 
-def choose_small_forms(weights: list[torch.Tensor], passes: int = 2) -> dict:
-    """Measure once per process and dtype which form multiplies 1, 2 and SMALL_BATCH rows fastest: each
+def choose_small_forms(weights: list[torch.Tensor], passes: int = 2, model=None) -> dict:
+    """Measure once per process, dtype and model (_once) which form multiplies 1, 2 and SMALL_BATCH rows fastest: each
     form runs over every weight in turn (a step's projections, read as a step reads them), the best of
     `passes` passes. Returns the report: the ms of each form per row count, the choice and what it was
-    measured on (later calls for the dtype, the first report)."""
+    measured on."""
     weights = [w for w in weights if w.device.type == "cpu" and w.dim() == 2]
     if not weights:
         return {"choice": "stationary (no CPU weights to measure on)", "ms": None}
     dtype = weights[0].dtype
-    if dtype in _small_reports:
-        return _small_reports[dtype]
     forms = [f for f in SMALL_FORMS if _form_serves(f, dtype)]
-    table = {m: {f: _best_pass_ms(f, _rows(m, weights), weights, passes) for f in forms} for m in MEASURED_ROWS}
-    _small_reports[dtype] = _forms_report(table, weights)
-    return _small_reports[dtype]
+
+    def measure() -> dict:
+        return _forms_report({m: {f: _best_pass_ms(f, _rows(m, weights), weights, passes) for f in forms}
+                              for m in MEASURED_ROWS}, weights)
+    return _once(_small_reports, "small", dtype, model, weights, measure)
 
 
 def _rows(m: int, weights: list[torch.Tensor]) -> dict[int, torch.Tensor]:
@@ -340,30 +360,29 @@ def wide_form(m: int, dtype: torch.dtype) -> str:
     return report["forms"].get(next((r for r in WIDE_ROWS if r >= m), WIDE_ROWS[-1]), "ladder")
 
 
-def choose_wide_forms(weights: list[torch.Tensor], passes: int = 2) -> dict:
-    """Measure once per process and dtype whether products of more than SMALL_BATCH rows run faster
+def choose_wide_forms(weights: list[torch.Tensor], passes: int = 2, model=None) -> dict:
+    """Measure once per process, dtype and model (_once) whether products of more than SMALL_BATCH rows run faster
     on the few-rows kernel (x transposed, each weight value broadcast over 16 rows of x) or on the
     ladder's product (oneDNN in float32, the library's in bfloat16): at each of WIDE_ROWS, the two
     over every weight in turn (above WIDE_LAYER_ROWS the first layer's four: ~40 / ~80 ms a pass at
-    256 / 512 rows, ~1.4 / 2.8 s over SmolLM2's 30), alternating, best of `passes`. Returns the report
-    (later calls for the dtype, the first)."""
+    256 / 512 rows, ~1.4 / 2.8 s over SmolLM2's 30), alternating, best of `passes`. Returns the report."""
     weights = [w for w in weights if w.device.type == "cpu" and w.dim() == 2 and _kernel_serves(w)]
     if not weights:
         return {"choice": "ladder (no CPU weights to measure on)", "forms": {}, "ms": None}
     dtype = weights[0].dtype
-    if dtype in _wide_reports:
-        return _wide_reports[dtype]
     if not _form_serves("kernel", dtype):
         return {"choice": f"ladder (no few-rows kernel: {cpu_kernels.kernel_report().get('reason')})",
                 "forms": {}, "ms": None}
     products = {"kernel": _kernel_product, "ladder": _ladder_product}
-    table = {}
-    for m in WIDE_ROWS:
-        xs, timed = _rows(m, weights), weights if m <= WIDE_LAYER_ROWS else weights[:4]
-        table[m] = _alternating_ms({name: lambda p=product: [p(xs[w.shape[1]], w, None) for w in timed]
-                                    for name, product in products.items()}, passes)
-    _wide_reports[dtype] = {**_forms_report(table, weights), "one_layer_above_rows": WIDE_LAYER_ROWS}
-    return _wide_reports[dtype]
+
+    def measure() -> dict:
+        table = {}
+        for m in WIDE_ROWS:
+            xs, timed = _rows(m, weights), weights if m <= WIDE_LAYER_ROWS else weights[:4]
+            table[m] = _alternating_ms({name: lambda p=product: [p(xs[w.shape[1]], w, None) for w in timed]
+                                        for name, product in products.items()}, passes)
+        return {**_forms_report(table, weights), "one_layer_above_rows": WIDE_LAYER_ROWS}
+    return _once(_wide_reports, "wide", dtype, model, weights, measure)
 
 
 def _cpu_linear_body(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

@@ -12,6 +12,12 @@ from phaseflip.kernels import linear as lin
 ONEDNN = pytest.mark.skipif(not lin._onednn_op(), reason="this torch build has no oneDNN linear")
 
 
+@pytest.fixture(autouse=True)
+def _no_earlier_measurements(monkeypatch):
+    """Each test measures for itself (the process keeps every measurement by dtype and model)."""
+    monkeypatch.setattr(lin, "_measured", {})
+
+
 @pytest.mark.parametrize("m", [1, 2, 3, lin.SMALL_BATCH, lin.SMALL_BATCH + 1, 40, 64, 65, 100, 512, 600])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_matches_f_linear(m, with_bias):
@@ -111,9 +117,25 @@ def test_the_measured_small_rows_form_is_the_one_that_runs(monkeypatch):
     monkeypatch.setattr(lin, "_small_product", lambda form, *a: ran.append(form) or real(form, *a))
     lin.linear(torch.randn(2, 64), torch.randn(8, 64))
     assert ran == [lin.small_form(2, torch.float32)] == [chosen[2]]
-    assert lin.choose_small_forms([torch.randn(8, 8)]) is report   # once per process and dtype
     bf16 = lin.choose_small_forms([torch.randn(64, 64, dtype=torch.bfloat16)], passes=1)
     assert bf16 is not report and bf16["dtype"] == "torch.bfloat16"
+
+
+def test_each_model_is_measured_once_and_its_own_forms_serve_it(monkeypatch):
+    """Per process, dtype and model: another layout of a model takes its report; another model is
+    measured, and its forms are the ones that run (a tiny model measured first once put SmolLM2's one-row
+    products on the library's product)."""
+    monkeypatch.setattr(lin, "_small_reports", {})
+    timed = []
+    monkeypatch.setattr(lin, "_best_pass_ms", lambda form, xs, weights, passes: timed.append(len(weights)) or
+                        {"kernel": 2.0, "library": 1.0}.get(form, 3.0) * (1 if len(weights) == 2 else -1))
+    first = lin.choose_small_forms([torch.randn(256, 64), torch.randn(64, 256)], model="a")
+    assert timed and lin.choose_small_forms([torch.randn(128, 64)], model="a") is first   # a's TP layout
+    assert len(set(timed)) == 1 and lin.small_form(1, torch.float32) == first["forms"][1]
+    other = lin.choose_small_forms([torch.randn(8, 8)] * 3, model="b")   # another model: measured anew
+    assert other is not first and 3 in timed and lin.small_form(1, torch.float32) == other["forms"][1]
+    assert lin.choose_small_forms([torch.randn(8, 8)] * 3) is not other   # unnamed: named by its shapes
+    assert lin.choose_small_forms([torch.randn(256, 64)], model="a") is first == lin._small_reports[torch.float32]
 
 
 @pytest.mark.parametrize("choice, form, runs_eager", [("reduction", "stationary", False),
@@ -142,7 +164,7 @@ def test_choose_gemv_reports_both_timings(monkeypatch):
     assert report["choice"] == min(report["ms"], key=report["ms"].get)
     assert report["layers"] == 3 and report["pass_bytes"] == 3 * 2 * 96 * 64 * 4
     assert lin.gemv_reduces(torch.float32) == (report["choice"] == "reduction")
-    assert lin.choose_gemv([(torch.randn(8, 8),)]) is report
+    assert lin.choose_gemv([(torch.randn(96, 64), torch.randn(64, 96))] * 3) is report   # the same shapes
 
 
 def test_choose_gemv_gives_bf16_to_the_kernel_unmeasured(monkeypatch):
@@ -230,7 +252,7 @@ def test_the_measured_wide_rows_form_is_the_one_that_runs(monkeypatch):
         monkeypatch.setattr(lin, name, lambda *a, real=real, name=name: ran.append(name) or real(*a))
     lin.linear(torch.randn(30, 64), torch.randn(8, 64))
     assert ran == [f"_{report['forms'][32]}_product"]
-    assert lin.choose_wide_forms([torch.randn(8, 8)]) is report   # once per process and dtype
+    assert lin.choose_wide_forms([torch.randn(64, 256), torch.randn(256, 64)]) is report   # the same shapes
 
 
 @ONEDNN
@@ -258,12 +280,13 @@ def test_choose_ladder_form_times_bf16_only(monkeypatch):
     assert set(report["ms"]) == {"library", "widened"} and report["rows"] == lin.LADDER_PROBE_ROWS
     assert report["choice"] == min(report["ms"], key=report["ms"].get)
     assert lin.ladder_widens(torch.bfloat16) == (report["choice"] == "widened")
-    assert lin.choose_ladder_form([torch.randn(8, 8).to(torch.bfloat16)]) is report
+    assert lin.choose_ladder_form([torch.randn(32, 16).to(torch.bfloat16)]) is report   # the same shapes
 
 
 @ONEDNN
 def test_no_widened_gemm_is_built_after_boot(tiny_model_dir, monkeypatch):
     monkeypatch.setattr(lin, "_ladder_reports", {torch.bfloat16: {"choice": "widened"}})
+    monkeypatch.setattr(lin, "choose_ladder_form", lambda *a, **k: lin._ladder_reports[torch.bfloat16])  # kept
     real, rows = lin._onednn_op(), []
     monkeypatch.setattr(lin, "_onednn", lambda x, w, b, *a: rows.append((tuple(w.shape), x.shape[0])) or
                         real(x, w, b, *a))
