@@ -21,7 +21,7 @@ Must never: import torch, or re-implement a policy rule (it calls policy/decide.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Callable, Mapping
 
@@ -35,18 +35,21 @@ DecideFn = Callable[[PolicyInputs, PolicyConfig], Decision]
 
 
 # -- the run -----------------------------------------------------------------------------------------------
-@dataclass
+@dataclass(slots=True)
 class _Seq:
     req: TraceRequest
     reserved: int                   # KV blocks reserved at admission
-    computed: int = 0               # prompt tokens in KV
+    prefill_left: int = field(init=False)   # prompt tokens not in KV yet (an attribute: read millions of times)
     generated: int = 0
     first_token_s: float | None = None
     finish_s: float | None = None
 
+    def __post_init__(self):
+        self.prefill_left = self.req.prompt_tokens
+
     @property
-    def prefill_left(self) -> int:
-        return self.req.prompt_tokens - self.computed
+    def computed(self) -> int:      # prompt tokens in KV
+        return self.req.prompt_tokens - self.prefill_left
 
     @property
     def is_decode(self) -> bool:
@@ -126,11 +129,12 @@ class _Run:
         carried = [s for s in self.running if s.is_decode]
         used = sum(self.blocks(s.computed + s.generated) for s in self.running)
         unstarted = [s.req.arrival_s for s in self.waiting + self.running if s.first_token_s is None]
+        admissible = self.admissible_tokens()
         return PolicyInputs(
             active=self.active, now_s=self.now,
             pending_prefill_tokens=sum(s.prefill_left for s in self.waiting + self.running),
-            admissible_prefill_tokens=self.admissible_tokens(),
-            fillable_prefill_tokens=max(self.admissible_tokens(), self.admissible_tokens(as_if_empty=True)),
+            admissible_prefill_tokens=admissible,
+            fillable_prefill_tokens=max(admissible, self.admissible_tokens(as_if_empty=True)),
             num_waiting=len(self.waiting),
             num_running=len(self.running), num_carried_decodes=len(carried),
             carried_decode_tokens=sum(self.outputs.expected_left(s.generated, s.req.max_tokens) for s in carried),
@@ -162,7 +166,7 @@ class _Run:
         for seq in batch:
             seq.generated += 1
         for seq, n in chunks:
-            seq.computed += n
+            seq.prefill_left -= n
             if seq.prefill_left == 0:
                 seq.generated, seq.first_token_s = 1, self.now
         self._finish()
