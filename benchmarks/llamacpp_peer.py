@@ -8,7 +8,10 @@ Workloads: fp32 batch-1 decode (tg128 at depth 128, -d: both decode after a 128-
 phaseflip's is (time for 128 new tokens - time for 1) / 127, as bench_engine.single_stream), fp32 prefill of 128 and 512 tokens (pp128/pp512 against prompt tokens over
 time to first token), fp32 32 sequences of 128 + 128 tokens (llama-batched-bench's total tokens over wall
 seconds and its decode part S_TG; it times 128 decode steps, phaseflip a prefill and 127), bf16 batch-1
-decode, and the memory-read bound: weight bytes over a 1 GiB float32 torch.sum's bandwidth in this run.
+decode, and the memory-read bound: weight bytes over a 1 GiB float32 torch.sum's bandwidth in this run,
+measured at the end of each round and, because this machine's bandwidth swings by 1.5x within minutes,
+also right before and right after each batch-1 decode step (its bracket: each round's fraction of the
+bound takes the mean of its two ends).
 The converter's interpreter (--convert-python, default this one) needs torch, numpy, transformers and
 sentencepiece; phaseflip's .venv lacks only sentencepiece (`.venv/bin/pip install sentencepiece`).
 """
@@ -237,15 +240,19 @@ STEPS = (("decode fp32", partial(step_decode, outtype="f32")), ("prefill fp32", 
 
 def one_round(o: dict, llms: dict[str, LLM], ggufs: dict[str, Path], work: dict) -> dict:
     """{"rows": {row: (llama.cpp tok/s, phaseflip tok/s)}, "busy": {row: other processes' cores},
-    "read_gbps": ...}; in every step phaseflip runs first, then llama.cpp."""
-    rows, busy = {}, {}
+    "read_gbps": ..., "bracket_gbps": {batch-1 decode row: (read GB/s before, after)}}; in every step
+    phaseflip runs first, then llama.cpp."""
+    rows, busy, bracket = {}, {}, {}
     for name, step in STEPS:
         _log(name)
+        before = read_gbps(o["threads"]) if getattr(step, "func", None) is step_decode else None
         start = _cpu_seconds(), time.perf_counter()
         got = step(o, llms, ggufs, work)
-        rows.update(got)
         busy.update(dict.fromkeys(got, _others(*start)))
-    return {"rows": rows, "busy": busy, "read_gbps": read_gbps(o["threads"])}
+        rows.update(got)
+        if before is not None:
+            bracket.update(dict.fromkeys(got, (before, read_gbps(o["threads"]))))
+    return {"rows": rows, "busy": busy, "read_gbps": read_gbps(o["threads"]), "bracket_gbps": bracket}
 
 
 def summarise(rounds: list[dict], model: Path) -> dict:
@@ -262,9 +269,13 @@ def summarise(rounds: list[dict], model: Path) -> dict:
         dec = rows[row]
         bound[outtype] = {"weight_bytes": wb, "bound_ms_per_token": ms,
                           "phaseflip_ms_per_token": 1e3 / statistics.median(dec["phaseflip"]),
-                          "llama_cpp_ms_per_token": 1e3 / statistics.median(dec["llama_cpp"])}
-        for who in ("phaseflip", "llama_cpp"):
+                          "llama_cpp_ms_per_token": 1e3 / statistics.median(dec["llama_cpp"]),
+                          "bracket_gbps": [r["bracket_gbps"][row] for r in rounds]}
+        for i, who in enumerate(("llama_cpp", "phaseflip")):
             bound[outtype][f"{who}_fraction_of_bound"] = ms / bound[outtype][f"{who}_ms_per_token"]
+            # each round's tok/s against the bandwidth read around that very decode step
+            bound[outtype][f"{who}_fraction_of_bracket"] = statistics.median(
+                r["rows"][row][i] * wb / (statistics.mean(r["bracket_gbps"][row]) * 1e9) for r in rounds)
     return {"rows": rows, "bound": bound}
 
 
@@ -287,6 +298,10 @@ def print_table(result: dict) -> None:
         click.echo(f"  {outtype:4} {d['weight_bytes'] / 1e6:.0f} MB -> {d['bound_ms_per_token']:.2f} ms/token; "
                    f"phaseflip {d['phaseflip_ms_per_token']:.2f} ms/token ({d['phaseflip_fraction_of_bound']:.2f} "
                    f"of bound), llama.cpp {d['llama_cpp_ms_per_token']:.2f} ({d['llama_cpp_fraction_of_bound']:.2f})")
+        ends = ", ".join(f"{a:.1f}/{b:.1f}" for a, b in d["bracket_gbps"])
+        click.echo(f"       read right before/after the step ({ends} GB/s a round): phaseflip "
+                   f"{d['phaseflip_fraction_of_bracket']:.2f} of that bound, llama.cpp "
+                   f"{d['llama_cpp_fraction_of_bracket']:.2f} (median over rounds)")
 
 
 EXE = click.Path(exists=True, dir_okay=False, executable=True, path_type=Path)
