@@ -133,7 +133,8 @@ def gemv_reduces(dtype: torch.dtype) -> bool:
 
 def choose_gemv(layers: list[tuple[torch.Tensor, ...]], repeats: int = 3, model=None) -> dict:
     """Measure once per process, dtype and model (_once) whether a compiled step's one-row products are
-    faster as inductor's reductions or as the eager product (the measured small-rows form, as the step calls it),
+    faster as inductor's reductions or as the eager product (the measured small-rows form, as the step
+    calls it),
     over a pass of every layer's projections (each layer one compiled graph), alternating, best of
     `repeats`. A single weight timed alone misled: on SmolLM2's 113 MB head the forms were within 1%,
     and where eager won by that hair the decode step took 28 ms instead of 18-20 (the pass: reductions
@@ -250,11 +251,11 @@ def ladder_widens(dtype: torch.dtype) -> bool:
 
 
 def choose_ladder_form(weights: list[torch.Tensor], passes: int = 2, model=None) -> dict:
-    """Measure once per process and model (_once) whether bfloat16 products on the ladder run faster as the library's bf16
-    product or widened to float32 on oneDNN's ladder: LADDER_PROBE_ROWS rows times each of `weights` (one
-    layer's projections: GEMM-bound, one layer tells), alternating, best of `passes`. On an AVX2-only
-    Zen 3 (no bf16 arithmetic) SmolLM2's 30 layers at 128 rows took 1515 ms on the library's product,
-    239 widened (2026-12-02). Call before `warm` (it builds the widened ladder). Returns the report."""
+    """Measure once per process and model (_once) whether bfloat16 products on the ladder run faster as the
+    library's bf16 product or widened to float32 on oneDNN's ladder: LADDER_PROBE_ROWS rows times each of
+    `weights` (one layer's projections: GEMM-bound, one layer tells), alternating, best of `passes`. On an
+    AVX2-only Zen 3 (no bf16 arithmetic) SmolLM2's 30 layers at 128 rows took 1515 ms on the library's
+    product, 239 widened (2026-12-02). Call before `warm` (it builds the widened ladder). Returns the report."""
     weights = [w for w in weights if w.device.type == "cpu" and w.dim() == 2]
     if not weights or weights[0].dtype != torch.bfloat16:
         return {"choice": "not measured (only bfloat16 has two ladder forms)", "ms": None}
@@ -314,8 +315,8 @@ def _small_product(form: str, x: torch.Tensor, weight: torch.Tensor,
 
 
 def choose_small_forms(weights: list[torch.Tensor], passes: int = 2, model=None) -> dict:
-    """Measure once per process, dtype and model (_once) which form multiplies 1, 2 and SMALL_BATCH rows fastest: each
-    form runs over every weight in turn (a step's projections, read as a step reads them), the best of
+    """Measure once per process, dtype and model (_once) which form multiplies 1, 2 and SMALL_BATCH rows fastest:
+    each form runs over every weight in turn (a step's projections, read as a step reads them), the best of
     `passes` passes. Returns the report: the ms of each form per row count, the choice and what it was
     measured on."""
     weights = [w for w in weights if w.device.type == "cpu" and w.dim() == 2]
@@ -361,8 +362,8 @@ def wide_form(m: int, dtype: torch.dtype) -> str:
 
 
 def choose_wide_forms(weights: list[torch.Tensor], passes: int = 2, model=None) -> dict:
-    """Measure once per process, dtype and model (_once) whether products of more than SMALL_BATCH rows run faster
-    on the few-rows kernel (x transposed, each weight value broadcast over 16 rows of x) or on the
+    """Measure once per process, dtype and model (_once) whether products of more than SMALL_BATCH rows
+    run faster on the few-rows kernel (x transposed, each weight value broadcast over 16 rows of x) or on the
     ladder's product (oneDNN in float32, the library's in bfloat16): at each of WIDE_ROWS, the two
     over every weight in turn (above WIDE_LAYER_ROWS the first layer's four: ~40 / ~80 ms a pass at
     256 / 512 rows, ~1.4 / 2.8 s over SmolLM2's 30), alternating, best of `passes`. Returns the report."""
