@@ -21,13 +21,13 @@ import queue
 import signal
 import socket
 import subprocess
-import sys
 import threading
 import time
 from contextlib import contextmanager
 
 from phaseflip.engine.progress import BootProgress
 from phaseflip.engine.rank_process import load_checkpoint
+from phaseflip.engine.rank_template import start_rank
 from phaseflip.layouts.comm import NoComm
 from phaseflip.layouts.messages import FlipCommand, RankBoot, RankFailure, RankProgress, Shutdown
 from phaseflip.layouts.runtime import RankRuntime
@@ -89,8 +89,9 @@ def _free_port() -> int:
 
 
 class ProcessRanks:
-    """Rank processes started as fresh interpreters (not multiprocessing's spawn, which re-imports
-    the user's __main__ module): each connects back to a local listener with an auth key."""
+    """Rank processes (not multiprocessing's, which re-imports the user's __main__ module): on the CPU
+    forked by this process's rank template (engine/rank_template.py), else fresh interpreters; each
+    connects back to a local listener with an auth key."""
 
     def __init__(self, boot: RankBoot, world_size: int, poll_s: float = 0.1):
         self.world_size, self.poll_s = world_size, poll_s
@@ -102,11 +103,9 @@ class ProcessRanks:
             host, port = listener.address
             # A session of their own: a Ctrl-C at the terminal interrupts the controller (which keeps
             # the ranks in lockstep), not the ranks. They still die with the controller (PDEATHSIG).
-            self.procs = [subprocess.Popen(
-                [sys.executable, "-m", "phaseflip.engine.rank_process", str(rank), str(world_size),
-                 init_method, f"{host}:{port}", authkey.hex(), str(os.getpid()), str(int(_on_main_thread()))],
-                start_new_session=True)
-                for rank in range(world_size)]
+            self.procs = [start_rank([str(rank), str(world_size), init_method, f"{host}:{port}", authkey.hex()],
+                                     boot.device, _on_main_thread())
+                          for rank in range(world_size)]
             self.pids = [p.pid for p in self.procs]
             self.conns = self._accept(listener)
         for conn in self.conns:

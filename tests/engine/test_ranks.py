@@ -76,13 +76,24 @@ def test_shutdown_leaves_no_process(model):
     assert wait_gone(pids, 10.0) == []
 
 
-def test_ranks_exit_when_the_controller_is_killed(model, tmp_path):
+@pytest.mark.parametrize("built_in", ["main thread", "short-lived thread"])
+def test_ranks_exit_when_the_controller_is_killed(model, tmp_path, built_in):
+    """The ranks and the rank template they were forked from: with PR_SET_PDEATHSIG when the main
+    thread started them, through the template's socket when a thread that has ended did."""
     script = tmp_path / "controller.py"
     script.write_text(textwrap.dedent(f"""
-        import json, sys, time
+        import json, sys, threading, time
         from phaseflip import LLM
-        llm = LLM(model={model!r}, dtype="float32", world_size=2)
-        print(json.dumps(llm.stats()["rank_pids"]), flush=True)
+        from phaseflip.engine import rank_template
+        engines = []
+        build = lambda: engines.append(LLM(model={model!r}, dtype="float32", world_size=2))
+        if {built_in == "main thread"}:
+            build()
+        else:
+            thread = threading.Thread(target=build)
+            thread.start()
+            thread.join()
+        print(json.dumps(engines[0].stats()["rank_pids"] + [rank_template._template.proc.pid]), flush=True)
         time.sleep(600)
     """))
     proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True,
@@ -91,7 +102,7 @@ def test_ranks_exit_when_the_controller_is_killed(model, tmp_path):
     assert all(alive(p) for p in pids)
     proc.kill()
     proc.wait()
-    assert wait_gone(pids, 10.0) == [], "rank processes outlived their controller"
+    assert wait_gone(pids, 10.0) == [], "rank processes or their template outlived their controller"
 
 
 def test_torchrun_runs_the_same_boot(model, tmp_path):

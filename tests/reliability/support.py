@@ -73,9 +73,9 @@ def wait_gone(pids, timeout_s: float = 10.0) -> list[int]:
     return [p for p in pids if alive(p)]
 
 
-def rank_processes() -> list[int]:
-    """Live rank processes started by this process (found in /proc: also those of a failed boot)."""
-    me, found = os.getpid(), []
+def _processes() -> list[tuple[int, int, bytes]]:
+    """(pid, ppid, cmdline) of every live process."""
+    found = []
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
@@ -86,9 +86,18 @@ def rank_processes() -> list[int]:
                 cmdline = f.read()
         except (FileNotFoundError, ProcessLookupError, IndexError):
             continue
-        if ppid == me and b"phaseflip.engine.rank_process" in cmdline and alive(int(entry)):
-            found.append(int(entry))
+        if alive(int(entry)):
+            found.append((int(entry), ppid, cmdline))
     return found
+
+
+def rank_processes() -> list[int]:
+    """Live rank processes started by this process (found in /proc: also those of a failed boot):
+    fresh interpreters it started, and the processes its rank template forked."""
+    me, procs = os.getpid(), _processes()
+    templates = {pid for pid, ppid, cmd in procs if ppid == me and b"phaseflip.engine.rank_template" in cmd}
+    return [pid for pid, ppid, cmd in procs
+            if ppid in templates or (ppid == me and b"phaseflip.engine.rank_process" in cmd)]
 
 
 def rss_bytes(pid: int) -> int:

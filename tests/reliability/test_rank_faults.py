@@ -160,17 +160,21 @@ def kill_a_new_rank(before: set[int], killed: list) -> None:
         killed.append(time.monotonic())
 
 
-@pytest.mark.parametrize("when", ["starting", "booting"])
+@pytest.mark.parametrize("when", ["starting", "importing", "booting"])
 def test_rank_killed_during_boot(model, monkeypatch, when):
-    """'starting': 0.3 s after the spawn, while the interpreter imports torch (before it connects back);
+    """'starting': as soon as the rank template has forked the ranks (before they connect back);
+    'importing': 0.3 s after the spawn of fresh interpreters (no template), while they import torch;
     'booting': when the first rank reports its first boot phase (loaded, not yet packed or captured)."""
     before, killed = set(rank_processes()), []
-    if when == "starting":
+    if when in ("starting", "importing"):
+        if when == "importing":
+            monkeypatch.setenv("PHASEFLIP_RANK_TEMPLATE", "0")
+
         def kill_soon():
             end = time.monotonic() + 30
             while time.monotonic() < end and len(set(rank_processes()) - before) < 2:
                 time.sleep(0.01)
-            time.sleep(0.3)
+            time.sleep(0.3 if when == "importing" else 0.0)
             kill_a_new_rank(before, killed)
         threading.Thread(target=kill_soon, daemon=True).start()
     else:

@@ -1,0 +1,340 @@
+"""The rank template: a process that has already imported a rank's code and forks rank processes.
+
+Owns: `start_rank` (a CPU rank process for ProcessRanks, as a handle shaped like subprocess.Popen's:
+pid, poll, wait, kill, terminate, returncode), the template process itself
+(`python -m phaseflip.engine.rank_template CONTROLLER_PID PDEATHSIG FD IDLE_S`) and what travels between them.
+
+Why: a rank started as a fresh interpreter spends ~2 s of its start importing torch (2 cores), every
+boot. A process that boots more than one multi-rank engine (a notebook, an evaluation sweep, the test
+suite's ~55 boots) pays that once: the template imports a rank's modules when its first rank is asked
+for, then forks each rank from that state (~20 ms). The first boot takes as long as before: the ranks
+imported in parallel, the template imports once.
+
+A forked rank is what a fresh one would be: a session of its own; the controller's stdin, stdout and
+stderr of the moment (sent with each request); the controller's environment and working directory of
+the moment; numpy's global generator reseeded (Python's `random` reseeds itself in a forked child;
+torch's default generator is, as in a fresh process, at its default seed); its exit status reported to the
+controller through the template. It dies with the controller: the template dies with it
+(PR_SET_PDEATHSIG when started from the controller's main thread; otherwise the end of its socket, or a
+changed parent within a second) and every rank dies with the template (PR_SET_PDEATHSIG). The template
+exits on its own after IDLE_S with no live rank.
+
+A new template replaces the one that was started under another working directory or another value of
+a variable that a library may read when it is imported (IMPORT_TIME_ENV), or that failed to start a
+rank; the old one is closed at once when idle, else when its ranks are gone and IDLE_S has passed.
+A fresh interpreter starts the rank instead (as before the template): on CUDA (a forked process must
+not inherit a CUDA driver state), with PHASEFLIP_RANK_TEMPLATE=0, and for a rank the template failed
+to start.
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+import pickle
+import queue
+import select
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+IDLE_S = 60.0
+# Variables a library or the interpreter may read when the template imports torch (OpenMP, BLAS,
+# allocators, torch's own): a template started under other values would give its ranks stale ones.
+# The rest (PHASEFLIP_*, a test runner's own) is read at run time: a rank gets the controller's values.
+IMPORT_TIME_ENV = ("PYTHON", "LD_", "OMP_", "GOMP_", "KMP_", "MKL_", "OPENBLAS_", "DNNL_", "ONEDNN_",
+                   "TORCH", "PYTORCH_", "ATEN_", "CUDA", "NCCL_", "GLOO_", "TRITON_", "MALLOC_", "TMP",
+                   "TEMP", "HOME", "PATH", "XDG_")
+MODULE = "phaseflip.engine.rank_template"
+RANK_MODULE = "phaseflip.engine.rank_process"
+
+_lock = threading.Lock()
+_template: "_Template | None" = None
+
+
+def start_rank(args: list[str], device: str, on_main_thread: bool):
+    """Rank process `args` (rank_process.main's first five arguments, as strings), forked by this
+    process's template on the CPU, else started as a fresh interpreter."""
+    mode = os.environ.get("PHASEFLIP_RANK_TEMPLATE", "1")
+    if mode not in ("0", "1"):
+        raise ValueError(f"PHASEFLIP_RANK_TEMPLATE={mode!r}: expected 1 (fork CPU ranks from a template "
+                         "process) or 0 (start each rank as a fresh interpreter)")
+    if device == "cpu" and mode == "1":
+        template = _usable_template(on_main_thread)
+        if template is not None:
+            handle = template.launch(args)
+            if handle is not None:
+                return handle
+    return subprocess.Popen([sys.executable, "-m", RANK_MODULE, *args, str(os.getpid()), str(int(on_main_thread))],
+                            start_new_session=True)
+
+
+def _import_time_env(env) -> dict:
+    return {k: v for k, v in env.items() if k.startswith(IMPORT_TIME_ENV)}
+
+
+def _usable_template(on_main_thread: bool) -> "_Template | None":
+    global _template
+    with _lock:
+        t = _template if _template is not None and _template.owner == os.getpid() else None  # not a fork's
+        if t is not None and t.alive() and t.env == _import_time_env(os.environ) and t.cwd == os.getcwd():
+            return t
+        if t is not None and not t.live_ranks():
+            t.close()   # else it serves its ranks to the end and leaves IDLE_S later
+        _template = _Template(on_main_thread)
+        return _template
+
+
+class RankHandle:
+    """A rank forked by the template, handled like a subprocess.Popen (the template reports its exit)."""
+
+    def __init__(self, template: "_Template", pid: int, args: list[str]):
+        self.template, self.pid, self.args = template, pid, args
+
+    @property
+    def returncode(self) -> int | None:
+        return self.template.codes.get(self.pid)
+
+    def poll(self) -> int | None:
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        with self.template.cond:
+            if not self.template.cond.wait_for(lambda: self.returncode is not None, timeout):
+                raise subprocess.TimeoutExpired(self.args, timeout)
+        return self.returncode
+
+    def send_signal(self, sig: int) -> None:
+        if self.returncode is None:   # reported exits are reaped: their pid may belong to another process
+            try:
+                os.kill(self.pid, sig)
+            except ProcessLookupError:
+                pass
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+
+class _Template:
+    """The controller's end: the template process, its socket and the exits it reported."""
+
+    def __init__(self, on_main_thread: bool):
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        self.env, self.cwd, self.owner = _import_time_env(os.environ), os.getcwd(), os.getpid()
+        self.proc = subprocess.Popen([sys.executable, "-m", MODULE, str(os.getpid()), str(int(on_main_thread)),
+                                      str(theirs.fileno()), str(IDLE_S)], pass_fds=[theirs.fileno()],
+                                     start_new_session=True)
+        theirs.close()
+        self.sock = ours
+        self.codes: dict[int, int | None] = {}   # pid -> exit code (None while it runs)
+        self.cond = threading.Condition()
+        self.replies: queue.Queue = queue.Queue()
+        self.launching = threading.Lock()
+        self.dead = False     # the template process has exited
+        self.usable = True    # False after a launch it failed: its ranks still run, no new ones start there
+        threading.Thread(target=self._read, name="phaseflip-rank-template", daemon=True).start()
+
+    def alive(self) -> bool:
+        return not self.dead and self.usable
+
+    def live_ranks(self) -> list[int]:
+        with self.cond:
+            return [pid for pid, code in self.codes.items() if code is None]
+
+    def launch(self, args: list[str], timeout_s: float = 60.0) -> RankHandle | None:
+        """A rank forked with these args, or None when the template could not (no rank starts there
+        after that; it is closed once its ranks are gone: closing it would take them along)."""
+        fds = [fd for fd in (0, 1, 2) if _is_open(fd)]
+        request = pickle.dumps((args, dict(os.environ), os.getcwd(), fds))
+        with self.launching:
+            try:
+                socket.send_fds(self.sock, [request], fds)
+                pid = self.replies.get(timeout=timeout_s)   # the first waits for the template's imports
+            except (OSError, queue.Empty):
+                pid = None
+        if pid is None:
+            self.usable = False
+            if not self.live_ranks():
+                self.close()
+            return None
+        return RankHandle(self, pid, [MODULE, *args])
+
+    def _read(self) -> None:
+        while True:
+            try:
+                data = self.sock.recv(1 << 16)
+            except OSError:
+                data = b""
+            if not data:
+                break
+            kind, pid, code = pickle.loads(data)
+            if kind == "failed":
+                self.replies.put(None)
+                continue
+            with self.cond:
+                self.codes[pid] = code   # "started" (None) always comes before its "exited"
+                self.cond.notify_all()
+            if kind == "started":
+                self.replies.put(pid)
+        with self.cond:   # the template is gone, and its ranks with it (their PR_SET_PDEATHSIG)
+            self.dead = True
+            for pid, code in self.codes.items():
+                if code is None:
+                    self.codes[pid] = -signal.SIGKILL
+            self.cond.notify_all()
+        self.replies.put(None)
+        self.proc.wait()
+
+    def close(self) -> None:
+        self.dead = True
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)   # the template reads the end and exits
+        except OSError:
+            pass
+
+
+def _is_open(fd: int) -> bool:
+    try:
+        os.fstat(fd)
+        return True
+    except OSError:
+        return False
+
+
+# -- the template process ------------------------------------------------------------------------------
+def serve(controller_pid: int, pdeathsig: bool, fd: int, idle_s: float) -> None:
+    """Import what a rank imports, then fork a rank per request until the controller goes away."""
+    if pdeathsig:   # as rank_process: only when the controller's main thread started this process
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)   # PR_SET_PDEATHSIG
+    import phaseflip.engine.rank_process as rank_process   # the ~2 s each fresh rank would pay
+    resident = _resident_file_pages()
+    sock = socket.socket(fileno=fd)
+    wake_r, wake_w = os.pipe()
+    for end in (wake_r, wake_w):
+        os.set_blocking(end, False)
+    signal.set_wakeup_fd(wake_w)
+    signal.signal(signal.SIGCHLD, lambda *_: None)   # a child's exit wakes the select below
+    live: set[int] = set()
+    idle_since = time.monotonic()
+    while os.getppid() == controller_pid and (live or time.monotonic() - idle_since < idle_s):
+        ready, _, _ = select.select([sock, wake_r], [], [], 1.0)
+        if wake_r in ready:
+            while _drained(wake_r):
+                pass
+        if sock in ready:
+            try:
+                data, fds, _, _ = socket.recv_fds(sock, 1 << 20, 3)
+            except OSError:
+                break
+            if not data:
+                break
+            pid = _fork(rank_process, *pickle.loads(data), fds, (sock.fileno(), wake_r, wake_w), resident)
+            for passed in fds:
+                os.close(passed)
+            if pid:
+                live.add(pid)
+            sock.send(pickle.dumps(("started", pid, None) if pid else ("failed", 0, None)))
+        if _reap(live, sock) and not live:
+            idle_since = time.monotonic()
+    os._exit(0)   # the ranks still running die with this process (their PR_SET_PDEATHSIG)
+
+
+def _drained(fd: int) -> bool:
+    try:
+        return bool(os.read(fd, 512))
+    except BlockingIOError:
+        return False
+
+
+def _reap(live: set[int], sock) -> bool:
+    """Report every child that exited; True when any did."""
+    reaped = False
+    while True:
+        try:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return reaped
+        if pid == 0:
+            return reaped
+        live.discard(pid)
+        reaped = True
+        try:
+            sock.send(pickle.dumps(("exited", pid, os.waitstatus_to_exitcode(status))))
+        except OSError:
+            pass
+
+
+def _fork(rank_process, args: list[str], env: dict, cwd: str, fd_targets: list[int], fds: list[int],
+          own_fds: tuple, resident: list[tuple[int, int]] = ()) -> int:
+    """Fork one rank; in the child, become what a fresh `python -m phaseflip.engine.rank_process` is."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    try:
+        pid = os.fork()
+    except OSError:
+        return 0
+    if pid:
+        return pid
+    try:
+        signal.set_wakeup_fd(-1)
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        os.setsid()
+        for target, passed in zip(fd_targets, fds):
+            os.dup2(passed, target)
+        for fd in (*fds, *own_fds):
+            os.close(fd)
+        os.chdir(cwd)
+        os.environ.clear()
+        os.environ.update(env)
+        _reseed()
+        _map(resident)
+        sys.argv = [rank_process.__file__, *args]
+        rank_process.main(int(args[0]), int(args[1]), args[2], args[3], args[4], os.getppid(), True)
+    except BaseException:   # noqa: BLE001 — a fresh interpreter would print it and exit 1
+        import traceback
+        traceback.print_exc()
+        sys.stderr.flush()
+        os._exit(1)
+    os._exit(0)
+
+
+def _resident_file_pages() -> list[tuple[int, int]]:
+    """(address, bytes) runs of the file-backed pages (the libraries' code and constants) this process
+    has mapped. fork copies no page-table entries for them: without _map, a forked rank's RSS starts
+    ~70 MB short of a fresh rank's and grows as it runs the code, which its memory ledger (RSS at start
+    as the framework's overhead) would report as unexplained."""
+    import numpy as np
+    page, runs = os.sysconf("SC_PAGE_SIZE"), []
+    with open("/proc/self/maps") as maps, open("/proc/self/pagemap", "rb") as pagemap:
+        for line in maps:
+            fields = line.split()
+            if len(fields) < 6 or not fields[5].startswith("/") or not fields[1].startswith("r"):
+                continue
+            start, end = (int(x, 16) for x in fields[0].split("-"))
+            pagemap.seek(start // page * 8)
+            present = np.frombuffer(pagemap.read((end - start) // page * 8), dtype=np.uint64) >> np.uint64(63)
+            edges = np.flatnonzero(np.diff(np.concatenate(([0], present.astype(np.int8), [0]))))
+            runs += [(start + a * page, (b - a) * page) for a, b in zip(edges[::2].tolist(), edges[1::2].tolist())]
+    return runs
+
+
+def _map(runs: list[tuple[int, int]]) -> None:
+    """Map `runs` into this process's page tables from the page cache (MADV_POPULATE_READ, Linux 5.14;
+    where it fails the pages map as they are used, as before)."""
+    madvise = ctypes.CDLL(None, use_errno=True).madvise
+    for address, length in runs:
+        madvise(ctypes.c_void_p(address), ctypes.c_size_t(length), 22)
+
+
+def _reseed() -> None:
+    if "numpy.random" in sys.modules:   # seeded from the OS when imported: once, in the template
+        sys.modules["numpy.random"].seed()
+
+
+if __name__ == "__main__":
+    serve(int(sys.argv[1]), sys.argv[2] == "1", int(sys.argv[3]), float(sys.argv[4]))
