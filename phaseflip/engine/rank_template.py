@@ -210,7 +210,10 @@ def _is_open(fd: int) -> bool:
 def serve(controller_pid: int, pdeathsig: bool, fd: int, idle_s: float) -> None:
     """Import what a rank imports, then fork a rank per request until the controller goes away."""
     if pdeathsig:   # as rank_process: only when the controller's main thread started this process
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)   # PR_SET_PDEATHSIG
+        try:
+            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)   # PR_SET_PDEATHSIG
+        except OSError:
+            pass   # the end of the socket and the parent check below remain
     import phaseflip.engine.rank_process as rank_process   # the ~2 s each fresh rank would pay
     resident = _resident_file_pages()
     sock = socket.socket(fileno=fd)
@@ -310,16 +313,19 @@ def _resident_file_pages() -> list[tuple[int, int]]:
     as the framework's overhead) would report as unexplained."""
     import numpy as np
     page, runs = os.sysconf("SC_PAGE_SIZE"), []
-    with open("/proc/self/maps") as maps, open("/proc/self/pagemap", "rb") as pagemap:
-        for line in maps:
-            fields = line.split()
-            if len(fields) < 6 or not fields[5].startswith("/") or not fields[1].startswith("r"):
-                continue
-            start, end = (int(x, 16) for x in fields[0].split("-"))
-            pagemap.seek(start // page * 8)
-            present = np.frombuffer(pagemap.read((end - start) // page * 8), dtype=np.uint64) >> np.uint64(63)
-            edges = np.flatnonzero(np.diff(np.concatenate(([0], present.astype(np.int8), [0]))))
-            runs += [(start + a * page, (b - a) * page) for a, b in zip(edges[::2].tolist(), edges[1::2].tolist())]
+    try:
+        with open("/proc/self/maps") as maps, open("/proc/self/pagemap", "rb") as pagemap:
+            for line in maps:
+                fields = line.split()
+                if len(fields) < 6 or not fields[5].startswith("/") or not fields[1].startswith("r"):
+                    continue
+                start, end = (int(x, 16) for x in fields[0].split("-"))
+                pagemap.seek(start // page * 8)
+                present = np.frombuffer(pagemap.read((end - start) // page * 8), dtype=np.uint64) >> np.uint64(63)
+                edges = np.flatnonzero(np.diff(np.concatenate(([0], present.astype(np.int8), [0]))))
+                runs += [(start + a * page, (b - a) * page) for a, b in zip(edges[::2].tolist(), edges[1::2].tolist())]
+    except OSError:
+        return []   # no /proc to read: a forked rank maps the pages as it uses them
     return runs
 
 
