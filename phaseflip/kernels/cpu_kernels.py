@@ -22,7 +22,7 @@ process, alternating; scratch gemm_k.py). Past 16 rows (AVX2) x is cut into pane
 each group of weight rows meets in turn (cpu_wide.h `PANEL_MB`), which holds ~155 GFLOPS on 2 Zen 3
 cores (199 peak) at any row count: fp32 64 / 128 / 256 rows 86.8 / 175.2 / 351.7 ms over SmolLM2's
 30 layers against oneDNN's 122.8 / 203.3 / 367.1 (2026-12-02), so short prompt chunks take it too
-where the boot measures it faster (linear.choose_wide_forms). Dotting each weight row with each x row
+where the boot measures it faster (linear_forms.choose_wide_forms). Dotting each weight row with each x row
 there (the one-pass form extended to tiles) was no faster than oneDNN.
 Both kernels are written once over cpu_simd.h's float32 vector: AVX-512 (16 lanes) or AVX2 + FMA (8
 lanes), plain loops where the CPU has neither. Before the AVX2 form, an AVX2-only CPU got the plain

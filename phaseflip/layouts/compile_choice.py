@@ -80,7 +80,7 @@ class CompileChoice:
     def _prepare_head(self, measure: bool) -> None:
         """The LM head for a decode that samples up to GEMV_ROWS rows (CPU): inductor's one pass over
         the head where it is measured faster (or compile="on"), else the eager product. Where one-row
-        products were measured faster eager (linear.choose_gemv) a compiled head is the same call: none."""
+        products were measured faster eager (linear_forms.choose_gemv) a compiled head is the same call: none."""
         if not gemv_reduces(self.weights.lm_head.dtype):
             self.compile_report["head"] = {"choice": "eager",
                                            "reason": "one-row products run eager (measured)"}

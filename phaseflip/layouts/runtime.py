@@ -18,7 +18,7 @@ import torch
 from phaseflip.graphs.buffers import BufferSpec, StaticBuffers
 from phaseflip.graphs.compile import use_cache_dir
 from phaseflip.graphs.registry import GraphRegistry
-from phaseflip.kernels import fused_layer, linear
+from phaseflip.kernels import fused_layer, linear, linear_forms
 from phaseflip.kernels.rotary import cos_sin_table
 from phaseflip.layouts.arena import WeightArena, allocate_arena, arena_bases, image_slots, pack_image
 from phaseflip.layouts.comm import break_graphs_at_collectives
@@ -203,17 +203,17 @@ class RankRuntime:
             runner = self.runners[name]
             with self._timed(f"gemm_warm:{name}"), _rss_growth() as grown:
                 if not cuda and runner.weights.layers:   # bf16's ladder form decides what `warm` builds
-                    runner.compile_report["ladder"] = linear.choose_ladder_form(
+                    runner.compile_report["ladder"] = linear_forms.choose_ladder_form(
                         list(runner.layer_projections()[0]), model=runner.cfg)
                 gemms = linear.warm(runner.projections())
             self.gemm_bytes = _add(self.gemm_bytes, grown)
             if not cuda:
                 with self._timed(f"forms:{name}"):  # once per process, dtype and model: later layouts reuse
                     weights = [w for w, _, _ in runner.projections()]
-                    runner.compile_report["small_rows"] = linear.choose_small_forms(weights, model=runner.cfg)
-                    runner.compile_report["wide_rows"] = linear.choose_wide_forms(weights, model=runner.cfg)
+                    runner.compile_report["small_rows"] = linear_forms.choose_small_forms(weights, model=runner.cfg)
+                    runner.compile_report["wide_rows"] = linear_forms.choose_wide_forms(weights, model=runner.cfg)
                     if boot.compile != "off" and runner.weights.layers:
-                        runner.compile_report["gemv"] = linear.choose_gemv(runner.layer_projections(),
+                        runner.compile_report["gemv"] = linear_forms.choose_gemv(runner.layer_projections(),
                                                                            model=runner.cfg)
                     if runner.weights.layers:
                         runner.compile_report["fused_layers"] = fused_layer.report(

@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from phaseflip.engine.llm import LLM
 from phaseflip.engine.sampling_params import SamplingParams
 from phaseflip.kernels import linear as lin
+from phaseflip.kernels import linear_forms as forms
 
 ONEDNN = pytest.mark.skipif(not lin._onednn_op(), reason="this torch build has no oneDNN linear")
 
@@ -15,7 +16,7 @@ ONEDNN = pytest.mark.skipif(not lin._onednn_op(), reason="this torch build has n
 @pytest.fixture(autouse=True)
 def _no_earlier_measurements(monkeypatch):
     """Each test measures for itself (the process keeps every measurement by dtype and model)."""
-    monkeypatch.setattr(lin, "_measured", {})
+    monkeypatch.setattr(forms, "_measured", {})
 
 
 @pytest.mark.parametrize("m", [1, 2, 3, lin.SMALL_BATCH, lin.SMALL_BATCH + 1, 40, 64, 65, 100, 512, 600])
@@ -106,7 +107,7 @@ def test_every_small_rows_form_equals_f_linear(form, monkeypatch):
 
 def test_the_measured_small_rows_form_is_the_one_that_runs(monkeypatch):
     monkeypatch.setattr(lin, "_small_reports", {})
-    report = lin.choose_small_forms([torch.randn(256, 64), torch.randn(64, 256)], passes=1)
+    report = forms.choose_small_forms([torch.randn(256, 64), torch.randn(64, 256)], passes=1)
     chosen = {m: lin.small_form(m, torch.float32) for m in lin.MEASURED_ROWS}
     assert chosen == report["forms"] and report["choice"] == ", ".join(f"{m} rows: {f}" for m, f in chosen.items())
     for m in lin.MEASURED_ROWS:   # the choice is the fastest of what was timed
@@ -117,7 +118,7 @@ def test_the_measured_small_rows_form_is_the_one_that_runs(monkeypatch):
     monkeypatch.setattr(lin, "_small_product", lambda form, *a: ran.append(form) or real(form, *a))
     lin.linear(torch.randn(2, 64), torch.randn(8, 64))
     assert ran == [lin.small_form(2, torch.float32)] == [chosen[2]]
-    bf16 = lin.choose_small_forms([torch.randn(64, 64, dtype=torch.bfloat16)], passes=1)
+    bf16 = forms.choose_small_forms([torch.randn(64, 64, dtype=torch.bfloat16)], passes=1)
     assert bf16 is not report and bf16["dtype"] == "torch.bfloat16"
 
 
@@ -127,15 +128,15 @@ def test_each_model_is_measured_once_and_its_own_forms_serve_it(monkeypatch):
     products on the library's product)."""
     monkeypatch.setattr(lin, "_small_reports", {})
     timed = []
-    monkeypatch.setattr(lin, "_best_pass_ms", lambda form, xs, weights, passes: timed.append(len(weights)) or
+    monkeypatch.setattr(forms, "_best_pass_ms", lambda form, xs, weights, passes: timed.append(len(weights)) or
                         {"kernel": 2.0, "library": 1.0}.get(form, 3.0) * (1 if len(weights) == 2 else -1))
-    first = lin.choose_small_forms([torch.randn(256, 64), torch.randn(64, 256)], model="a")
-    assert timed and lin.choose_small_forms([torch.randn(128, 64)], model="a") is first   # a's TP layout
+    first = forms.choose_small_forms([torch.randn(256, 64), torch.randn(64, 256)], model="a")
+    assert timed and forms.choose_small_forms([torch.randn(128, 64)], model="a") is first   # a's TP layout
     assert len(set(timed)) == 1 and lin.small_form(1, torch.float32) == first["forms"][1]
-    other = lin.choose_small_forms([torch.randn(8, 8)] * 3, model="b")   # another model: measured anew
+    other = forms.choose_small_forms([torch.randn(8, 8)] * 3, model="b")   # another model: measured anew
     assert other is not first and 3 in timed and lin.small_form(1, torch.float32) == other["forms"][1]
-    assert lin.choose_small_forms([torch.randn(8, 8)] * 3) is not other   # unnamed: named by its shapes
-    assert lin.choose_small_forms([torch.randn(256, 64)], model="a") is first == lin._small_reports[torch.float32]
+    assert forms.choose_small_forms([torch.randn(8, 8)] * 3) is not other   # unnamed: named by its shapes
+    assert forms.choose_small_forms([torch.randn(256, 64)], model="a") is first == lin._small_reports[torch.float32]
 
 
 @pytest.mark.parametrize("choice, form, runs_eager", [("reduction", "stationary", False),
@@ -159,12 +160,12 @@ def test_a_compiled_one_row_product_takes_the_measured_form(choice, form, runs_e
 def test_choose_gemv_reports_both_timings(monkeypatch):
     monkeypatch.setattr(lin, "_gemv_reports", {})
     layers = [(torch.randn(96, 64), torch.randn(64, 96)) for _ in range(3)]
-    report = lin.choose_gemv(layers, repeats=1)
+    report = forms.choose_gemv(layers, repeats=1)
     assert "reduction" in report["ms"] and len(report["ms"]) == 2
     assert report["choice"] == min(report["ms"], key=report["ms"].get)
     assert report["layers"] == 3 and report["pass_bytes"] == 3 * 2 * 96 * 64 * 4
     assert lin.gemv_reduces(torch.float32) == (report["choice"] == "reduction")
-    assert lin.choose_gemv([(torch.randn(96, 64), torch.randn(64, 96))] * 3) is report   # the same shapes
+    assert forms.choose_gemv([(torch.randn(96, 64), torch.randn(64, 96))] * 3) is report   # the same shapes
 
 
 def test_choose_gemv_gives_bf16_to_the_kernel_unmeasured(monkeypatch):
@@ -172,9 +173,9 @@ def test_choose_gemv_gives_bf16_to_the_kernel_unmeasured(monkeypatch):
     and the report says why; float32 is still measured (the tests above)."""
     monkeypatch.setattr(lin, "_gemv_reports", {})
     monkeypatch.setattr(lin, "small_form", lambda m, dtype: "kernel")
-    monkeypatch.setattr(lin, "_one_row_products", lambda *a, **k: pytest.fail("a pass was timed"))
-    report = lin.choose_gemv([(torch.randn(96, 64, dtype=torch.bfloat16),)])
-    assert report["choice"] == "kernel" and report["ms"] is None and report["reason"] == lin.BF16_KERNEL
+    monkeypatch.setattr(forms, "_one_row_products", lambda *a, **k: pytest.fail("a pass was timed"))
+    report = forms.choose_gemv([(torch.randn(96, 64, dtype=torch.bfloat16),)])
+    assert report["choice"] == "kernel" and report["ms"] is None and report["reason"] == forms.BF16_KERNEL
     assert not lin.gemv_reduces(torch.bfloat16)
 
 
@@ -184,15 +185,15 @@ def test_choose_gemv_times_whole_passes_over_the_layers_alternating(monkeypatch)
     monkeypatch.setattr(lin, "_gemv_reports", {})
     layers = [(torch.randn(96, 64), torch.randn(64, 96)) for _ in range(3)]
     passes = []
-    real = lin._best_ms
-    monkeypatch.setattr(lin, "_best_ms", lambda fn, repeats, before=None: passes.append(fn) or real(fn, repeats))
+    real = forms._best_ms
+    monkeypatch.setattr(forms, "_best_ms", lambda fn, repeats, before=None: passes.append(fn) or real(fn, repeats))
     seen = []
-    real_products = lin._one_row_products
-    monkeypatch.setattr(lin, "_one_row_products",
+    real_products = forms._one_row_products
+    monkeypatch.setattr(forms, "_one_row_products",
                         lambda xs, ws, form: seen.append((form, len(ws))) or real_products(xs, ws, form))
     torch._dynamo.reset()
     try:
-        report = lin.choose_gemv(layers, repeats=2)
+        report = forms.choose_gemv(layers, repeats=2)
     finally:
         torch._dynamo.reset()
     form = lin.small_form(1, torch.float32)
@@ -241,7 +242,7 @@ def test_the_measured_wide_rows_form_is_the_one_that_runs(monkeypatch):
     _kernel_or_skip()
     monkeypatch.setattr(lin, "_wide_reports", {})
     assert lin.wide_form(8, torch.float32) == "ladder"   # unmeasured: the ladder, as before the kernel grew
-    report = lin.choose_wide_forms([torch.randn(256, 64), torch.randn(64, 256)], passes=1)
+    report = forms.choose_wide_forms([torch.randn(256, 64), torch.randn(64, 256)], passes=1)
     for m in lin.WIDE_ROWS:   # the choice is the fastest of what was timed, and it is what runs
         ms = report["ms"][m]
         assert all(v > 0 for v in ms.values()) and report["forms"][m] == min(ms, key=ms.get)
@@ -252,7 +253,7 @@ def test_the_measured_wide_rows_form_is_the_one_that_runs(monkeypatch):
         monkeypatch.setattr(lin, name, lambda *a, real=real, name=name: ran.append(name) or real(*a))
     lin.linear(torch.randn(30, 64), torch.randn(8, 64))
     assert ran == [f"_{report['forms'][32]}_product"]
-    assert lin.choose_wide_forms([torch.randn(64, 256), torch.randn(256, 64)]) is report   # the same shapes
+    assert forms.choose_wide_forms([torch.randn(64, 256), torch.randn(256, 64)]) is report   # the same shapes
 
 
 @ONEDNN
@@ -275,18 +276,18 @@ def test_a_widened_bf16_ladder_product_is_float32_onednn_rounded_to_bf16(monkeyp
 @ONEDNN
 def test_choose_ladder_form_times_bf16_only(monkeypatch):
     monkeypatch.setattr(lin, "_ladder_reports", {})
-    assert lin.choose_ladder_form([torch.randn(32, 16)])["ms"] is None   # float32 is on oneDNN already
-    report = lin.choose_ladder_form([torch.randn(32, 16).to(torch.bfloat16)], passes=1)
-    assert set(report["ms"]) == {"library", "widened"} and report["rows"] == lin.LADDER_PROBE_ROWS
+    assert forms.choose_ladder_form([torch.randn(32, 16)])["ms"] is None   # float32 is on oneDNN already
+    report = forms.choose_ladder_form([torch.randn(32, 16).to(torch.bfloat16)], passes=1)
+    assert set(report["ms"]) == {"library", "widened"} and report["rows"] == forms.LADDER_PROBE_ROWS
     assert report["choice"] == min(report["ms"], key=report["ms"].get)
     assert lin.ladder_widens(torch.bfloat16) == (report["choice"] == "widened")
-    assert lin.choose_ladder_form([torch.randn(32, 16).to(torch.bfloat16)]) is report   # the same shapes
+    assert forms.choose_ladder_form([torch.randn(32, 16).to(torch.bfloat16)]) is report   # the same shapes
 
 
 @ONEDNN
 def test_no_widened_gemm_is_built_after_boot(tiny_model_dir, monkeypatch):
     monkeypatch.setattr(lin, "_ladder_reports", {torch.bfloat16: {"choice": "widened"}})
-    monkeypatch.setattr(lin, "choose_ladder_form", lambda *a, **k: lin._ladder_reports[torch.bfloat16])  # kept
+    monkeypatch.setattr(forms, "choose_ladder_form", lambda *a, **k: lin._ladder_reports[torch.bfloat16])  # kept
     real, rows = lin._onednn_op(), []
     monkeypatch.setattr(lin, "_onednn", lambda x, w, b, *a: rows.append((tuple(w.shape), x.shape[0])) or
                         real(x, w, b, *a))

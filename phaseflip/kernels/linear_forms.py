@@ -1,0 +1,194 @@
+"""Which product form serves each row count on this machine: the boot's measurements behind
+kernels/linear.py's choices, each made once per process, dtype and model.
+
+Owns: `choose_small_forms` (1, 2 and SMALL_BATCH rows: the library's product, the weight-stationary
+one, oneDNN padded to its ladder or the few-rows kernel), `choose_wide_forms` (more rows: the kernel's
+wide form or the ladder's product), `choose_gemv` (a compiled step's one-row products: inductor's
+reductions or the eager product, over a pass of the layers), `choose_ladder_form` (bfloat16 on the
+ladder: the library's bf16 product or float32 on oneDNN) and `_measured`, every report of this process
+by (what, dtype, model). Each choice writes the report linear.py's products of the dtype then follow
+(linear._small_reports, _wide_reports, _gemv_reports, _ladder_reports): the last model measured.
+"""
+from __future__ import annotations
+
+import time
+from functools import partial
+
+import torch
+import torch.nn.functional as F
+
+from phaseflip.kernels import cpu_kernels
+from phaseflip.kernels import linear as lin
+
+WIDE_LAYER_ROWS = 64   # above it, the wide forms are timed on one layer's weights (GEMM-bound: one tells)
+LADDER_PROBE_ROWS = 128   # the rows (a prefill chunk) bfloat16's two ladder forms are timed at
+
+# Every measurement of this process by (what, dtype, model): a model's second layout (or engine) takes
+# its model's, another model is measured anew. Keyed by dtype alone, a tiny model measured first had
+# put SmolLM2's one-row products on the library's product: its batch-1 decode 2x slower (2026-12-03).
+_measured: dict[tuple, dict] = {}
+
+
+def choose_gemv(layers: list[tuple[torch.Tensor, ...]], repeats: int = 3, model=None) -> dict:
+    """Measure once per process, dtype and model (_once) whether a compiled step's one-row products are
+    faster as inductor's reductions or as the eager product (the measured small-rows form, as the step
+    calls it),
+    over a pass of every layer's projections (each layer one compiled graph), alternating, best of
+    `repeats`. A single weight timed alone misled: on SmolLM2's 113 MB head the forms were within 1%,
+    and where eager won by that hair the decode step took 28 ms instead of 18-20 (the pass: reductions
+    21 ms, eager 34-45; fp32, 2026-12-01). Call before any step is traced (the choice is read then).
+    bfloat16 where the kernel serves takes it without a pass (BF16_KERNEL). Returns the report."""
+    dtype, weights = layers[0][0].dtype, [w for layer in layers for w in layer]
+    return _once(lin._gemv_reports, "gemv", dtype, model, weights, partial(_gemv_passes, layers, repeats))
+
+
+def _gemv_passes(layers: list[tuple[torch.Tensor, ...]], repeats: int) -> dict:
+    """choose_gemv's measurement."""
+    dtype = layers[0][0].dtype
+    pass_bytes = sum(w.numel() * w.element_size() for layer in layers for w in layer)
+    if dtype == torch.bfloat16 and lin.small_form(1, dtype) == "kernel":
+        return {"choice": "kernel", "ms": None, "first_call_ms": None, "layers": len(layers),
+                "pass_bytes": pass_bytes, "reason": BF16_KERNEL}
+    xs = {w.shape[1]: torch.randn(1, w.shape[1], dtype=dtype) for layer in layers for w in layer}
+    form = lin.small_form(1, dtype)
+    passes = {"reduction": torch.compile(partial(_one_row_products, form="reduction"), dynamic=False),
+              form: torch.compile(partial(_one_row_products, form=form), dynamic=False)}
+    t0 = time.perf_counter()
+    for products in passes.values():
+        products(xs, layers[0])
+    first_ms = (time.perf_counter() - t0) * 1e3
+    ms = _alternating_ms({name: lambda p=products: [p(xs, layer) for layer in layers]
+                          for name, products in passes.items()}, repeats)
+    return {"choice": min(ms, key=ms.get), "ms": ms, "first_call_ms": first_ms,
+            "layers": len(layers), "pass_bytes": pass_bytes}
+
+
+# bf16 takes the kernel untimed: the layer pass picked the reductions in 3 of 14 boots, the served step in none
+BF16_KERNEL = ("bfloat16 one-row products take the few-rows kernel unmeasured: the whole decode step "
+               "served, the choice forced, alternating boots: kernel 13.6-15.2 and 11.0-12.7 ms/token, "
+               "reductions 18.3-19.4 and 16.3-18.0 (SmolLM2 batch 1, 2 cores, 2026-12-02; in float32 the "
+               "pass and the step agree: reductions 17.6-21.9, kernel 22.7-26.6)")
+
+
+def _one_row_products(xs: dict[int, torch.Tensor], weights: tuple[torch.Tensor, ...], form: str) -> list:
+    """One row times each weight, as a compiled step computes it in `form` (choose_gemv)."""
+    def product(x, w):
+        if form == "reduction":
+            return lin._reduce_rows(x, w)
+        if form == "kernel" and lin._kernel_serves(w):
+            return cpu_kernels.few_rows_op()(x, w)
+        return F.linear(x, w) if form == "library" else torch.ops.phaseflip.cpu_linear(x, w, None)
+    return [product(xs[w.shape[1]], w) for w in weights]
+
+
+def _best_ms(fn, repeats: int) -> float:
+    """The best of `repeats` timed calls of fn."""
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best * 1e3
+
+
+def _alternating_ms(runs: dict, rounds: int) -> dict[str, float]:
+    """The best ms of each of `runs` (name -> a call of no arguments), the calls taking turns `rounds` times."""
+    ms = dict.fromkeys(runs, float("inf"))
+    for _ in range(rounds):
+        for name, run in runs.items():
+            ms[name] = min(ms[name], _best_ms(run, 1))
+    return ms
+
+
+def _once(reports: dict, what: str, dtype: torch.dtype, model, weights: list[torch.Tensor], measure) -> dict:
+    """`what`'s report for (dtype, model), measure() on the first call for them; it becomes the one dtype's
+    products follow. model: any hashable naming the model (None: the shapes of `weights`)."""
+    key = (what, dtype, model if model is not None else tuple(sorted({tuple(w.shape) for w in weights})))
+    if key not in _measured:
+        _measured[key] = measure()
+    reports[dtype] = _measured[key]
+    return reports[dtype]
+
+
+def choose_ladder_form(weights: list[torch.Tensor], passes: int = 2, model=None) -> dict:
+    """Measure once per process and model (_once) whether bfloat16 products on the ladder run faster as the
+    library's bf16 product or widened to float32 on oneDNN's ladder: LADDER_PROBE_ROWS rows times each of
+    `weights` (one layer's projections: GEMM-bound, one layer tells), alternating, best of `passes`. On an
+    AVX2-only Zen 3 (no bf16 arithmetic) SmolLM2's 30 layers at 128 rows took 1515 ms on the library's
+    product, 239 widened (2026-12-02). Call before `warm` (it builds the widened ladder). Returns the report."""
+    weights = [w for w in weights if w.device.type == "cpu" and w.dim() == 2]
+    if not weights or weights[0].dtype != torch.bfloat16:
+        return {"choice": "not measured (only bfloat16 has two ladder forms)", "ms": None}
+    if not lin._onednn_op():
+        return {"choice": "library (no oneDNN in this build)", "ms": None}
+
+    def measure() -> dict:
+        xs = _rows(LADDER_PROBE_ROWS, weights)
+        forms = {"library": lambda x, w: F.linear(x, w), "widened": lambda x, w: lin._widened_product(x, w, None)}
+        ms = _alternating_ms({name: lambda p=product: [p(xs[w.shape[1]], w) for w in weights]
+                              for name, product in forms.items()}, passes)
+        return {"choice": min(ms, key=ms.get), "ms": ms, "rows": LADDER_PROBE_ROWS, "weights": len(weights)}
+    return _once(lin._ladder_reports, "ladder", torch.bfloat16, model, weights, measure)
+
+
+def choose_small_forms(weights: list[torch.Tensor], passes: int = 2, model=None) -> dict:
+    """Measure once per process, dtype and model (_once) which form multiplies 1, 2 and SMALL_BATCH rows fastest:
+    each form runs over every weight in turn (a step's projections, read as a step reads them), the best of
+    `passes` passes. Returns the report: the ms of each form per row count, the choice and what it was
+    measured on."""
+    weights = [w for w in weights if w.device.type == "cpu" and w.dim() == 2]
+    if not weights:
+        return {"choice": "stationary (no CPU weights to measure on)", "ms": None}
+    dtype = weights[0].dtype
+    forms = [f for f in lin.SMALL_FORMS if lin._form_serves(f, dtype)]
+
+    def measure() -> dict:
+        return _forms_report({m: {f: _best_pass_ms(f, _rows(m, weights), weights, passes) for f in forms}
+                              for m in lin.MEASURED_ROWS}, weights)
+    return _once(lin._small_reports, "small", dtype, model, weights, measure)
+
+
+def _rows(m: int, weights: list[torch.Tensor]) -> dict[int, torch.Tensor]:
+    """Random x of m rows for each input width among weights (in their dtype), for a measured pass."""
+    return {k: torch.randn(m, k, dtype=weights[0].dtype) for k in {w.shape[1] for w in weights}}
+
+
+def _forms_report(table: dict[int, dict[str, float]], weights: list[torch.Tensor]) -> dict:
+    """A forms measurement's report: the fastest form per row count, the timings (ms per row count
+    and form) and what they were measured on."""
+    chosen = {m: min(ms, key=ms.get) for m, ms in table.items()}
+    return {"choice": ", ".join(f"{m} rows: {f}" for m, f in chosen.items()), "forms": chosen, "ms": table,
+            "weights": len(weights), "weight_bytes": sum(w.numel() * w.element_size() for w in weights),
+            "dtype": str(weights[0].dtype)}
+
+
+def _best_pass_ms(form: str, xs: dict[int, torch.Tensor], weights: list[torch.Tensor], passes: int) -> float:
+    def one_pass():
+        for w in weights:
+            lin._small_product(form, xs[w.shape[1]], w, None)
+    return _best_ms(one_pass, passes)
+
+
+def choose_wide_forms(weights: list[torch.Tensor], passes: int = 2, model=None) -> dict:
+    """Measure once per process, dtype and model (_once) whether products of more than SMALL_BATCH rows
+    run faster on the few-rows kernel (x transposed, each weight value broadcast over 16 rows of x) or on the
+    ladder's product (oneDNN in float32, the library's in bfloat16): at each of lin.WIDE_ROWS, the two
+    over every weight in turn (above WIDE_LAYER_ROWS the first layer's four: ~40 / ~80 ms a pass at
+    256 / 512 rows, ~1.4 / 2.8 s over SmolLM2's 30), alternating, best of `passes`. Returns the report."""
+    weights = [w for w in weights if w.device.type == "cpu" and w.dim() == 2 and lin._kernel_serves(w)]
+    if not weights:
+        return {"choice": "ladder (no CPU weights to measure on)", "forms": {}, "ms": None}
+    dtype = weights[0].dtype
+    if not lin._form_serves("kernel", dtype):
+        return {"choice": f"ladder (no few-rows kernel: {cpu_kernels.kernel_report().get('reason')})",
+                "forms": {}, "ms": None}
+    products = {"kernel": lin._kernel_product, "ladder": lin._ladder_product}
+
+    def measure() -> dict:
+        table = {}
+        for m in lin.WIDE_ROWS:
+            xs, timed = _rows(m, weights), weights if m <= WIDE_LAYER_ROWS else weights[:4]
+            table[m] = _alternating_ms({name: lambda p=product: [p(xs[w.shape[1]], w, None) for w in timed]
+                                        for name, product in products.items()}, passes)
+        return {**_forms_report(table, weights), "one_layer_above_rows": WIDE_LAYER_ROWS}
+    return _once(lin._wide_reports, "wide", dtype, model, weights, measure)
