@@ -43,7 +43,7 @@ def load_checkpoint(model_dir: str, dtype: torch.dtype):
     return cfg, load_weights(model_dir, cfg, dtype)
 
 
-def _die_with_parent(parent_pid: int, pdeathsig: bool) -> None:
+def die_with_parent(parent_pid: int, pdeathsig: bool) -> None:
     """pdeathsig: the kernel kills this process when the THREAD that started it ends, so it is only
     asked for when that thread is the controller's main thread; the watchdog covers the rest."""
     try:  # Linux: the kernel kills this process when the controller dies
@@ -62,7 +62,7 @@ def _die_with_parent(parent_pid: int, pdeathsig: bool) -> None:
 def main(rank: int, world_size: int, init_method: str, control: str, authkey: str,
          parent_pid: int, pdeathsig: bool) -> None:
     """Entry point of a rank process (`python -m phaseflip.engine.rank_process ...`)."""
-    _die_with_parent(parent_pid, pdeathsig)
+    die_with_parent(parent_pid, pdeathsig)
     faulthandler.register(signal.SIGUSR1)  # `kill -USR1 <pid>` prints every thread's stack
     host, port = control.rsplit(":", 1)
     conn = mp.connection.Client((host, int(port)), authkey=bytes.fromhex(authkey))

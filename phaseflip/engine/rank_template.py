@@ -15,8 +15,8 @@ stderr of the moment (sent with each request); the controller's environment and 
 the moment; numpy's global generator reseeded (Python's `random` reseeds itself in a forked child;
 torch's default generator is, as in a fresh process, at its default seed); its exit status reported to the
 controller through the template. It dies with the controller: the template dies with it
-(PR_SET_PDEATHSIG when started from the controller's main thread; otherwise the end of its socket, or a
-changed parent within a second) and every rank dies with the template (PR_SET_PDEATHSIG). The template
+(as a rank does: PR_SET_PDEATHSIG when started from the controller's main thread, and a watch on its
+parent; also the end of its socket) and every rank dies with the template (PR_SET_PDEATHSIG). The template
 exits on its own after IDLE_S with no live rank.
 
 A new template replaces the one that was started under another working directory or another value of
@@ -39,6 +39,7 @@ import subprocess
 import sys
 import threading
 import time
+import warnings
 
 IDLE_S = 60.0
 # Variables a library or the interpreter may read when the template imports torch (OpenMP, BLAS,
@@ -209,12 +210,11 @@ def _is_open(fd: int) -> bool:
 # -- the template process ------------------------------------------------------------------------------
 def serve(controller_pid: int, pdeathsig: bool, fd: int, idle_s: float) -> None:
     """Import what a rank imports, then fork a rank per request until the controller goes away."""
-    if pdeathsig:   # as rank_process: only when the controller's main thread started this process
-        try:
-            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)   # PR_SET_PDEATHSIG
-        except OSError:
-            pass   # the end of the socket and the parent check below remain
     import phaseflip.engine.rank_process as rank_process   # the ~2 s each fresh rank would pay
+    rank_process.die_with_parent(controller_pid, pdeathsig)   # as a rank does with its parent
+    # Python 3.12+ warns at a fork with other threads (here the watchdog's, OpenBLAS's); neither holds
+    # anything a forked rank needs
+    warnings.filterwarnings("ignore", message=r".*fork\(\) may lead to deadlocks", category=DeprecationWarning)
     resident = _resident_file_pages()
     sock = socket.socket(fileno=fd)
     wake_r, wake_w = os.pipe()
@@ -224,7 +224,7 @@ def serve(controller_pid: int, pdeathsig: bool, fd: int, idle_s: float) -> None:
     signal.signal(signal.SIGCHLD, lambda *_: None)   # a child's exit wakes the select below
     live: set[int] = set()
     idle_since = time.monotonic()
-    while os.getppid() == controller_pid and (live or time.monotonic() - idle_since < idle_s):
+    while live or time.monotonic() - idle_since < idle_s:
         ready, _, _ = select.select([sock, wake_r], [], [], 1.0)
         if wake_r in ready:
             while _drained(wake_r):
