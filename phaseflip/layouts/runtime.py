@@ -214,7 +214,7 @@ class RankRuntime:
                     runner.compile_report["wide_rows"] = linear_forms.choose_wide_forms(weights, model=runner.cfg)
                     if boot.compile != "off" and runner.weights.layers:
                         runner.compile_report["gemv"] = linear_forms.choose_gemv(runner.layer_projections(),
-                                                                           model=runner.cfg)
+                                                                                 model=runner.cfg)
                     if runner.weights.layers:
                         runner.compile_report["fused_layers"] = fused_layer.report(
                             runner.weights.layers[0].qkv_proj.dtype, runner.shard.tp_size)
