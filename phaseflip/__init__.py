@@ -4,13 +4,17 @@ The public names are imported lazily so that `import phaseflip.engine.blocks` (p
 pulls in torch.
 """
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput"]
+__all__ = ["LLM", "AsyncLLM", "SamplingParams", "RequestOutput", "CompletionOutput"]
+__version__ = "0.1.0"
 
 
 def __getattr__(name):
     if name == "LLM":
         from phaseflip.engine.llm import LLM
         return LLM
+    if name == "AsyncLLM":
+        from phaseflip.engine.async_llm import AsyncLLM
+        return AsyncLLM
     if name == "SamplingParams":
         from phaseflip.engine.sampling_params import SamplingParams
         return SamplingParams

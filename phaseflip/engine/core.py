@@ -6,6 +6,7 @@ no model state (the executor does) and knows no API shapes (engine/llm.py does).
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from typing import Callable
 
 from phaseflip.engine.policy.rules import StepSummary
@@ -16,6 +17,15 @@ from phaseflip.layouts.plan import StepPlan, StepResult
 
 
 MAX_IDLE_POLLS = 10_000  # a rule that leaves work pending with nothing runnable this long is a bug
+
+
+@dataclass(frozen=True)
+class StepOutcome:
+    """What one step did to requests: the sequences that got a token (finished or not, in plan order)
+    and those that finished (with or without a new token: the scheduler finishes one that outgrew
+    the pool)."""
+    sampled: tuple[Sequence, ...] = ()
+    finished: tuple[Sequence, ...] = ()
 
 
 class EngineCore:
@@ -38,8 +48,8 @@ class EngineCore:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
-    def step(self) -> list[Sequence]:
-        """Run one step; return the sequences that finished in it."""
+    def step(self) -> StepOutcome:
+        """Run one step: which sequences got a token in it and which finished."""
         prefill, decode = self.control.allowed()
         plan = self.scheduler.schedule(prefill=prefill, decode=decode)
         if plan is None:
@@ -49,7 +59,7 @@ class EngineCore:
                     raise RuntimeError(f"no step could run for {MAX_IDLE_POLLS} polls in a row with work "
                                        f"pending (engine bug); decisions: {self.control.last_decisions()}")
                 self.control.on_idle()  # the work may be for the other layout
-            return []
+            return StepOutcome()
         self._idle_polls = 0
         # The scheduler itself finishes a sequence that outgrew the whole KV pool ("length").
         finished = [self.seqs.pop(i) for i in plan.finished_seq_ids
@@ -61,8 +71,10 @@ class EngineCore:
         sampled = {s.seq_id: s.token_id for s in result.sampled}
         self.scheduler.on_step_done(plan, sampled)
         self.num_steps += 1
+        advanced = []
         for s in result.sampled:
             seq = self.seqs[s.seq_id]
+            advanced.append(seq)
             self._record(seq, s, now)
             decision = check_stop(seq, self.tokenizer, self.eos_token_ids, self.max_model_len)
             if decision is not None:
@@ -72,7 +84,7 @@ class EngineCore:
         self.control.after_step(StepSummary(
             prefill_tokens=plan.num_tokens - decodes, decode_tokens=decodes, seconds=now - t0,
             finished_output_lengths=tuple(s.num_output_tokens for s in finished)))
-        return finished
+        return StepOutcome(tuple(advanced), tuple(finished))
 
     @staticmethod
     def _record(seq: Sequence, s, now: float) -> None:
@@ -83,6 +95,14 @@ class EngineCore:
             if seq.logprobs is None:
                 seq.logprobs = []
             seq.logprobs.append(s.top_logprobs or {s.token_id: s.logprob})
+
+    def abort(self, seq_ids) -> None:
+        """Finish these sequences now ("abort"): their KV blocks are free for the next step, and the
+        ranks drop their state with the next plan. Finished or unknown ids are ignored."""
+        for seq_id in seq_ids:
+            seq = self.seqs.pop(seq_id, None)
+            if seq is not None and not seq.is_finished:
+                self.scheduler.finish(seq, "abort")
 
     def abort_all(self) -> None:
         self.scheduler.abort_all()

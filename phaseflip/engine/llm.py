@@ -29,11 +29,11 @@ from phaseflip.engine.tokenizer import load_tokenizer
 from phaseflip.engine.ranks import EngineDeadError, LocalRanks, ProcessRanks
 from phaseflip.engine.torchrun_ranks import TorchrunRanks
 from phaseflip.layouts.comm import env_rank
-from phaseflip.engine.prompts import prepare_prompts
-from phaseflip.engine.requests import CompletionOutput, RequestMetrics, RequestOutput, Sequence
+from phaseflip.engine.outputs import request_output
+from phaseflip.engine.prompts import PreparedPrompt, prepare_prompts
+from phaseflip.engine.requests import RequestOutput, Sequence
 from phaseflip.engine.sampling_params import SamplingParams
 from phaseflip.engine.scheduler import Scheduler, SchedulerConfig
-from phaseflip.engine.stopping import final_text
 from phaseflip.engine.manifest import build_manifest
 from phaseflip.engine.policy.rules import make_rule
 from phaseflip.layouts.messages import ForgetRequests, LiveStateQuery, ManifestQuery, RunStep, StatsQuery
@@ -50,7 +50,8 @@ class LLM:
             torch.set_num_threads(self.config.num_threads)
         self.boot_ms: dict[str, float] = {}
         self._boot()
-        self._ids = itertools.count()
+        self._ids = itertools.count()           # sequence ids
+        self._request_ids = itertools.count()
         self._closed = False
 
     def _boot(self) -> None:
@@ -116,17 +117,32 @@ class LLM:
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
         self._check_open()
-        shapes = self.plan.shapes
-        prepared = prepare_prompts(prompts, sampling_params, self.tokenizer,
-                                   vocab_size=self.model_config.vocab_size,
-                                   max_model_len=self.plan.max_model_len,
-                                   max_tokens_in_pool=self.plan.num_kv_blocks * shapes.block_size)
+        prepared = self.prepare(prompts, sampling_params)
         with self._settled():
-            seqs = [self._submit(p) for p in prepared]
-            with tqdm(total=len(seqs), desc="Processed prompts", disable=not use_tqdm or not seqs) as bar:
+            requests = [self.submit(p) for p in prepared]
+            with tqdm(total=sum(map(len, requests)), desc="Processed prompts",
+                      disable=not use_tqdm or not requests) as bar:
                 while self.core.has_unfinished():
-                    bar.update(len(self.core.step()))
-        return [self._output(s) for s in seqs]
+                    bar.update(len(self.core.step().finished))
+        return [request_output(seqs[0].request_id, seqs, self.tokenizer) for seqs in requests]
+
+    def prepare(self, prompts, sampling_params=None) -> list[PreparedPrompt]:
+        """Prompts as token ids with their params, every one checked against this engine's limits."""
+        return prepare_prompts(prompts, sampling_params, self.tokenizer, vocab_size=self.model_config.vocab_size,
+                               max_model_len=self.plan.max_model_len,
+                               max_tokens_in_pool=self.plan.num_kv_blocks * self.plan.shapes.block_size)
+
+    def submit(self, p: PreparedPrompt, request_id: str | None = None) -> list[Sequence]:
+        """Queue one prompt's params.n samples, one sequence each. They are queued together, so with
+        prefix caching the first computes the prompt and the others reuse its full blocks."""
+        request_id = str(next(self._request_ids)) if request_id is None else request_id
+        now = time.perf_counter()
+        seqs = [Sequence(seq_id=next(self._ids), request_id=request_id, prompt_token_ids=p.token_ids,
+                         params=params, arrival_time=now, prompt_text=p.prompt)
+                for params in samples(p.params)]
+        for seq in seqs:
+            self.core.add(seq)
+        return seqs
 
     @contextmanager
     def _settled(self):
@@ -134,14 +150,19 @@ class LLM:
         try:
             yield
         except BaseException:
-            self.core.abort_all()
-            if not self.ranks.dead:
-                self._agree_on_layout()
+            self.recover()
             raise
         finally:
             self.core.abort_all()  # no-op after a clean run; after a failure, frees every block
             if not self.ranks.dead:
-                self._forget_finished()
+                self.forget_finished()
+
+    def recover(self) -> None:
+        """After a failed step or flip: every request ends (its blocks free) and the controller takes
+        the ranks' active layout; a dead engine stays dead."""
+        self.core.abort_all()
+        if not self.ranks.dead:
+            self._agree_on_layout()
 
     def _agree_on_layout(self) -> None:
         """After a failure: take the ranks' active layout, which an interrupted flip may have changed."""
@@ -152,7 +173,7 @@ class LLM:
             raise EngineDeadError(f"engine is dead: {self.ranks.dead}")
         self.control.active = active.pop()
 
-    def _forget_finished(self) -> None:
+    def forget_finished(self) -> None:
         """Ranks drop finished sequences' state when the next plan says so; with no next plan, now."""
         notices = self.core.scheduler.notices
         seq_ids = notices.pending_finished()
@@ -170,27 +191,6 @@ class LLM:
         outputs = self.generate(token_ids, sampling_params, use_tqdm)
         return [RequestOutput(o.request_id, p, o.prompt_token_ids, o.outputs, o.finished, o.metrics)
                 for o, p in zip(outputs, prompts)]
-
-    def _submit(self, p) -> Sequence:
-        seq_id = next(self._ids)
-        seq = Sequence(seq_id=seq_id, request_id=str(seq_id), prompt_token_ids=p.token_ids, params=p.params,
-                       arrival_time=time.perf_counter(), prompt_text=p.prompt)
-        self.core.add(seq)
-        return seq
-
-    def _output(self, seq: Sequence) -> RequestOutput:
-        completion = CompletionOutput(
-            index=0, text=final_text(seq, self.tokenizer), token_ids=list(seq.output_token_ids),
-            finish_reason=seq.finish_reason, stop_reason=seq.stop_reason, logprobs=seq.logprobs,
-            cumulative_logprob=(sum(d[t] for d, t in zip(seq.logprobs, seq.output_token_ids))
-                                if seq.logprobs else None))
-        ttft = None if seq.first_token_time is None else seq.first_token_time - seq.arrival_time
-        metrics = RequestMetrics(arrival_time=seq.arrival_time, first_token_time=seq.first_token_time,
-                                 finished_time=seq.arrival_time + seq.token_times[-1] if seq.token_times else None,
-                                 time_to_first_token=ttft, token_times=tuple(seq.token_times),
-                                 num_preemptions=seq.num_preemptions)
-        return RequestOutput(seq.request_id, seq.prompt_text, list(seq.prompt_token_ids), [completion],
-                             seq.is_finished, metrics)
 
     # -- introspection and lifetime ----------------------------------------------------------------
     def stats(self) -> dict:
@@ -249,6 +249,15 @@ class LLM:
 
     def __exit__(self, *exc):
         self.shutdown()
+
+
+def samples(params: SamplingParams) -> list[SamplingParams]:
+    """The params of each of a request's params.n samples: a seeded request's sample i draws from
+    seed + i (as vLLM's parallel sampling does), so its samples differ and each stays reproducible."""
+    if params.n == 1:
+        return [params]
+    return [dataclasses.replace(params, n=1, seed=None if params.seed is None else params.seed + i)
+            for i in range(params.n)]
 
 
 def _start_ranks(boot, world_size: int):

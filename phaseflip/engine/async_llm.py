@@ -1,0 +1,352 @@
+"""AsyncLLM: the engine behind an asyncio front, for the server and for Python callers.
+
+Owns: one engine thread that boots an LLM and is then the only thread that touches it (scheduler,
+ranks, sampler state). Between steps it takes the requests added and aborted since the last one, so
+requests join the running batch as they arrive (continuous batching across callers); it runs steps
+while there is work and hands every request's new pieces to its stream after each step (one
+`call_soon_threadsafe` per event loop and step). The event loop never runs a step.
+
+A stream that is closed before its request finished (a dropped HTTP connection, a cancelled task)
+aborts the request: its sequences finish before the next step and their KV blocks are free.
+Sequences waiting for a slot are bounded by `max_waiting`: beyond it `add` raises QueueFull before
+anything is queued. A failed step ends the requests it held with the error; a dead engine (a rank
+died) ends every stream with EngineDeadError, refuses new work, and calls its `on_dead` callbacks.
+`shutdown(timeout_s)` refuses new work, lets running requests finish until the deadline, ends the
+rest with EngineStopping, and shuts the ranks down.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections import deque
+from typing import AsyncIterator, Callable
+
+from phaseflip.engine.config import EngineConfig
+from phaseflip.engine.core import StepOutcome
+from phaseflip.engine.outputs import TextStream, metrics
+from phaseflip.engine.prompts import PreparedPrompt
+from phaseflip.engine.ranks import EngineDeadError
+from phaseflip.engine.requests import RequestOutput
+
+log = logging.getLogger("phaseflip")
+
+IDLE_WAIT_S = 0.5   # an idle engine thread re-checks its deadline this often
+
+
+class QueueFull(RuntimeError):
+    """The waiting queue is at max_waiting sequences: try again later."""
+
+
+class EngineStopping(RuntimeError):
+    """The engine is shutting down: it takes no new request and ends those left at its deadline."""
+
+
+class RequestStream:
+    """One request's pieces as the engine produces them: `async for out in stream` yields
+    RequestOutputs whose CompletionOutputs hold only what is new (text, token ids, logprobs), the
+    last one with finished=True. Closing it (or leaving the loop) early aborts the request."""
+
+    def __init__(self, engine: AsyncLLM, request_id: str, prepared: PreparedPrompt):
+        self.engine, self.request_id, self.prepared = engine, request_id, prepared
+        self.loop = asyncio.get_running_loop()
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.finished = False
+        self.text_streams: list[TextStream] = []   # the engine thread's, once it queued the samples
+
+    async def __aiter__(self) -> AsyncIterator[RequestOutput]:
+        try:
+            while not self.finished:
+                item = await self.queue.get()
+                if isinstance(item, BaseException):
+                    self.finished = True
+                    raise item
+                self.finished = item.finished
+                yield item
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        if not self.finished:
+            self.finished = True
+            self.engine.abort(self.request_id)
+
+
+class AsyncLLM:
+    def __init__(self, model: str | None = None, *, max_waiting: int | None = None, **engine_options):
+        EngineConfig.from_kwargs(model=model, **engine_options)   # a bad option raises here, not in the thread
+        if max_waiting is not None and (not isinstance(max_waiting, int) or max_waiting < 1):
+            raise ValueError(f"max_waiting={max_waiting!r} is invalid: must be an int >= 1 (or None: "
+                             f"sized from the KV pool)")
+        self.llm = None
+        self.max_waiting = max_waiting
+        self.dead: str | None = None
+        self.boot_error: BaseException | None = None
+        self.snapshot: dict = {}
+        self.on_dead: list[Callable[[str], None]] = []
+        self.observers: list[Callable[[StepOutcome, list[dict], dict], None]] = []  # engine thread
+        self._lock = threading.Lock()
+        self._inbox: deque = deque()          # ("add", RequestStream) | ("abort", request_id)
+        self._pending_seqs = 0                # sequences added and not yet queued by the engine thread
+        self._wake = threading.Event()
+        self._booted = threading.Event()
+        self._stopping = False
+        self._deadline: float | None = None
+        self._requests: dict[str, RequestStream] = {}   # engine thread: live requests
+        self._of_seq: dict[int, RequestStream] = {}
+        self._flips_seen = 0
+        self.num_aborted = 0                  # requests aborted before they finished
+        self._thread = threading.Thread(target=self._main, args=(model, engine_options),
+                                        name="phaseflip-engine", daemon=True)
+        self._thread.start()
+
+    # -- the caller's side (an event loop) ---------------------------------------------------------
+    @property
+    def is_ready(self) -> bool:
+        return self._booted.is_set() and self.llm is not None and not self.dead and not self._stopping
+
+    async def ready(self) -> None:
+        """Wait for the boot; raises what the boot raised."""
+        await asyncio.get_running_loop().run_in_executor(None, self._booted.wait)
+        if self.boot_error is not None:
+            raise self.boot_error
+
+    @property
+    def tokenizer(self):
+        return self.llm.tokenizer
+
+    def prepare(self, prompts, sampling_params=None) -> list[PreparedPrompt]:
+        """Prompts checked and tokenized (LLM.prepare's rules): a bad one raises, naming it."""
+        self._check_open()
+        return self.llm.prepare(prompts, sampling_params)
+
+    def add(self, prepared: list[PreparedPrompt], request_id: str) -> list[RequestStream]:
+        """Queue these prompts (all or none) as requests `request_id-i` and return their streams."""
+        self._check_open()
+        num_seqs = sum(p.params.n for p in prepared)
+        with self._lock:
+            waiting = self.snapshot.get("waiting", 0) + self._pending_seqs
+            if waiting + num_seqs > self.max_waiting:
+                raise QueueFull(f"{waiting} sequences are waiting (max_waiting={self.max_waiting}); "
+                                f"this request adds {num_seqs}")
+            streams = [RequestStream(self, request_id if len(prepared) == 1 else f"{request_id}-{i}", p)
+                       for i, p in enumerate(prepared)]
+            self._inbox.extend(("add", s) for s in streams)
+            self._pending_seqs += num_seqs
+            self._wake.set()
+        return streams
+
+    async def generate(self, prompt, sampling_params=None, request_id: str | None = None
+                       ) -> AsyncIterator[RequestOutput]:
+        """One prompt's pieces as they are produced (see RequestStream)."""
+        prepared = self.prepare(prompt, sampling_params)
+        if len(prepared) != 1:
+            raise ValueError(f"generate takes one prompt; got {len(prepared)} (call it once per prompt)")
+        (stream,) = self.add(prepared, request_id or f"req-{time.monotonic_ns()}")
+        async for out in stream:
+            yield out
+
+    def abort(self, request_id: str) -> None:
+        """End this request before its next step (a no-op once it finished)."""
+        with self._lock:
+            self._inbox.append(("abort", request_id))
+            self._wake.set()
+
+    def _check_open(self) -> None:
+        if self.dead:
+            raise EngineDeadError(f"engine is dead: {self.dead}")
+        if self._stopping:
+            raise EngineStopping("the engine is shutting down and takes no new request")
+        if self.llm is None or not self._booted.is_set():
+            raise EngineStopping("the engine is still booting") if self.boot_error is None else self.boot_error
+
+    def begin_shutdown(self, timeout_s: float) -> None:
+        """Refuse new requests; running ones may finish for timeout_s, then they end with EngineStopping."""
+        with self._lock:
+            if not self._stopping:
+                self._stopping = True
+                self._deadline = time.monotonic() + timeout_s
+            self._wake.set()
+
+    async def shutdown(self, timeout_s: float = 0.0) -> None:
+        self.begin_shutdown(timeout_s)
+        await asyncio.get_running_loop().run_in_executor(None, self.join)
+
+    def join(self, timeout_s: float | None = None) -> None:
+        """Wait for the engine thread (it ends after shutdown, or after a failed boot)."""
+        self._thread.join(timeout_s)
+
+    # -- the engine thread ---------------------------------------------------------------------------
+    def _main(self, model, engine_options) -> None:
+        from phaseflip.engine.llm import LLM
+        try:
+            self.llm = LLM(model, **engine_options)
+        except BaseException as e:  # noqa: BLE001 — handed to ready()
+            self.boot_error = e
+            self._booted.set()
+            return
+        if self.max_waiting is None:
+            self.max_waiting = max(2 * self.llm.config.max_num_seqs, self.llm.plan.num_kv_blocks)
+        self._publish()
+        self._booted.set()
+        try:
+            self._serve()
+        finally:
+            self._end_all(self._final_error())
+            self.llm.shutdown()
+
+    def _serve(self) -> None:
+        core = self.llm.core
+        while True:
+            self._take_inbox()
+            if self._stopping and (not core.has_unfinished() or time.monotonic() >= self._deadline):
+                return
+            if not core.has_unfinished():
+                self.llm.forget_finished()
+                self._publish()
+                self._wait_for_work()
+                continue
+            try:
+                outcome = core.step()
+            except Exception as e:  # noqa: BLE001 — the requests it held end with it; a dead engine stops
+                self._after_failure(e)
+                if self.dead:
+                    return
+                continue
+            self._deliver(outcome)
+
+    def _wait_for_work(self) -> None:
+        with self._lock:
+            if self._inbox or self._stopping:
+                return
+            self._wake.clear()
+        self._wake.wait(IDLE_WAIT_S)
+
+    def _take_inbox(self) -> None:
+        with self._lock:
+            commands = list(self._inbox)
+            self._inbox.clear()
+        for kind, what in commands:
+            if kind == "add":
+                self._queue(what)
+            else:
+                self._abort(what)
+        if commands:
+            self._publish()
+
+    def _queue(self, stream: RequestStream) -> None:
+        try:
+            seqs = self.llm.submit(stream.prepared, stream.request_id)
+        except Exception as e:  # noqa: BLE001 — this request's error, not the engine's
+            _hand_over(stream.loop, [(stream, e)])
+            seqs = []
+        finally:
+            with self._lock:
+                self._pending_seqs -= stream.prepared.params.n
+        if seqs:
+            stream.text_streams = [TextStream(s, i, self.llm.tokenizer) for i, s in enumerate(seqs)]
+            self._requests[stream.request_id] = stream
+            self._of_seq.update((s.seq_id, stream) for s in seqs)
+
+    def _abort(self, request_id: str) -> None:
+        stream = self._requests.pop(request_id, None)
+        if stream is not None:
+            self.num_aborted += 1
+            seq_ids = [t.seq.seq_id for t in stream.text_streams]
+            self.llm.core.abort(seq_ids)
+            for seq_id in seq_ids:
+                del self._of_seq[seq_id]
+
+    def _deliver(self, outcome: StepOutcome) -> None:
+        touched = {}   # request id -> stream, in the step's order
+        for seq in (*outcome.sampled, *outcome.finished):
+            stream = self._of_seq.get(seq.seq_id)
+            if stream is not None:
+                touched[stream.request_id] = stream
+        by_loop: dict = {}
+        for stream in touched.values():
+            pieces = [p for t in stream.text_streams if (p := t.next_piece()) is not None]
+            seqs = [t.seq for t in stream.text_streams]
+            finished = all(s.is_finished for s in seqs)
+            out = RequestOutput(stream.request_id, stream.prepared.prompt, stream.prepared.token_ids, pieces,
+                                finished, metrics(seqs[0]))
+            by_loop.setdefault(stream.loop, []).append((stream, out))
+            if finished:
+                self._forget(stream)
+        for loop, items in by_loop.items():
+            _hand_over(loop, items)
+        self._publish(outcome)
+
+    def _forget(self, stream: RequestStream) -> None:
+        del self._requests[stream.request_id]
+        for t in stream.text_streams:
+            del self._of_seq[t.seq.seq_id]
+
+    def _after_failure(self, error: Exception) -> None:
+        log.error("a step failed; the requests it held end with the error: %s", error)
+        try:
+            self.llm.recover()
+        except Exception as again:  # noqa: BLE001 — the engine's death, reported to every request
+            error = again
+        if self.llm.ranks.dead:
+            self.dead = self.llm.ranks.dead
+        self._end_all(EngineDeadError(f"engine is dead: {self.dead}") if self.dead else error)
+        if self.dead:
+            for callback in self.on_dead:
+                callback(self.dead)
+
+    def _final_error(self) -> BaseException:
+        if self.dead:
+            return EngineDeadError(f"engine is dead: {self.dead}")
+        return EngineStopping("the engine shut down before this request finished")
+
+    def _end_all(self, error: BaseException) -> None:
+        """Every live request ends with `error` (and is aborted); so do requests not yet queued."""
+        self._take_inbox_as_failed(error)
+        streams = list(self._requests.values())
+        for stream in streams:
+            self._abort(stream.request_id)
+        by_loop: dict = {}
+        for stream in streams:
+            by_loop.setdefault(stream.loop, []).append((stream, error))
+        for loop, items in by_loop.items():
+            _hand_over(loop, items)
+        self._publish()
+
+    def _take_inbox_as_failed(self, error: BaseException) -> None:
+        with self._lock:
+            commands = list(self._inbox)
+            self._inbox.clear()
+            self._pending_seqs = 0
+        for kind, what in commands:
+            if kind == "add":
+                _hand_over(what.loop, [(what, error)])
+
+    def _publish(self, outcome: StepOutcome | None = None) -> None:
+        """The numbers the front reads (queue bound, /health, /metrics), then the observers."""
+        llm = self.llm
+        sched, alloc, control = llm.core.scheduler, llm.allocator, llm.control
+        total_flips = control.num_flips + control.num_failed_flips
+        num_new = min(total_flips - self._flips_seen, len(control.flip_log))
+        new_flips = list(control.flip_log)[-num_new:] if num_new else []
+        self._flips_seen = total_flips
+        self.snapshot = {"running": sched.num_running, "waiting": sched.num_waiting,
+                         "kv_blocks_total": alloc.num_total_blocks, "kv_blocks_free": alloc.num_free_blocks,
+                         "prefix_cache": alloc.cache_stats(), "active_layout": control.active,
+                         "flips": control.num_flips, "failed_flips": control.num_failed_flips,
+                         "steps": llm.core.num_steps, "aborted": self.num_aborted}
+        for observe in self.observers:
+            observe(outcome or StepOutcome(), new_flips, self.snapshot)
+
+
+def _hand_over(loop, items: list) -> None:
+    """From the engine thread: put each (stream, piece or error) on its stream's queue, in one call."""
+    def put():
+        for stream, item in items:
+            stream.queue.put_nowait(item)
+    try:
+        loop.call_soon_threadsafe(put)
+    except RuntimeError:  # the loop is closed: nobody reads these streams any more
+        pass
+
