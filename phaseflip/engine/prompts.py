@@ -95,6 +95,10 @@ def prepare_prompts(prompts, sampling_params, tokenizer, *, vocab_size: int, max
         bad = [t for t in ids if not 0 <= t < vocab_size]
         if bad:
             raise ValueError(f"prompt {i}: token id {bad[0]} is outside the vocabulary [0, {vocab_size})")
+        biased = [t for t, _ in sp.logit_bias if t >= vocab_size]
+        if biased:
+            raise ValueError(f"request {i}: logit_bias token id {biased[0]} is outside the vocabulary "
+                             f"[0, {vocab_size})")
         if len(ids) >= max_model_len:
             raise ValueError(f"prompt {i} has {len(ids)} tokens, but max_model_len={max_model_len} leaves "
                              f"no room to generate: prompts must be shorter than {max_model_len} tokens")

@@ -9,6 +9,11 @@ Normalisation done here, once, so readers see one spelling of each option:
 - `stop`: a str or a list of str becomes a tuple of str; `stop_token_ids` becomes a tuple of int.
 - `max_tokens=None` means "until the sequence reaches max_model_len" (as in vLLM).
 - `temperature < 1e-5` is greedy (argmax), as in vLLM; top_k/top_p/min_p/seed are then unused.
+- `logit_bias`: a mapping {token_id: bias} (keys int, or str of digits as OpenAI's JSON sends them) or
+  pairs; stored as a tuple of (token_id, bias) pairs sorted by id, so the params stay hashable.
+  `logit_bias=None` is stored as (). Token ids beyond the vocabulary are the engine's check.
+Penalties and bias follow vLLM V1: bias first, then repetition (prompt and output tokens), frequency and
+presence (output tokens only); `adjusts_logits` says whether a request has any.
 Options are keyword-only; an unknown option is a TypeError naming it (the dataclass __init__ does this).
 """
 from __future__ import annotations
@@ -43,17 +48,23 @@ class SamplingParams:
     logprobs: int | None = None      # top-N logprobs per generated token (0: the sampled token only)
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    presence_penalty: float = 0.0    # in [-2, 2]: subtracted once from each token already generated
+    frequency_penalty: float = 0.0   # in [-2, 2]: subtracted per time a token was generated
+    repetition_penalty: float = 1.0  # > 0: prompt and generated tokens' logits / r (> 0) or * r (<= 0)
+    logit_bias: dict[int, float] | tuple[tuple[int, float], ...] | None = None  # stored as sorted pairs
 
     def __post_init__(self):
         self._check_sampling()
+        self._check_penalties()
         self._check_limits()
         object.__setattr__(self, "top_k", 0 if self.top_k == -1 else self.top_k)
         object.__setattr__(self, "stop", _normalise_stop(self.stop))
         object.__setattr__(self, "stop_token_ids", _normalise_stop_token_ids(self.stop_token_ids))
+        object.__setattr__(self, "logit_bias", _normalise_logit_bias(self.logit_bias))
 
     def _check_sampling(self) -> None:
-        if not _is_int(self.n) or self.n != 1:
-            raise ValueError(f"n={self.n!r} is invalid: only n=1 is supported")
+        if not _is_int(self.n) or self.n < 1:
+            raise ValueError(f"n={self.n!r} is invalid: must be an int >= 1")
         if not _is_real(self.temperature) or self.temperature < 0:
             raise ValueError(f"temperature={self.temperature!r} is invalid: must be a finite number >= 0")
         if not _is_real(self.top_p) or not 0 < self.top_p <= 1:
@@ -64,6 +75,15 @@ class SamplingParams:
             raise ValueError(f"min_p={self.min_p!r} is invalid: must be in [0, 1]")
         if self.seed is not None and not _is_int(self.seed):
             raise ValueError(f"seed={self.seed!r} is invalid: must be an int or None")
+
+    def _check_penalties(self) -> None:
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not _is_real(value) or not -2 <= value <= 2:
+                raise ValueError(f"{name}={value!r} is invalid: must be in [-2, 2]")
+        if not _is_real(self.repetition_penalty) or self.repetition_penalty <= 0:
+            raise ValueError(f"repetition_penalty={self.repetition_penalty!r} is invalid: must be a finite "
+                             f"number > 0 (1 is off)")
 
     def _check_limits(self) -> None:
         if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
@@ -84,6 +104,20 @@ class SamplingParams:
     @property
     def top_k_enabled(self) -> bool:
         return self.top_k > 0
+
+    @property
+    def needs_prompt_tokens(self) -> bool:
+        """The repetition penalty reads the prompt's tokens; the other options do not."""
+        return self.repetition_penalty != 1
+
+    @property
+    def counts_output_tokens(self) -> bool:
+        return self.needs_prompt_tokens or self.presence_penalty != 0 or self.frequency_penalty != 0
+
+    @property
+    def adjusts_logits(self) -> bool:
+        """A penalty or a bias changes the logits this request samples from."""
+        return self.counts_output_tokens or bool(self.logit_bias)
 
 
 def _normalise_stop(stop) -> tuple[str, ...]:
@@ -107,3 +141,33 @@ def _normalise_stop_token_ids(ids) -> tuple[int, ...]:
         if not _is_int(t) or t < 0:
             raise ValueError(f"stop token id {t!r} in stop_token_ids={ids!r} is invalid: must be an int >= 0")
     return tuple(ids)
+
+
+def _normalise_logit_bias(bias) -> tuple[tuple[int, float], ...]:
+    if bias is None:
+        return ()
+    if isinstance(bias, dict):
+        bias = bias.items()
+    elif not isinstance(bias, (list, tuple)):
+        raise ValueError(f"logit_bias={bias!r} is invalid: must be a dict {{token_id: bias}}, pairs, or None")
+    pairs = {}
+    for item in bias:
+        token_id, value = _bias_pair(item)
+        if token_id in pairs:
+            raise ValueError(f"logit_bias token id {token_id} is given twice")
+        pairs[token_id] = value
+    return tuple(sorted(pairs.items()))
+
+
+def _bias_pair(item) -> tuple[int, float]:
+    if not isinstance(item, (list, tuple)) or len(item) != 2:
+        raise ValueError(f"logit_bias entry {item!r} is invalid: must be a (token_id, bias) pair")
+    key, value = item
+    if isinstance(key, str) and key.isascii() and key.isdigit():
+        key = int(key)
+    if not _is_int(key) or key < 0:
+        raise ValueError(f"logit_bias key {key!r} is invalid: must be a token id (an int >= 0, or a str "
+                         f"of digits)")
+    if not _is_real(value) or not -100 <= value <= 100:
+        raise ValueError(f"logit_bias[{key}]={value!r} is invalid: must be a number in [-100, 100]")
+    return key, float(value)

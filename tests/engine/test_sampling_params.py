@@ -11,12 +11,30 @@ def test_defaults_match_vllm():
     assert (p.n, p.temperature, p.top_p, p.top_k, p.min_p, p.seed, p.max_tokens) == (1, 1.0, 1.0, 0, 0.0, None, 16)
     assert (p.stop, p.stop_token_ids, p.ignore_eos, p.logprobs) == ((), (), False, None)
     assert (p.include_stop_str_in_output, p.skip_special_tokens) == (False, True)
-    assert not p.greedy and not p.top_k_enabled
+    assert (p.presence_penalty, p.frequency_penalty, p.repetition_penalty, p.logit_bias) == (0.0, 0.0, 1.0, ())
+    assert not p.greedy and not p.top_k_enabled and not p.adjusts_logits
 
 
 @pytest.mark.parametrize("kwargs, message", [
-    ({"n": 2}, "n=2 is invalid: only n=1 is supported"),
-    ({"n": 0}, "n=0 is invalid: only n=1 is supported"),
+    ({"n": 0}, "n=0 is invalid: must be an int >= 1"),
+    ({"n": 1.0}, "n=1.0 is invalid: must be an int >= 1"),
+    ({"n": True}, "n=True is invalid"),
+    ({"presence_penalty": 3.0}, "presence_penalty=3.0 is invalid: must be in [-2, 2]"),
+    ({"presence_penalty": float("nan")}, "presence_penalty=nan is invalid"),
+    ({"frequency_penalty": -2.5}, "frequency_penalty=-2.5 is invalid: must be in [-2, 2]"),
+    ({"repetition_penalty": -1.0}, "repetition_penalty=-1.0 is invalid: must be a finite number > 0"),
+    ({"repetition_penalty": 0}, "repetition_penalty=0 is invalid: must be a finite number > 0"),
+    ({"repetition_penalty": float("inf")}, "repetition_penalty=inf is invalid"),
+    ({"logit_bias": {5: 200}}, "logit_bias[5]=200 is invalid: must be a number in [-100, 100]"),
+    ({"logit_bias": {5: float("nan")}}, "logit_bias[5]=nan is invalid"),
+    ({"logit_bias": {"abc": 1.0}}, "logit_bias key 'abc' is invalid: must be a token id (an int >= 0, or a str "
+                                   "of digits)"),
+    ({"logit_bias": {-1: 1.0}}, "logit_bias key -1 is invalid"),
+    ({"logit_bias": {"-1": 1.0}}, "logit_bias key '-1' is invalid"),
+    ({"logit_bias": {1.5: 1.0}}, "logit_bias key 1.5 is invalid"),
+    ({"logit_bias": {5: 1.0, "5": 2.0}}, "logit_bias token id 5 is given twice"),
+    ({"logit_bias": [5, 1.0]}, "logit_bias entry 5 is invalid: must be a (token_id, bias) pair"),
+    ({"logit_bias": 5}, "logit_bias=5 is invalid: must be a dict {token_id: bias}, pairs, or None"),
     ({"temperature": -0.5}, "temperature=-0.5 is invalid: must be a finite number >= 0"),
     ({"temperature": float("nan")}, "temperature=nan is invalid"),
     ({"temperature": float("inf")}, "temperature=inf is invalid"),
@@ -51,7 +69,10 @@ def test_invalid_values_are_named_with_what_is_allowed(kwargs, message):
 @pytest.mark.parametrize("kwargs", [
     {"temperature": 0}, {"temperature": 0.0}, {"top_p": 1}, {"top_p": 1e-9}, {"top_k": 1}, {"top_k": 0},
     {"top_k": -1}, {"min_p": 0}, {"min_p": 1}, {"seed": 0}, {"seed": -7}, {"max_tokens": 1},
-    {"max_tokens": None}, {"logprobs": 0}, {"logprobs": MAX_LOGPROBS},
+    {"max_tokens": None}, {"logprobs": 0}, {"logprobs": MAX_LOGPROBS}, {"n": 1}, {"n": 2}, {"n": 64},
+    {"presence_penalty": -2}, {"presence_penalty": 2.0}, {"frequency_penalty": -2.0}, {"frequency_penalty": 2},
+    {"repetition_penalty": 1e-3}, {"repetition_penalty": 5}, {"logit_bias": {0: -100, 1: 100.0}},
+    {"logit_bias": {}}, {"logit_bias": None},
 ])
 def test_boundary_values_are_accepted(kwargs):
     SamplingParams(**kwargs)
@@ -98,3 +119,27 @@ def test_frozen_hashable_and_picklable():
         p.temperature = 0.0
     assert hash(p) == hash(SamplingParams(stop="x", stop_token_ids=(1,), seed=3))
     assert pickle.loads(pickle.dumps(p)) == p
+
+
+def test_logit_bias_is_stored_as_sorted_int_float_pairs():
+    p = SamplingParams(logit_bias={"12": -100, 3: 2.5, "007": 1})
+    assert p.logit_bias == ((3, 2.5), (7, 1.0), (12, -100.0))
+    assert all(type(t) is int and type(b) is float for t, b in p.logit_bias)
+    assert SamplingParams(logit_bias=p.logit_bias) == p        # the stored form is a valid input (replace())
+    assert SamplingParams(logit_bias=[(3, 2.5), ("12", -100), (7, 1)]) == p
+    assert hash(p) == hash(SamplingParams(logit_bias={3: 2.5, 7: 1.0, 12: -100.0}))
+    assert pickle.loads(pickle.dumps(p)) == p
+    assert SamplingParams(logit_bias={}).logit_bias == () == SamplingParams(logit_bias=None).logit_bias
+
+
+@pytest.mark.parametrize("kwargs, prompt, counts, adjusts", [
+    ({}, False, False, False),
+    ({"logit_bias": {1: 1.0}}, False, False, True),
+    ({"presence_penalty": 0.5}, False, True, True),
+    ({"frequency_penalty": -0.1}, False, True, True),
+    ({"repetition_penalty": 1.2}, True, True, True),
+    ({"repetition_penalty": 0.8, "temperature": 0}, True, True, True),
+])
+def test_what_the_penalties_read(kwargs, prompt, counts, adjusts):
+    p = SamplingParams(**kwargs)
+    assert (p.needs_prompt_tokens, p.counts_output_tokens, p.adjusts_logits) == (prompt, counts, adjusts)
