@@ -8,7 +8,17 @@ The scheduler composes a plan from these; llm.py tells the ranks directly when n
 from __future__ import annotations
 
 from phaseflip.engine.requests import Sequence
+from phaseflip.engine.sampling_params import SamplingParams
 from phaseflip.layouts.plan import NewRequest
+
+
+def _new_request(seq: Sequence) -> NewRequest:
+    """Prompt tokens travel only where the repetition penalty reads them (not every prompt to every rank).
+    Params of another type (the scheduler's tests use stand-ins) read none."""
+    reads_prompt = isinstance(seq.params, SamplingParams) and seq.params.needs_prompt_tokens
+    prompt = tuple(seq.prompt_token_ids) if reads_prompt else ()
+    return NewRequest(seq_id=seq.seq_id, params=seq.params, num_prompt_tokens=seq.num_prompt_tokens,
+                      prompt_token_ids=prompt)
 
 
 class RankNotices:
@@ -20,8 +30,7 @@ class RankNotices:
         """NewRequests for those of seqs the ranks have not heard of yet (now they have)."""
         fresh = [s for s in seqs if s.seq_id not in self._announced]
         self._announced.update(s.seq_id for s in fresh)
-        return tuple(NewRequest(seq_id=s.seq_id, params=s.params, num_prompt_tokens=s.num_prompt_tokens)
-                     for s in fresh)
+        return tuple(_new_request(s) for s in fresh)
 
     def finished(self, seq_id: int) -> None:
         self._announced.discard(seq_id)

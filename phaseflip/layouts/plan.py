@@ -41,6 +41,7 @@ class NewRequest:
     seq_id: int
     params: Any  # SamplingParams
     num_prompt_tokens: int
+    prompt_token_ids: tuple[int, ...] = ()   # only where the params' repetition penalty reads them
 
 
 @dataclass(frozen=True)

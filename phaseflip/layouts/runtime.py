@@ -240,8 +240,7 @@ class RankRuntime:
                                f"{self.arena.active!r} (active {self.active!r})")
         self.faults.check("step")
         plan = cmd.plan
-        for req in plan.new_requests:
-            self.sampler.add(req.seq_id, req.params)
+        self.sampler.add_requests(plan.new_requests)
         for seq_id in plan.finished_seq_ids:
             self.sampler.remove(seq_id)
         sampled = self.runners[self.active].execute(plan) if plan.chunks else []

@@ -1,9 +1,10 @@
 """The sampler of the output rank: logits of the sampled positions in, one token per sequence out.
 
 Owns: the per-sequence sampling state kept on the output rank between steps (a sequence's
-SamplingParams and its own torch.Generator), and the maths that turns a row of logits into a token
-(greedy, temperature, top-k, top-p, min-p, logprobs). It never schedules, never decides when a sequence
-stops (the controller does, from the tokens it gets back) and never runs the model.
+SamplingParams, its own torch.Generator and, where its params ask for penalties or a logit bias, its
+penalties.SeqPenalties), and the maths that turns a row of logits into a token (greedy, temperature,
+top-k, top-p, min-p, logprobs). It never schedules, never decides when a sequence stops (the controller
+does, from the tokens it gets back) and never runs the model.
 
 Reproducibility: every sequence has its own CPU torch.Generator and takes one float64 uniform from it
 per sampled step (inverse-CDF sampling), and the path a row takes depends only on the row itself. So a
@@ -14,6 +15,14 @@ unseeded requests as well (given the same seq ids). Greedy sequences have no gen
 that samples inside its recorded step (step_sampling.py) takes the same uniform from the same
 generator before the step, and `draw_in_step` runs the same maths on every row, each row keeping its
 own path: the same tokens.
+
+Penalties and logit bias (penalties.py: bias, then repetition, frequency, presence, as vLLM V1) change
+the logits a row is drawn from, greedy rows included, before temperature and the filters. Both entry
+points draw through one function, `draw_rows` (each row by its mode, given its logits, params and
+uniform): `sample` on the adjusted logits; a recorded step does not apply penalties, so
+`finish_in_step` redraws the rows that ask for them on the host from the step's logits, adjusted, with
+the uniform the step was given. A penalized seeded sequence gets the same tokens on either path. The
+token chosen is then counted in the sequence's output counts.
 
 Filters apply in this order: temperature, top-k, top-p, min-p, over the tokens ordered by (raw logit
 descending, token id ascending), so every tie goes to the lower token id (top_k=1 is exactly greedy).
@@ -33,6 +42,7 @@ from dataclasses import dataclass
 
 import torch
 
+from phaseflip.layouts.penalties import SeqPenalties, adjusted_logits, record_tokens
 from phaseflip.layouts.plan import NewRequest, SampledToken
 
 NUM_CANDIDATES = 1024  # top tokens a top-k/top-p row looks at before falling back to a full sort
@@ -55,6 +65,7 @@ def sequence_seed(engine_seed: int, seq_id: int) -> int:
 class _SeqState:
     params: object  # SamplingParams
     generator: torch.Generator | None  # CPU; None for greedy sequences
+    penalties: SeqPenalties | None     # None where the params adjust no logit
 
 
 class Sampler:
@@ -69,18 +80,20 @@ class Sampler:
     def __contains__(self, seq_id: int) -> bool:
         return seq_id in self._seqs
 
-    def add(self, seq_id: int, params) -> None:
+    def add(self, seq_id: int, params, prompt_token_ids: tuple[int, ...] = ()) -> None:
+        """prompt_token_ids: read by the repetition penalty only (NewRequest carries them only then)."""
         if seq_id in self._seqs:
             raise ValueError(f"seq_id={seq_id} is already in the sampler; remove it before adding it again")
         generator = None
         if not params.greedy:
             seed = params.seed if params.seed is not None else sequence_seed(self.seed, seq_id)
             generator = torch.Generator().manual_seed(seed & _MASK64)
-        self._seqs[seq_id] = _SeqState(params, generator)
+        penalties = SeqPenalties(params, prompt_token_ids) if params.adjusts_logits else None
+        self._seqs[seq_id] = _SeqState(params, generator, penalties)
 
     def add_requests(self, new_requests: Iterable[NewRequest]) -> None:
         for request in new_requests:
-            self.add(request.seq_id, request.params)
+            self.add(request.seq_id, request.params, request.prompt_token_ids)
 
     def remove(self, seq_id: int) -> None:
         """Forget a finished sequence; unknown ids are ignored (it may never have been sampled here)."""
@@ -95,40 +108,48 @@ class Sampler:
         if not states:
             return []
         logits = logits.float()                                                # [B, V]
-        token_ids = _choose_tokens(logits, states)                             # [B]
-        logprobs = _logprobs(logits, token_ids, states)
-        return [SampledToken(s, t, *lp) for s, t, lp in zip(seq_ids, token_ids.tolist(), logprobs)]
+        u = torch.tensor(_uniforms(states), dtype=torch.float64, device=logits.device)   # [B]
+        penalties = [st.penalties for st in states]
+        token_ids = draw_rows(adjusted_logits(logits, penalties), [st.params for st in states], u)
+        logprobs = _logprobs(logits, token_ids, states)                        # from the raw logits
+        ids = token_ids.tolist()
+        record_tokens(penalties, ids)
+        return [SampledToken(s, t, *lp) for s, t, lp in zip(seq_ids, ids, logprobs)]
 
     def step_columns(self, seq_ids: list[int], vocab_size: int) -> dict[str, torch.Tensor]:
         """The inputs of sampling inside a recorded step (`draw_in_step`), one row per sequence, on the
         CPU: mode, parameters, and each non-greedy sequence's uniform for this step, drawn now from its
-        generator (the one the host path would draw after the step: the same tokens)."""
+        generator (the one the host path would draw after the step: the same tokens). A row with
+        penalties goes to the step as greedy: the host redraws it (`finish_in_step`), so the step need
+        not run its path."""
         states = [self._state(s) for s in seq_ids]
-        return {"sample_mode": torch.tensor([_mode(st.params) for st in states], dtype=torch.int64),
+        modes = [GREEDY if st.penalties else _mode(st.params) for st in states]
+        return {"sample_mode": torch.tensor(modes, dtype=torch.int64),
                 **RowParams.of([st.params for st in states], vocab_size).columns(),
-                "uniform": torch.tensor([0.5 if st.generator is None else _uniform(st) for st in states],
-                                        dtype=torch.float64)}
+                "uniform": torch.tensor(_uniforms(states), dtype=torch.float64)}
 
     def finish_in_step(self, picked: torch.Tensor, logits: torch.Tensor, seq_ids: list[int],
                        columns: dict[str, torch.Tensor]) -> list[SampledToken]:
         """Tokens from a step that sampled: picked = [2, >= n] (ids, fits) on the device, read with ONE
-        copy to the host; a row that did not fit its candidates redraws with a full sort, and rows that
-        asked for logprobs get them from the step's logits (both only where asked)."""
+        copy to the host; a row that did not fit its candidates (then with a full sort) or that asks for
+        penalties redraws here, with the step's uniform, and rows that asked for logprobs get them from
+        the step's logits (all only where asked)."""
         n = len(seq_ids)
         ids, fits = picked[:, :n].tolist()
         self.in_step_finishes += 1
         states = [self._state(s) for s in seq_ids]
-        redo = [i for i in range(n) if not fits[i]]
+        redo = [i for i in range(n) if not fits[i] or states[i].penalties]
         if redo:
-            redone = {k: v[redo].to(logits.device) for k, v in columns.items()}
             rows = torch.tensor(redo, device=logits.device)
-            again, _ = _draw_from_top(logits[rows].float(), RowParams.from_columns(redone),
-                                      redone["uniform"][:, None], logits.shape[1])
+            penalties = [states[i].penalties for i in redo]
+            u = columns["uniform"][redo].to(logits.device)      # the step's: the host path's uniforms
+            again = draw_rows(adjusted_logits(logits[rows].float(), penalties), [states[i].params for i in redo], u)
             for i, t in zip(redo, again.tolist()):
                 ids[i] = t
         logprobs = [(None, None)] * n
         if any(st.params.logprobs is not None for st in states):
             logprobs = _logprobs(logits[:n].float(), torch.tensor(ids, device=logits.device), states)
+        record_tokens([st.penalties for st in states], ids)
         return [SampledToken(s, t, *lp) for s, t, lp in zip(seq_ids, ids, logprobs)]
 
     def _state(self, seq_id: int) -> _SeqState:
@@ -181,26 +202,31 @@ class RowParams:
         return RowParams(self.temperature[index], self.top_k[index], self.top_p[index], self.min_p[index])
 
 
-def _choose_tokens(logits: torch.Tensor, states: list[_SeqState]) -> torch.Tensor:
-    """Rows go to one of three paths by their own params only; each path is batched over its rows."""
+def draw_rows(logits: torch.Tensor, params: list, u: torch.Tensor) -> torch.Tensor:
+    """Row i's token by params[i]'s own path (greedy argmax, plain, filtered), each path batched over its
+    rows. logits: [n, V] float32; u: [n] float64 on the logits' device, row i's uniform (greedy rows
+    ignore it)."""
     paths: dict[int, list[int]] = {GREEDY: [], PLAIN: [], FILTERED: []}
-    for i, st in enumerate(states):
-        paths[_mode(st.params)].append(i)
-    token_ids = torch.empty(len(states), dtype=torch.long, device=logits.device)
+    for i, p in enumerate(params):
+        paths[_mode(p)].append(i)
+    token_ids = torch.empty(len(params), dtype=torch.long, device=logits.device)
     if paths[GREEDY]:
         token_ids[paths[GREEDY]] = _rows(logits, paths[GREEDY]).argmax(dim=-1)
     for rows, draw in ((paths[PLAIN], _draw_plain), (paths[FILTERED], _draw_filtered)):
         if rows:
-            cols = RowParams.of([states[i].params for i in rows], logits.shape[1], logits.device)
-            uniforms = [_uniform(states[i]) for i in rows]
-            u = torch.tensor(uniforms, dtype=torch.float64, device=logits.device)[:, None]   # [n, 1]
-            token_ids[rows] = draw(_rows(logits, rows), cols, u)
+            cols = RowParams.of([params[i] for i in rows], logits.shape[1], logits.device)
+            token_ids[rows] = draw(_rows(logits, rows), cols, _rows(u, rows)[:, None])   # u: [n, 1]
     return token_ids
 
 
 def _uniform(state: _SeqState) -> float:
     """The sequence's one uniform of this sampled step."""
     return torch.rand((), dtype=torch.float64, generator=state.generator).item()
+
+
+def _uniforms(states: list[_SeqState]) -> list[float]:
+    """Each sequence's uniform of this step; greedy sequences (no generator) hold a neutral 0.5."""
+    return [0.5 if st.generator is None else _uniform(st) for st in states]
 
 
 def _rows(x: torch.Tensor, rows: list[int]) -> torch.Tensor:
