@@ -8,15 +8,12 @@ The scheduler composes a plan from these; llm.py tells the ranks directly when n
 from __future__ import annotations
 
 from phaseflip.engine.requests import Sequence
-from phaseflip.engine.sampling_params import SamplingParams
 from phaseflip.layouts.plan import NewRequest
 
 
 def _new_request(seq: Sequence) -> NewRequest:
-    """Prompt tokens travel only where the repetition penalty reads them (not every prompt to every rank).
-    Params of another type (the scheduler's tests use stand-ins) read none."""
-    reads_prompt = isinstance(seq.params, SamplingParams) and seq.params.needs_prompt_tokens
-    prompt = tuple(seq.prompt_token_ids) if reads_prompt else ()
+    """Prompt tokens travel only where the repetition penalty reads them (not every prompt to every rank)."""
+    prompt = tuple(seq.prompt_token_ids) if seq.params.needs_prompt_tokens else ()
     return NewRequest(seq_id=seq.seq_id, params=seq.params, num_prompt_tokens=seq.num_prompt_tokens,
                       prompt_token_ids=prompt)
 

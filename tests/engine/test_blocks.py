@@ -4,12 +4,13 @@ import random
 import pytest
 
 from phaseflip.engine.blocks import BlockAllocator
+from phaseflip.engine.sampling_params import SamplingParams
 from phaseflip.engine.requests import Sequence
 
 
 def make_seq(seq_id=0, num_prompt_tokens=1):
     return Sequence(seq_id=seq_id, request_id=str(seq_id), prompt_token_ids=list(range(num_prompt_tokens)),
-                    params=None)
+                    params=SamplingParams())
 
 
 @pytest.mark.parametrize("kwargs, name, shown", [

@@ -152,7 +152,8 @@ _ids = itertools.count()
 
 
 def add(sched, prompts) -> list[Sequence]:
-    seqs = [Sequence(seq_id=next(_ids), request_id="r", prompt_token_ids=list(p), params=None) for p in prompts]
+    seqs = [Sequence(seq_id=next(_ids), request_id="r", prompt_token_ids=list(p),
+                     params=SamplingParams()) for p in prompts]
     for seq in seqs:
         sched.add(seq)
     return seqs

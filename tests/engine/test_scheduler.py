@@ -3,11 +3,11 @@ recompute (checked end to end against a fake model that reads its context back f
 import random
 import subprocess
 import sys
-from types import SimpleNamespace
 
 import pytest
 
 from phaseflip.engine.blocks import BlockAllocator
+from phaseflip.engine.sampling_params import SamplingParams
 from phaseflip.engine.requests import Sequence, SeqStatus
 from phaseflip.engine.scheduler import Scheduler, SchedulerConfig
 from phaseflip.layouts.plan import Phase
@@ -22,7 +22,7 @@ def make_sched(num_blocks=64, block_size=4, max_num_seqs=8, max_num_batched_toke
 def make_seq(seq_id, num_prompt_tokens, max_tokens=4):
     prompt = [1000 * (seq_id + 1) + i for i in range(num_prompt_tokens)]
     return Sequence(seq_id=seq_id, request_id=f"r{seq_id}", prompt_token_ids=prompt,
-                    params=SimpleNamespace(max_tokens=max_tokens))
+                    params=SamplingParams(max_tokens=max_tokens))
 
 
 def step(sched, plan, token=7):
@@ -216,7 +216,7 @@ def test_fifo_admission_admits_in_arrival_order():
 
 def test_new_requests_are_sent_once():
     sched = make_sched(max_prefill_chunk=2)
-    params = SimpleNamespace(max_tokens=3)
+    params = SamplingParams(max_tokens=3)
     seq = Sequence(seq_id=4, request_id="x", prompt_token_ids=[1, 2, 3], params=params)
     sched.add(seq)
     plan = sched.schedule()
