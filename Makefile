@@ -12,7 +12,7 @@ HAS_GPU := $(shell nvidia-smi -L >/dev/null 2>&1 && echo yes)
 TORCH := $(if $(HAS_GPU),torch>=2.6,torch==2.13.0)
 PYTEST_ARGS ?=
 
-.PHONY: setup model demo test test-slow bench gpu-check clean
+.PHONY: setup model demo serve test test-slow bench gpu-check clean
 setup: $(VENV)/.installed model
 
 $(VENV)/.installed: setup.cfg pyproject.toml
@@ -30,6 +30,10 @@ model: $(VENV)/.installed
 # The main job: two CPU ranks, both layouts captured at boot, the drain rule flipping between them.
 demo: setup
 	$(VENV)/bin/phaseflip boot --world-size 2 --layouts pp,tp --park always
+
+# The embedded default model behind an OpenAI-compatible server on http://127.0.0.1:8000 (Ctrl-C stops it).
+serve: setup
+	$(VENV)/bin/phaseflip -v serve
 
 # The soak (marked slow) fits the CI budget (about 20 s on 2 cores), so `make test` runs it too.
 test: setup

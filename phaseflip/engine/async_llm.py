@@ -103,6 +103,11 @@ class AsyncLLM:
 
     # -- the caller's side (an event loop) ---------------------------------------------------------
     @property
+    def booted(self) -> bool:
+        """The boot ended (well or not)."""
+        return self._booted.is_set()
+
+    @property
     def is_ready(self) -> bool:
         return self._booted.is_set() and self.llm is not None and not self.dead and not self._stopping
 
@@ -163,10 +168,10 @@ class AsyncLLM:
 
     def begin_shutdown(self, timeout_s: float) -> None:
         """Refuse new requests; running ones may finish for timeout_s, then they end with EngineStopping."""
+        deadline = time.monotonic() + timeout_s
         with self._lock:
-            if not self._stopping:
-                self._stopping = True
-                self._deadline = time.monotonic() + timeout_s
+            self._stopping = True
+            self._deadline = deadline if self._deadline is None else min(self._deadline, deadline)
             self._wake.set()
 
     async def shutdown(self, timeout_s: float = 0.0) -> None:

@@ -49,22 +49,32 @@ def _engine_options(f):
         click.option("--compile", "compile_mode", type=click.Choice(["auto", "on", "off"]), default=None,
                      help="torch.compile: auto (keep it where measured faster at boot) | on | off "
                           "(default: $PHASEFLIP_COMPILE, else auto)."),
+        click.option("--policy", type=click.Choice(["throughput", "latency", "drain"]), default="throughput",
+                     show_default=True, help="Which layout runs next (world size > 1)."),
+        click.option("--ttft-budget-s", type=float, default=None,
+                     help="--policy latency: the time-to-first-token budget in seconds."),
     ]):
         f = opt(f)
     return f
 
 
-def _llm(model, dtype, max_model_len, max_num_seqs, max_num_batched_tokens, seed, kv_cache_memory_gib,
-         gpu_memory_utilization, world_size, layouts, park, flip_every_steps, compile_mode):
-    from phaseflip.engine.llm import LLM
+def _engine_kwargs(model, dtype, max_model_len, max_num_seqs, max_num_batched_tokens, seed, kv_cache_memory_gib,
+                   gpu_memory_utilization, world_size, layouts, park, flip_every_steps, compile_mode, policy,
+                   ttft_budget_s) -> dict:
+    """The engine options of the command line as LLM(...) keyword arguments."""
     from phaseflip.layouts.comm import env_rank
     if world_size is None:
         world_size = env_rank()[1] if env_rank() else 1
-    return LLM(model=model, dtype=dtype, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
-               max_num_batched_tokens=max_num_batched_tokens, seed=seed, kv_cache_memory_gib=kv_cache_memory_gib,
-               gpu_memory_utilization=gpu_memory_utilization, world_size=world_size,
-               layouts=tuple(layouts.split(",")) if layouts else None, park=park,
-               flip_every_steps=flip_every_steps, compile=compile_mode)
+    return dict(model=model, dtype=dtype, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
+                max_num_batched_tokens=max_num_batched_tokens, seed=seed, kv_cache_memory_gib=kv_cache_memory_gib,
+                gpu_memory_utilization=gpu_memory_utilization, world_size=world_size,
+                layouts=tuple(layouts.split(",")) if layouts else None, park=park,
+                flip_every_steps=flip_every_steps, compile=compile_mode, policy=policy, ttft_budget_s=ttft_budget_s)
+
+
+def _llm(**engine):
+    from phaseflip.engine.llm import LLM
+    return LLM(**_engine_kwargs(**engine))
 
 
 def _serve_if_worker() -> bool:
@@ -242,6 +252,34 @@ def _print_summary(llm, results, boot_s: float, gen_s: float) -> None:
     click.echo(f"generate: {gen_s:.2f} s, {n_out / gen_s:.1f} output tok/s, "
                f"{(n_in + n_out) / gen_s:.1f} total tok/s"
                + (f"; median TTFT {ttfts[len(ttfts) // 2] * 1e3:.0f} ms" if ttfts else ""))
+
+
+@main.command()
+@_engine_options
+@click.option("--host", default="127.0.0.1", show_default=True,
+              help="Address to listen on (127.0.0.1: this machine only; 0.0.0.0: every interface).")
+@click.option("--port", type=int, default=8000, show_default=True)
+@click.option("--api-key", default=None, envvar="PHASEFLIP_API_KEY",
+              help="Require 'Authorization: Bearer KEY' on /v1/* (default: $PHASEFLIP_API_KEY, else none).")
+@click.option("--served-model-name", default=None, help="The model name clients send (default: --model, "
+                                                         "or SmolLM2-135M-Instruct).")
+@click.option("--max-waiting", type=int, default=None,
+              help="Sequences that may wait for a slot before new requests get 503 (default: the larger of "
+                   "2 x --max-num-seqs and the KV pool's block count).")
+@click.option("--shutdown-timeout", type=float, default=10.0, show_default=True,
+              help="Seconds requests in flight may run on after SIGTERM / Ctrl-C.")
+@click.option("--max-request-bytes", type=int, default=8 << 20, show_default=True,
+              help="Bodies over this are refused (413) before they are parsed.")
+def serve(host, port, api_key, served_model_name, max_waiting, shutdown_timeout, max_request_bytes, **engine):
+    """Serve the model over an OpenAI-compatible HTTP API (completions, chat, streaming, /metrics)."""
+    if _serve_if_worker():
+        return
+    from phaseflip.serve.server import ServeConfig, serve as run_server
+    config = ServeConfig(host=host, port=port, api_key=api_key, served_model_name=served_model_name,
+                         max_waiting=max_waiting, shutdown_timeout_s=shutdown_timeout,
+                         max_request_bytes=max_request_bytes,
+                         log_level="info" if logging.getLogger().level <= logging.INFO else "warning")
+    sys.exit(run_server(_engine_kwargs(**engine), config))
 
 
 main.add_command(bench)

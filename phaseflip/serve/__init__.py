@@ -1,0 +1,1 @@
+"""The OpenAI-compatible HTTP server (`phaseflip serve`) over the AsyncLLM."""

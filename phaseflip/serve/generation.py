@@ -1,0 +1,217 @@
+"""From an accepted OpenAI request to its answer: engine streams in, server-sent events or one body out.
+
+Owns: checking a request against the served model (its name, the context length), queueing its
+prompts on the AsyncLLM, and answering: with stream=true one `data:` event per piece (OpenAI's chunk
+format), an error event if the engine fails mid-way, the usage chunk when asked, `data: [DONE]`; else
+the whole body once every sample finished. Whatever ends a request's answer early (a closed
+connection, a cancelled task, an error) closes its streams, which aborts what is still running.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import uuid
+from typing import AsyncIterator
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, StreamingResponse
+
+from phaseflip.engine.async_llm import AsyncLLM, RequestStream
+from phaseflip.engine.requests import CompletionOutput
+from phaseflip.serve.protocol import ChatCompletionRequest, CompletionRequest
+from phaseflip.serve.responses import ChatView, CompletionView, ErrorInfo, ErrorResponse
+
+
+class APIError(Exception):
+    """An answer other than 200: its HTTP status, OpenAI's error type and the field at fault."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, kind: str | None = None,
+                 headers: dict | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.headers = status, message, param, headers
+        self.kind = kind or {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
+                             413: "RequestTooLarge", 503: "ServiceUnavailableError"}.get(status, "InternalServerError")
+
+    def body(self) -> ErrorResponse:
+        return ErrorResponse(error=ErrorInfo(message=self.message, type=self.kind, param=self.param,
+                                             code=self.status))
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body().model_dump(), status_code=self.status, headers=self.headers)
+
+
+def bad_value(error: Exception, body, default_param: str) -> APIError:
+    """A ValueError/TypeError of the engine's checks as a 400. Its message names the value
+    ("max_tokens=-1 is invalid: ..."): the first of the body's fields it names is the error's param."""
+    message = str(error)
+    named = [(m.start(), name) for name in type(body).model_fields
+             if (m := re.search(rf"\b{name}\b", message)) is not None]
+    return APIError(400, message, min(named)[1] if named else default_param)
+
+
+class Served:
+    """The model this server serves, and the engine behind it."""
+
+    def __init__(self, engine: AsyncLLM, name: str, root: str):
+        self.engine, self.name, self.root = engine, name, root
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.name:
+            raise APIError(404, f"The model `{model}` does not exist; this server serves `{self.name}`",
+                           "model")
+
+    def prepare(self, prompts, body, field: str) -> list:
+        try:
+            params = body.sampling_params()
+            prepared = self.engine.prepare(prompts, params)
+        except (ValueError, TypeError) as e:
+            raise bad_value(e, body, field) from None
+        max_len = self.engine.llm.plan.max_model_len
+        for p in prepared:
+            if params.max_tokens is not None and len(p.token_ids) + params.max_tokens > max_len:
+                raise APIError(400, f"this model's maximum context length is {max_len} tokens; the request "
+                                    f"asks for {len(p.token_ids) + params.max_tokens} ({len(p.token_ids)} "
+                                    f"in the {field}, {params.max_tokens} to generate): lower max_tokens",
+                               "max_tokens")
+        return prepared
+
+
+async def complete(served: Served, body: CompletionRequest, request: Request):
+    served.check_model(body.model)
+    prepared = served.prepare(body.prompts(), body, "prompt")
+    view = CompletionView(f"cmpl-{uuid.uuid4().hex}", served.name, prepared, body.n, served.engine.tokenizer,
+                          body.echo)
+    return await _answer(served, view, prepared, body, request)
+
+
+async def chat(served: Served, body: ChatCompletionRequest, request: Request):
+    served.check_model(body.model)
+    tokenizer = served.engine.tokenizer
+    try:
+        text = tokenizer.apply_chat_template([m.as_template_message() for m in body.messages],
+                                             add_generation_prompt=body.add_generation_prompt)
+    except Exception as e:  # noqa: BLE001 — a template error is the request's (its roles, its order)
+        raise APIError(400, f"the chat template refused these messages: {e}", "messages") from None
+    prepared = served.prepare([tokenizer.encode(text, add_special_tokens=False)], body, "messages")
+    view = ChatView(f"chatcmpl-{uuid.uuid4().hex}", served.name, prepared, body.n, tokenizer,
+                    body.top_logprobs or 0)
+    return await _answer(served, view, prepared, body, request)
+
+
+async def _answer(served: Served, view, prepared, body, request: Request):
+    streams = served.engine.add(prepared, view.id)
+    if body.stream:
+        return EventStream(streams, _events(view, streams, body.include_usage))
+    try:
+        whole = await _unless_disconnected(request, _collect(streams))
+    finally:
+        for s in streams:
+            s.close()
+    return JSONResponse(view.response(whole).model_dump())
+
+
+class EventStream(StreamingResponse):
+    """Server-sent events whose request streams are closed however the response ends."""
+
+    def __init__(self, streams: list[RequestStream], events: AsyncIterator[str]):
+        super().__init__(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        self.streams = streams
+
+    async def __call__(self, scope, receive, send):
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            for s in self.streams:
+                s.close()
+
+
+async def _events(view, streams: list[RequestStream], include_usage: bool) -> AsyncIterator[str]:
+    try:
+        async for i, out in _merged(streams):
+            view.count(out.outputs)
+            shown = [p for p in out.outputs if p.text or p.finish_reason or p.logprobs]  # not a held-back step
+            if shown:
+                yield f"data: {view.chunk(i, shown).model_dump_json()}\n\n"
+        if include_usage:
+            yield f"data: {view.usage_chunk().model_dump_json()}\n\n"
+    except Exception as e:  # noqa: BLE001 — the engine failed under this request: say so in the stream
+        error = APIError(503 if _is_unavailable(e) else 500, str(e))
+        yield f"data: {json.dumps(error.body().model_dump())}\n\n"
+    yield "data: [DONE]\n\n"
+
+
+def _is_unavailable(error: Exception) -> bool:
+    from phaseflip.engine.async_llm import EngineStopping
+    from phaseflip.engine.ranks import EngineDeadError
+    return isinstance(error, (EngineDeadError, EngineStopping))
+
+
+async def _merged(streams: list[RequestStream]) -> AsyncIterator[tuple[int, object]]:
+    """(prompt index, piece) from every stream as they come; one stream is read directly."""
+    if len(streams) == 1:
+        async for out in streams[0]:
+            yield 0, out
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i: int, stream: RequestStream):
+        try:
+            async for out in stream:
+                await queue.put((i, out))
+        except Exception as e:  # noqa: BLE001 — re-raised by the reader
+            await queue.put((i, e))
+        await queue.put((i, None))
+
+    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        left = len(streams)
+        while left:
+            i, item = await queue.get()
+            if item is None:
+                left -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for t in tasks:
+            t.cancel()
+
+
+async def _collect(streams: list[RequestStream]) -> list[list[CompletionOutput]]:
+    """Every sample of every prompt, joined from its pieces."""
+    joined: list[dict[int, dict]] = [{} for _ in streams]
+    async for i, out in _merged(streams):
+        for piece in out.outputs:
+            acc = joined[i].setdefault(piece.index, {"text": [], "token_ids": [], "logprobs": None})
+            acc["text"].append(piece.text)
+            acc["token_ids"] += piece.token_ids
+            if piece.logprobs is not None:
+                acc["logprobs"] = (acc["logprobs"] or []) + piece.logprobs
+            acc["finish_reason"], acc["stop_reason"] = piece.finish_reason, piece.stop_reason
+    return [[CompletionOutput(index=j, text="".join(a["text"]), token_ids=a["token_ids"],
+                              finish_reason=a["finish_reason"], stop_reason=a["stop_reason"],
+                              logprobs=a["logprobs"]) for j, a in sorted(samples.items())]
+            for samples in joined]
+
+
+async def _unless_disconnected(request: Request, work):
+    """Await `work` unless the client goes away first (then `work` is cancelled and this raises
+    CancelledError, which ends the request handler)."""
+    task = asyncio.ensure_future(work)
+    watch = asyncio.ensure_future(_disconnect(request))
+    try:
+        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+        if not task.done():
+            task.cancel()
+    if not task.done() or task.cancelled():
+        raise asyncio.CancelledError("the client disconnected")
+    return task.result()
+
+
+async def _disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass

@@ -1,0 +1,192 @@
+"""The OpenAI request bodies `phaseflip serve` accepts, as pydantic models, and their SamplingParams.
+
+Owns: which fields a completion or chat request may carry, their types, and the translation of a
+request into the engine's SamplingParams. A field this server does not implement is refused with an
+error naming it, never ignored: an unknown field by pydantic (extra="forbid"), a known OpenAI field
+with an unimplemented value (tools, a response_format other than text, best_of > 1, suffix) by a
+validator here. The values' ranges are SamplingParams' to check (one authority for the offline API
+and the server).
+"""
+from __future__ import annotations
+
+from typing import Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+
+from phaseflip.engine.sampling_params import SamplingParams
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class StreamOptions(Strict):
+    include_usage: bool = False
+
+
+class _Sampling(Strict):
+    """The fields completions and chat share (OpenAI's, and vLLM's extra sampling fields)."""
+    model: str | None = None
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: Union[str, list[str], None] = None
+    stop_token_ids: list[int] | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[str, float] | None = None
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    user: str | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+
+    @field_validator("stream_options")
+    @classmethod
+    def _stream_options_need_stream(cls, v, info: ValidationInfo):
+        if v is not None and not info.data.get("stream"):
+            raise ValueError("stream_options is only allowed with stream=true")
+        return v
+
+    def _params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+        return SamplingParams(
+            n=self.n, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
+            seed=self.seed, max_tokens=max_tokens, stop=self.stop, stop_token_ids=self.stop_token_ids,
+            ignore_eos=self.ignore_eos, logprobs=logprobs, presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty, repetition_penalty=self.repetition_penalty,
+            logit_bias=self.logit_bias, include_stop_str_in_output=self.include_stop_str_in_output,
+            skip_special_tokens=self.skip_special_tokens)
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+
+def _refuse(field: str, value, why: str):
+    raise ValueError(f"{field}={value!r} is not supported: {why}")
+
+
+class CompletionRequest(_Sampling):
+    prompt: Union[str, list[str], list[int], list[list[int]]]
+    max_tokens: int | None = 16
+    logprobs: int | None = None
+    echo: bool = False
+    best_of: int | None = None
+    suffix: str | None = None
+
+    @field_validator("best_of")
+    @classmethod
+    def _one_best_of(cls, v):
+        if v is not None and v != 1:
+            _refuse("best_of", v, "phaseflip returns every sample it draws (use n)")
+        return v
+
+    @field_validator("suffix")
+    @classmethod
+    def _no_suffix(cls, v):
+        if v is not None:
+            _refuse("suffix", v, "phaseflip does not implement insertion (fill in the middle)")
+        return v
+
+    @field_validator("prompt")
+    @classmethod
+    def _some_prompt(cls, v):
+        if not v:
+            raise ValueError("the prompt is empty: give a str, a list of str or token ids")
+        return v
+
+    @field_validator("echo")
+    @classmethod
+    def _echo_without_logprobs(cls, v, info: ValidationInfo):
+        if v and info.data.get("logprobs") is not None:
+            raise ValueError("echo with logprobs is not supported: it needs the prompt's logprobs, "
+                             "which phaseflip does not compute")
+        return v
+
+    def prompts(self) -> list:
+        """The prompts of this request: a list of str or of token-id lists."""
+        p = self.prompt
+        if isinstance(p, str) or (p and isinstance(p[0], int)):
+            return [p]
+        return list(p)
+
+    def sampling_params(self) -> SamplingParams:
+        return self._params(self.max_tokens, self.logprobs)
+
+
+class ContentPart(Strict):
+    type: str
+    text: str | None = None
+
+    @model_validator(mode="after")
+    def _text_only(self):
+        if self.type != "text":
+            _refuse("content part type", self.type, "phaseflip serves text models (only 'text' parts)")
+        if self.text is None:
+            raise ValueError("a 'text' content part needs its 'text'")
+        return self
+
+
+class ChatMessage(Strict):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: Union[str, list[ContentPart], None] = None
+    name: str | None = None
+
+    def as_template_message(self) -> dict:
+        content = self.content
+        if isinstance(content, list):
+            content = "".join(part.text for part in content)
+        return {"role": self.role, "content": content or ""}
+
+
+class ResponseFormat(Strict):
+    type: str
+
+    @field_validator("type")
+    @classmethod
+    def _text(cls, v):
+        if v != "text":
+            _refuse("response_format.type", v, "phaseflip has no constrained decoding (only 'text')")
+        return v
+
+
+class ChatCompletionRequest(_Sampling):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    response_format: ResponseFormat | None = None
+    tools: list | None = None
+    tool_choice: str | dict | None = None
+    add_generation_prompt: bool = True
+
+    @field_validator("tools")
+    @classmethod
+    def _no_tools(cls, v):
+        if v:
+            _refuse("tools", "[...]", "phaseflip does not implement tool calling")
+        return v
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _no_tool_choice(cls, v):
+        if v not in (None, "none"):
+            _refuse("tool_choice", v, "phaseflip does not implement tool calling")
+        return v
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _top_logprobs_need_logprobs(cls, v, info: ValidationInfo):
+        if v is not None and not info.data.get("logprobs"):
+            raise ValueError("top_logprobs needs logprobs=true")
+        return v
+
+    def sampling_params(self) -> SamplingParams:
+        max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+        return self._params(max_tokens, (self.top_logprobs or 0) if self.logprobs else None)

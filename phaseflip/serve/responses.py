@@ -1,0 +1,253 @@
+"""The OpenAI response bodies `phaseflip serve` sends, as pydantic models, and the views that fill them.
+
+Owns: the shapes of completions, chat completions, their streamed chunks, usage, logprobs, errors and
+the model list; and `CompletionView` / `ChatView`, which turn the engine's pieces (RequestOutputs
+holding what is new) into those bodies: a whole response from every piece of a request, or one chunk
+per piece. Choice i*n + j is sample j of prompt i. `usage` counts each prompt once and every
+generated token of every sample (the stop token included, as vLLM counts it).
+"""
+from __future__ import annotations
+
+import time
+
+from pydantic import BaseModel
+
+from phaseflip.engine.requests import CompletionOutput
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class CompletionLogprobs(BaseModel):
+    tokens: list[str]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None]
+    text_offset: list[int]
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class CompletionResponse(BaseModel):
+    """A whole completion, or (object the same, usage None until the last) one streamed chunk."""
+    id: str
+    object: str = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    content: list[TokenLogprob]
+
+
+class AssistantMessage(BaseModel):
+    role: str = "assistant"
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: AssistantMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: str = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class Delta(BaseModel):
+    role: str | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(BaseModel):
+    index: int
+    delta: Delta
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: str = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
+
+
+class ErrorInfo(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: int
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorInfo
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: str = "model"
+    created: int
+    owned_by: str = "phaseflip"
+    root: str
+    max_model_len: int
+
+
+class ModelList(BaseModel):
+    object: str = "list"
+    data: list[ModelCard]
+
+
+class _View:
+    """What both views share: the request's identity, its prompts, the token texts, usage."""
+
+    def __init__(self, request_id: str, model: str, prepared: list, n: int, tokenizer):
+        self.id, self.model, self.prepared, self.n = request_id, model, prepared, n
+        self.created = int(time.time())
+        self.tokenizer = tokenizer
+        self.completion_tokens = 0
+        self._token_text: dict[int, str] = {}
+
+    def choice_index(self, prompt_index: int, piece: CompletionOutput) -> int:
+        return prompt_index * self.n + piece.index
+
+    def count(self, pieces: list[CompletionOutput]) -> None:
+        """Every piece the engine produced goes through here once, shown in a chunk or not."""
+        self.completion_tokens += sum(len(p.token_ids) for p in pieces)
+
+    def usage(self) -> Usage:
+        prompt = sum(len(p.token_ids) for p in self.prepared)
+        return Usage(prompt_tokens=prompt, completion_tokens=self.completion_tokens,
+                     total_tokens=prompt + self.completion_tokens)
+
+    def token_text(self, token_id: int) -> str:
+        text = self._token_text.get(token_id)
+        if text is None:
+            text = self._token_text[token_id] = self.tokenizer.decode([token_id], skip_special_tokens=False)
+        return text
+
+
+class CompletionView(_View):
+    def __init__(self, request_id, model, prepared, n, tokenizer, echo: bool):
+        super().__init__(request_id, model, prepared, n, tokenizer)
+        self.echo = echo
+        self._echoed: set[int] = set()
+        self._offsets: dict[int, int] = {}
+
+    def choice(self, prompt_index: int, piece: CompletionOutput) -> CompletionChoice:
+        index = self.choice_index(prompt_index, piece)
+        text = piece.text
+        if self.echo and index not in self._echoed:
+            self._echoed.add(index)
+            p = self.prepared[prompt_index]
+            text = (p.prompt if p.prompt is not None else self.tokenizer.decode(p.token_ids)) + text
+        return CompletionChoice(index=index, text=text, logprobs=self._logprobs(index, piece),
+                                finish_reason=piece.finish_reason, stop_reason=piece.stop_reason)
+
+    def _logprobs(self, index: int, piece: CompletionOutput) -> CompletionLogprobs | None:
+        if piece.logprobs is None:
+            return None
+        offset = self._offsets.get(index, 0)
+        tokens, offsets = [], []
+        for t in piece.token_ids:
+            tokens.append(self.token_text(t))
+            offsets.append(offset)
+            offset += len(tokens[-1])
+        self._offsets[index] = offset
+        return CompletionLogprobs(
+            tokens=tokens, token_logprobs=[d.get(t) for d, t in zip(piece.logprobs, piece.token_ids)],
+            top_logprobs=[{self.token_text(k): v for k, v in d.items()} for d in piece.logprobs],
+            text_offset=offsets)
+
+    def chunk(self, prompt_index: int, pieces: list[CompletionOutput]) -> CompletionResponse:
+        return CompletionResponse(id=self.id, created=self.created, model=self.model,
+                                  choices=[self.choice(prompt_index, p) for p in pieces])
+
+    def usage_chunk(self) -> CompletionResponse:
+        return CompletionResponse(id=self.id, created=self.created, model=self.model, choices=[],
+                                  usage=self.usage())
+
+    def response(self, whole: list[list[CompletionOutput]]) -> CompletionResponse:
+        """whole[i]: prompt i's samples, each joined from its pieces."""
+        for samples in whole:
+            self.count(samples)
+        choices = [self.choice(i, piece) for i, samples in enumerate(whole) for piece in samples]
+        return CompletionResponse(id=self.id, created=self.created, model=self.model, choices=choices,
+                                  usage=self.usage())
+
+
+class ChatView(_View):
+    def __init__(self, request_id, model, prepared, n, tokenizer, num_top: int | None):
+        super().__init__(request_id, model, prepared, n, tokenizer)
+        self.num_top = num_top
+        self._started: set[int] = set()
+
+    def _logprobs(self, piece: CompletionOutput) -> ChatLogprobs | None:
+        if piece.logprobs is None:
+            return None
+        return ChatLogprobs(content=[
+            TokenLogprob(**self._entry(t, d[t]), top_logprobs=[TopLogprob(**self._entry(k, v))
+                                                               for k, v in list(d.items())[:self.num_top]])
+            for t, d in zip(piece.token_ids, piece.logprobs)])
+
+    def _entry(self, token_id: int, logprob: float) -> dict:
+        text = self.token_text(token_id)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+    def chunk(self, prompt_index: int, pieces: list[CompletionOutput]) -> ChatCompletionChunk:
+        choices = []
+        for piece in pieces:
+            index = self.choice_index(prompt_index, piece)
+            role = None if index in self._started else "assistant"
+            self._started.add(index)
+            choices.append(ChatChunkChoice(index=index, delta=Delta(role=role, content=piece.text),
+                                           logprobs=self._logprobs(piece), finish_reason=piece.finish_reason,
+                                           stop_reason=piece.stop_reason))
+        return ChatCompletionChunk(id=self.id, created=self.created, model=self.model, choices=choices)
+
+    def usage_chunk(self) -> ChatCompletionChunk:
+        return ChatCompletionChunk(id=self.id, created=self.created, model=self.model, choices=[],
+                                   usage=self.usage())
+
+    def response(self, whole: list[list[CompletionOutput]]) -> ChatCompletionResponse:
+        choices = []
+        for i, samples in enumerate(whole):
+            self.count(samples)
+            for piece in samples:
+                choices.append(ChatChoice(index=self.choice_index(i, piece),
+                                          message=AssistantMessage(content=piece.text),
+                                          logprobs=self._logprobs(piece), finish_reason=piece.finish_reason,
+                                          stop_reason=piece.stop_reason))
+        return ChatCompletionResponse(id=self.id, created=self.created, model=self.model, choices=choices,
+                                      usage=self.usage())
