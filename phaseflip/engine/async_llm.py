@@ -279,9 +279,9 @@ class AsyncLLM:
             by_loop.setdefault(stream.loop, []).append((stream, out))
             if finished:
                 self._forget(stream)
+        self._publish(outcome)   # first: a caller that sees its request finish sees its blocks free
         for loop, items in by_loop.items():
             _hand_over(loop, items)
-        self._publish(outcome)
 
     def _forget(self, stream: RequestStream) -> None:
         del self._requests[stream.request_id]
