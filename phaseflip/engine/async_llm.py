@@ -28,49 +28,12 @@ from phaseflip.engine.core import StepOutcome
 from phaseflip.engine.outputs import TextStream, metrics
 from phaseflip.engine.prompts import PreparedPrompt
 from phaseflip.engine.ranks import EngineDeadError
+from phaseflip.engine.request_stream import EngineStopping, QueueFull, RequestStream, hand_over
 from phaseflip.engine.requests import RequestOutput
 
 log = logging.getLogger("phaseflip")
 
 IDLE_WAIT_S = 0.5   # an idle engine thread re-checks its deadline this often
-
-
-class QueueFull(RuntimeError):
-    """The waiting queue is at max_waiting sequences: try again later."""
-
-
-class EngineStopping(RuntimeError):
-    """The engine is shutting down: it takes no new request and ends those left at its deadline."""
-
-
-class RequestStream:
-    """One request's pieces as the engine produces them: `async for out in stream` yields
-    RequestOutputs whose CompletionOutputs hold only what is new (text, token ids, logprobs), the
-    last one with finished=True. Closing it (or leaving the loop) early aborts the request."""
-
-    def __init__(self, engine: AsyncLLM, request_id: str, prepared: PreparedPrompt):
-        self.engine, self.request_id, self.prepared = engine, request_id, prepared
-        self.loop = asyncio.get_running_loop()
-        self.queue: asyncio.Queue = asyncio.Queue()
-        self.finished = False
-        self.text_streams: list[TextStream] = []   # the engine thread's, once it queued the samples
-
-    async def __aiter__(self) -> AsyncIterator[RequestOutput]:
-        try:
-            while not self.finished:
-                item = await self.queue.get()
-                if isinstance(item, BaseException):
-                    self.finished = True
-                    raise item
-                self.finished = item.finished
-                yield item
-        finally:
-            self.close()
-
-    def close(self) -> None:
-        if not self.finished:
-            self.finished = True
-            self.engine.abort(self.request_id)
 
 
 class AsyncLLM:
@@ -244,7 +207,7 @@ class AsyncLLM:
         try:
             seqs = self.llm.submit(stream.prepared, stream.request_id)
         except Exception as e:  # noqa: BLE001 — this request's error, not the engine's
-            _hand_over(stream.loop, [(stream, e)])
+            hand_over(stream.loop, [(stream, e)])
             seqs = []
         finally:
             with self._lock:
@@ -281,7 +244,7 @@ class AsyncLLM:
                 self._forget(stream)
         self._publish(outcome)   # first: a caller that sees its request finish sees its blocks free
         for loop, items in by_loop.items():
-            _hand_over(loop, items)
+            hand_over(loop, items)
 
     def _forget(self, stream: RequestStream) -> None:
         del self._requests[stream.request_id]
@@ -316,7 +279,7 @@ class AsyncLLM:
         for stream in streams:
             by_loop.setdefault(stream.loop, []).append((stream, error))
         for loop, items in by_loop.items():
-            _hand_over(loop, items)
+            hand_over(loop, items)
         self._publish()
 
     def _take_inbox_as_failed(self, error: BaseException) -> None:
@@ -326,7 +289,7 @@ class AsyncLLM:
             self._pending_seqs = 0
         for kind, what in commands:
             if kind == "add":
-                _hand_over(what.loop, [(what, error)])
+                hand_over(what.loop, [(what, error)])
 
     def _publish(self, outcome: StepOutcome | None = None) -> None:
         """The numbers the front reads (queue bound, /health, /metrics), then the observers."""
@@ -343,15 +306,3 @@ class AsyncLLM:
                          "steps": llm.core.num_steps, "aborted": self.num_aborted}
         for observe in self.observers:
             observe(outcome or StepOutcome(), new_flips, self.snapshot)
-
-
-def _hand_over(loop, items: list) -> None:
-    """From the engine thread: put each (stream, piece or error) on its stream's queue, in one call."""
-    def put():
-        for stream, item in items:
-            stream.queue.put_nowait(item)
-    try:
-        loop.call_soon_threadsafe(put)
-    except RuntimeError:  # the loop is closed: nobody reads these streams any more
-        pass
-

@@ -15,13 +15,14 @@ import time
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.responses import JSONResponse, Response
 
 from phaseflip import __version__
-from phaseflip.engine.async_llm import EngineStopping, QueueFull
+from phaseflip.engine.request_stream import EngineStopping, QueueFull
 from phaseflip.engine.ranks import EngineDeadError
 from phaseflip.serve.generation import APIError, Served, chat, complete
-from phaseflip.serve.metrics import CONTENT_TYPE_LATEST, ServingMetrics
+from phaseflip.serve.metrics import ServingMetrics
 from phaseflip.serve.protocol import ChatCompletionRequest, CompletionRequest
 from phaseflip.serve.responses import ModelCard, ModelList
 

@@ -17,7 +17,9 @@ from typing import AsyncIterator
 from starlette.requests import Request
 from starlette.responses import JSONResponse, StreamingResponse
 
-from phaseflip.engine.async_llm import AsyncLLM, RequestStream
+from phaseflip.engine.async_llm import AsyncLLM
+from phaseflip.engine.ranks import EngineDeadError
+from phaseflip.engine.request_stream import EngineStopping, RequestStream
 from phaseflip.engine.requests import CompletionOutput
 from phaseflip.serve.protocol import ChatCompletionRequest, CompletionRequest
 from phaseflip.serve.responses import ChatView, CompletionView, ErrorInfo, ErrorResponse
@@ -142,8 +144,6 @@ async def _events(view, streams: list[RequestStream], include_usage: bool) -> As
 
 
 def _is_unavailable(error: Exception) -> bool:
-    from phaseflip.engine.async_llm import EngineStopping
-    from phaseflip.engine.ranks import EngineDeadError
     return isinstance(error, (EngineDeadError, EngineStopping))
 
 

@@ -6,7 +6,7 @@ import asyncio
 import pytest
 
 from phaseflip import LLM, AsyncLLM, SamplingParams
-from phaseflip.engine.async_llm import EngineStopping, QueueFull
+from phaseflip.engine.request_stream import EngineStopping, QueueFull
 from phaseflip.engine.ranks import RankError
 from phaseflip.layouts.messages import ArmFault
 
