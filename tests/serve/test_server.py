@@ -198,12 +198,11 @@ def test_logit_bias_and_penalties_reach_the_sampler(server, offline):
                                        logit_bias={str(first): -100})
     want = offline.generate("1, 2, 3,", greedy(16, logit_bias={first: -100}), use_tqdm=False)[0].outputs[0]
     assert biased.choices[0].text == want.text != plain.text and first not in want.token_ids
-    penalized = client.completions.create(model="tiny", prompt="1, 2, 3,", max_tokens=16, temperature=0,
-                                          frequency_penalty=1.5, presence_penalty=0.5,
-                                          extra_body={"repetition_penalty": 1.3})
-    want = offline.generate("1, 2, 3,", greedy(16, frequency_penalty=1.5, presence_penalty=0.5,
-                                               repetition_penalty=1.3), use_tqdm=False)[0].outputs[0]
-    assert penalized.choices[0].text == want.text
+    for penalty in ({"frequency_penalty": 1.5}, {"presence_penalty": 1.5}, {"repetition_penalty": 1.5}):
+        penalized = client.completions.create(model="tiny", prompt="1, 2, 3,", max_tokens=16, temperature=0,
+                                              extra_body=penalty)
+        want = offline.generate("1, 2, 3,", greedy(16, **penalty), use_tqdm=False)[0].outputs[0]
+        assert penalized.choices[0].text == want.text != plain.text, penalty
 
 
 def test_logprobs_in_completions_and_chat(server):
