@@ -74,7 +74,7 @@ OPTIONS = {
     "logprobs": ([None, 0, 3], [21, -1, True]),
     "ignore_eos": ([True, False], ["no", 1]),
     "include_stop_str_in_output": ([True, False], [None]),
-    "n": ([1], [2, 0]),
+    "n": ([1], [0, -2]),
 }
 
 
