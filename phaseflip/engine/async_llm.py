@@ -34,6 +34,7 @@ from phaseflip.engine.requests import RequestOutput
 log = logging.getLogger("phaseflip")
 
 IDLE_WAIT_S = 0.5   # an idle engine thread re-checks its deadline this often
+POLL_S = 0.02       # how often a caller awaiting the boot or the shutdown looks
 
 
 class AsyncLLM:
@@ -75,8 +76,10 @@ class AsyncLLM:
         return self._booted.is_set() and self.llm is not None and not self.dead and not self._stopping
 
     async def ready(self) -> None:
-        """Wait for the boot; raises what the boot raised."""
-        await asyncio.get_running_loop().run_in_executor(None, self._booted.wait)
+        """Wait for the boot; raises what the boot raised. (It polls: an executor thread blocked on
+        the boot would hold up the interpreter's exit until the boot ended.)"""
+        while not self._booted.is_set():
+            await asyncio.sleep(POLL_S)
         if self.boot_error is not None:
             raise self.boot_error
 
@@ -139,7 +142,8 @@ class AsyncLLM:
 
     async def shutdown(self, timeout_s: float = 0.0) -> None:
         self.begin_shutdown(timeout_s)
-        await asyncio.get_running_loop().run_in_executor(None, self.join)
+        while self._thread.is_alive():
+            await asyncio.sleep(POLL_S)
 
     def join(self, timeout_s: float | None = None) -> None:
         """Wait for the engine thread (it ends after shutdown, or after a failed boot)."""
