@@ -185,12 +185,10 @@ class LLM:
              add_generation_prompt: bool = True) -> list[RequestOutput]:
         """One conversation (a list of {"role", "content"} dicts) or a list of conversations."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
-        prompts = [self.tokenizer.apply_chat_template(c, add_generation_prompt=add_generation_prompt)
-                   for c in conversations]
-        token_ids = [self.tokenizer.encode(p, add_special_tokens=False) for p in prompts]
-        outputs = self.generate(token_ids, sampling_params, use_tqdm)
-        return [RequestOutput(o.request_id, p, o.prompt_token_ids, o.outputs, o.finished, o.metrics)
-                for o, p in zip(outputs, prompts)]
+        encoded = [self.tokenizer.encode_chat(c, add_generation_prompt) for c in conversations]
+        outputs = self.generate([ids for _, ids in encoded], sampling_params, use_tqdm)
+        return [RequestOutput(o.request_id, text, o.prompt_token_ids, o.outputs, o.finished, o.metrics)
+                for o, (text, _) in zip(outputs, encoded)]
 
     # -- introspection and lifetime ----------------------------------------------------------------
     def stats(self) -> dict:

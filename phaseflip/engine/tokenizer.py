@@ -66,6 +66,12 @@ class Tokenizer:
             messages=messages, tools=None, documents=None, add_generation_prompt=add_generation_prompt,
             **self.special_tokens)
 
+    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> tuple[str, list[int]]:
+        """A conversation's prompt: the rendered template and its token ids (the template writes the
+        special tokens itself, so none are added)."""
+        text = self.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+        return text, self.encode(text, add_special_tokens=False)
+
     def _id_of(self, key: str) -> int | None:
         tok = self.special_tokens.get(key)
         return None if tok is None else self._backend.token_to_id(tok)

@@ -91,11 +91,11 @@ async def chat(served: Served, body: ChatCompletionRequest, request: Request):
     served.check_model(body.model)
     tokenizer = served.engine.tokenizer
     try:
-        text = tokenizer.apply_chat_template([m.as_template_message() for m in body.messages],
-                                             add_generation_prompt=body.add_generation_prompt)
+        _, token_ids = tokenizer.encode_chat([m.as_template_message() for m in body.messages],
+                                             body.add_generation_prompt)
     except Exception as e:  # noqa: BLE001 — a template error is the request's (its roles, its order)
         raise APIError(400, f"the chat template refused these messages: {e}", "messages") from None
-    prepared = served.prepare([tokenizer.encode(text, add_special_tokens=False)], body, "messages")
+    prepared = served.prepare([token_ids], body, "messages")
     view = ChatView(f"chatcmpl-{uuid.uuid4().hex}", served.name, prepared, body.n, tokenizer,
                     body.top_logprobs or 0)
     return await _answer(served, view, prepared, body, request)
