@@ -14,7 +14,7 @@ import pytest
 from phaseflip import LLM, SamplingParams
 from phaseflip.engine import rank_template
 from phaseflip.engine.ranks import EngineDeadError
-from tests.engine.test_ranks import alive, wait_gone
+from tests.reliability.support import alive, wait_gone
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
 
