@@ -100,6 +100,18 @@ def test_a_failed_step_ends_its_requests_and_the_engine_serves_on(model):
     assert len(asyncio.run(run())[1]) == 4
 
 
+def test_shutdown_lets_running_requests_finish_before_its_deadline(model):
+    async def run():
+        engine = AsyncLLM(model, **OPTIONS)
+        await engine.ready()
+        stream = asyncio.ensure_future(_text(engine, "hello", SamplingParams(max_tokens=12, ignore_eos=True)))
+        await asyncio.sleep(0.05)
+        await engine.shutdown(timeout_s=60.0)
+        return await stream
+
+    assert len(asyncio.run(run())[1]) == 12
+
+
 def test_shutdown_ends_what_is_left_at_its_deadline(model):
     async def run():
         engine = AsyncLLM(model, **OPTIONS)
