@@ -100,28 +100,20 @@ def test_a_failed_step_ends_its_requests_and_the_engine_serves_on(model):
     assert len(asyncio.run(run())[1]) == 4
 
 
-def test_shutdown_lets_running_requests_finish_before_its_deadline(model):
+@pytest.mark.parametrize("timeout_s, max_tokens", [(60.0, 200), (0.0, 240)])
+def test_shutdown_lets_requests_finish_until_its_deadline_and_ends_the_rest(model, timeout_s, max_tokens):
     async def run():
         engine = AsyncLLM(model, **OPTIONS)
         await engine.ready()
-        stream = asyncio.ensure_future(_text(engine, "hello", SamplingParams(max_tokens=12, ignore_eos=True)))
+        stream = asyncio.ensure_future(_text(engine, "hello", SamplingParams(max_tokens=max_tokens, ignore_eos=True)))
         await asyncio.sleep(0.05)
-        await engine.shutdown(timeout_s=60.0)
-        return await stream
-
-    assert len(asyncio.run(run())[1]) == 12
-
-
-def test_shutdown_ends_what_is_left_at_its_deadline(model):
-    async def run():
-        engine = AsyncLLM(model, **OPTIONS)
-        await engine.ready()
-        stream = asyncio.ensure_future(_text(engine, "hello", SamplingParams(max_tokens=240, ignore_eos=True)))
-        await asyncio.sleep(0.05)
-        await engine.shutdown(timeout_s=0.0)
-        with pytest.raises(EngineStopping):
-            await stream
+        await engine.shutdown(timeout_s=timeout_s)
         with pytest.raises(EngineStopping):
             engine.prepare("hi")
+        return await stream
 
-    asyncio.run(run())
+    if timeout_s:                                   # far: the running request finishes, no error
+        assert len(asyncio.run(run())[1]) == max_tokens
+    else:                                           # now: it ends with EngineStopping
+        with pytest.raises(EngineStopping):
+            asyncio.run(run())
