@@ -211,7 +211,7 @@ class AsyncLLM:
         try:
             seqs = self.llm.submit(stream.prepared, stream.request_id)
         except Exception as e:  # noqa: BLE001 — this request's error, not the engine's
-            hand_over(stream.loop, [(stream, e)])
+            hand_over([(stream, e)])
             seqs = []
         finally:
             with self._lock:
@@ -222,13 +222,11 @@ class AsyncLLM:
             self._of_seq.update((s.seq_id, stream) for s in seqs)
 
     def _abort(self, request_id: str) -> None:
-        stream = self._requests.pop(request_id, None)
+        stream = self._requests.get(request_id)
         if stream is not None:
             self.num_aborted += 1
-            seq_ids = [t.seq.seq_id for t in stream.text_streams]
-            self.llm.core.abort(seq_ids)
-            for seq_id in seq_ids:
-                del self._of_seq[seq_id]
+            self.llm.core.abort([t.seq.seq_id for t in stream.text_streams])
+            self._forget(stream)
 
     def _deliver(self, outcome: StepOutcome) -> None:
         touched = {}   # request id -> stream, in the step's order
@@ -236,19 +234,18 @@ class AsyncLLM:
             stream = self._of_seq.get(seq.seq_id)
             if stream is not None:
                 touched[stream.request_id] = stream
-        by_loop: dict = {}
+        items = []
         for stream in touched.values():
             pieces = [p for t in stream.text_streams if (p := t.next_piece()) is not None]
             seqs = [t.seq for t in stream.text_streams]
             finished = all(s.is_finished for s in seqs)
             out = RequestOutput(stream.request_id, stream.prepared.prompt, stream.prepared.token_ids, pieces,
                                 finished, metrics(seqs[0]))
-            by_loop.setdefault(stream.loop, []).append((stream, out))
+            items.append((stream, out))
             if finished:
                 self._forget(stream)
         self._publish(outcome)   # first: a caller that sees its request finish sees its blocks free
-        for loop, items in by_loop.items():
-            hand_over(loop, items)
+        hand_over(items)
 
     def _forget(self, stream: RequestStream) -> None:
         del self._requests[stream.request_id]
@@ -279,11 +276,7 @@ class AsyncLLM:
         streams = list(self._requests.values())
         for stream in streams:
             self._abort(stream.request_id)
-        by_loop: dict = {}
-        for stream in streams:
-            by_loop.setdefault(stream.loop, []).append((stream, error))
-        for loop, items in by_loop.items():
-            hand_over(loop, items)
+        hand_over([(stream, error) for stream in streams])
         self._publish()
 
     def _take_inbox_as_failed(self, error: BaseException) -> None:
@@ -291,9 +284,7 @@ class AsyncLLM:
             commands = list(self._inbox)
             self._inbox.clear()
             self._pending_seqs = 0
-        for kind, what in commands:
-            if kind == "add":
-                hand_over(what.loop, [(what, error)])
+        hand_over([(what, error) for kind, what in commands if kind == "add"])
 
     def _publish(self, outcome: StepOutcome | None = None) -> None:
         """The numbers the front reads (queue bound, /health, /metrics), then the observers."""

@@ -55,13 +55,19 @@ class RequestStream:
             self.engine.abort(self.request_id)
 
 
-def hand_over(loop, items: list) -> None:
-    """From the engine thread: put each (stream, piece or error) on its stream's queue, in one call."""
-    def put():
-        for stream, item in items:
-            stream.queue.put_nowait(item)
-    try:
-        loop.call_soon_threadsafe(put)
-    except RuntimeError:  # the loop is closed: nobody reads these streams any more
-        pass
+def hand_over(items: list) -> None:
+    """From the engine thread: put each (stream, piece or error) on its stream's queue, with one call
+    into each event loop the streams belong to."""
+    by_loop: dict = {}
+    for stream, item in items:
+        by_loop.setdefault(stream.loop, []).append((stream, item))
+    for loop, its in by_loop.items():
+        try:
+            loop.call_soon_threadsafe(_put, its)
+        except RuntimeError:  # the loop is closed: nobody reads these streams any more
+            pass
 
+
+def _put(items: list) -> None:
+    for stream, item in items:
+        stream.queue.put_nowait(item)
