@@ -29,13 +29,31 @@ DEMO_PROMPTS = (
 )
 
 
-def _engine_options(f):
+# serve's step budget: prompts arrive while others decode, and one step takes a few whole prompts beside
+# the decodes (vLLM's API server on the CPU has 2048 too); boot and generate keep EngineConfig's
+SERVE_BUDGET = 2048
+
+
+def _engine_options(budget: int | None = None):
+    """The engine options of a command; `budget` is its default --max-num-batched-tokens (None:
+    EngineConfig's)."""
+    if budget is None:
+        from phaseflip.engine.config import EngineConfig
+        budget = EngineConfig.__dataclass_fields__["max_num_batched_tokens"].default
+
+    def add(f):
+        return _add_engine_options(f, budget)
+    return add
+
+
+def _add_engine_options(f, budget: int):
     for opt in reversed([
         click.option("--model", default=None, help="HF-format model directory (default: the embedded SmolLM2-135M-Instruct)."),
         click.option("--dtype", default="auto", show_default=True, help="float32 | bfloat16 | float16 | auto"),
         click.option("--max-model-len", type=int, default=None, help="Longest sequence (default: the model's)."),
         click.option("--max-num-seqs", type=int, default=64, show_default=True, help="Sequences running at once."),
-        click.option("--max-num-batched-tokens", type=int, default=512, show_default=True, help="Token budget per step."),
+        click.option("--max-num-batched-tokens", type=int, default=budget, show_default=True,
+                     help="Token budget per step (the prefill chunk too)."),
         click.option("--seed", type=int, default=0, show_default=True, help="Base sampling seed."),
         click.option("--kv-cache-memory-gib", type=float, default=None,
                      help="KV pool size (default: 2 GiB on the CPU; on CUDA what --gpu-memory-utilization leaves)."),
@@ -121,7 +139,7 @@ def main(verbose: bool, debug: bool) -> None:
 
 
 @main.command()
-@_engine_options
+@_engine_options()
 @click.option("--prompt", required=True, help="The prompt text (sent as is, no chat template).")
 @click.option("--max-tokens", type=int, default=64, show_default=True)
 @click.option("--temperature", type=float, default=0.0, show_default=True)
@@ -165,7 +183,7 @@ def _read_prompts(path: str | None) -> list:
 
 
 @main.command()
-@_engine_options
+@_engine_options()
 @click.option("--prompts", "prompts_file", default=None, type=click.Path(exists=True, dir_okay=False),
               help=".txt (one chat message per line) or .jsonl ({'prompt'} or {'messages'}); default: a demo batch.")
 @click.option("--max-tokens", type=int, default=64, show_default=True)
@@ -255,7 +273,7 @@ def _print_summary(llm, results, boot_s: float, gen_s: float) -> None:
 
 
 @main.command()
-@_engine_options
+@_engine_options(SERVE_BUDGET)
 @click.option("--host", default="127.0.0.1", show_default=True,
               help="Address to listen on (127.0.0.1: this machine only; 0.0.0.0: every interface).")
 @click.option("--port", type=int, default=8000, show_default=True)
