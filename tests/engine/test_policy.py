@@ -1,5 +1,5 @@
 """The layout policy (engine/policy/decide.py and estimators.py): estimators, counters, configuration,
-and the acceptance scenarios of issue 5 that a pure decision can show (frozen-pending wedge, ping-pong,
+and the scenarios a pure decision can show (frozen-pending wedge, ping-pong,
 per-leg pricing, a hold's bound). Each scenario also runs a naive rule, defined here, and shows it fails
 the same scenario."""
 import random
@@ -118,7 +118,10 @@ def test_flip_cost_rejects_bad_values(bad):
 def test_layout_rates_interpolate_and_never_extrapolate_below_measured():
     rates = LayoutRates("tp", 1000.0, ((1, 0.010), (9, 0.018)))
     assert rates.step_s(1) == 0.010 and rates.step_s(5) == pytest.approx(0.014)
-    assert rates.step_s(18) == pytest.approx(0.036)       # proportional above the largest
+    assert rates.step_s(18) == pytest.approx(0.027)       # the last segment's slope above the largest
+    assert LayoutRates("tp", None, ((1, 0.010), (9, 0.008))).step_s(18) == 0.008   # never below it
+    one = LayoutRates("tp", None, ((1, 0.010),))
+    assert one.step_s(1) == 0.010 and one.step_s(2) is None   # one batch: no slope measured
     assert rates.decode_s(90, 9) == pytest.approx(10 * 0.018)
     assert rates.prefill_s(500) == 0.5
     unmeasured = LayoutRates("tp", None)

@@ -43,8 +43,8 @@ class RoundTrip:
 
 
 class FlipCostEstimator:
-    """Measured flip totals of ONE direction: the median of the last `window` (a 24x cutover spread makes
-    a mean lie), seeded by a prior until the first measurement arrives."""
+    """Measured flip totals of ONE direction: the median of the last `window` (cutover times spread so
+    widely that a mean would lie), seeded by a prior until the first measurement arrives."""
 
     def __init__(self, direction: str, seed_s: float | None = None, window: int = 5):
         require(seed_s is None or (is_number(seed_s) and seed_s > 0),
@@ -86,8 +86,11 @@ class LayoutRates:
         return None if self.prefill_tok_s is None else tokens / self.prefill_tok_s
 
     def step_s(self, batch: int) -> float | None:
-        """Decode step seconds at `batch`: linear between measured batches, flat below the smallest,
-        proportional above the largest (never cheaper than measured)."""
+        """Decode step seconds at `batch`: linear between measured batches, flat below the smallest, and
+        above the largest along the last two measured batches' slope (never cheaper than the largest).
+        Above a single measured batch it is unmeasured (None): a step's time is a fixed part (the
+        weights read, the collectives) plus a part per sequence, and one point cannot tell them apart
+        (taken as all per sequence, a batch-1 step priced a batch of 32 at 32 steps)."""
         points = self.decode_step_s
         if not points or batch < 1:
             return None
@@ -96,8 +99,10 @@ class LayoutRates:
         for (b0, s0), (b1, s1) in zip(points, points[1:]):
             if batch <= b1:
                 return s0 + (s1 - s0) * (batch - b0) / (b1 - b0)
-        b_max, s_max = points[-1]
-        return s_max * batch / b_max
+        if len(points) < 2:
+            return None
+        (b0, s0), (b_max, s_max) = points[-2:]
+        return s_max + max(0.0, (s_max - s0) / (b_max - b0)) * (batch - b_max)
 
     def decode_s(self, tokens: int, batch: int) -> float | None:
         """Seconds to generate `tokens` tokens at a batch of `batch` sequences."""
