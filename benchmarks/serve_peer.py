@@ -3,12 +3,13 @@
 
 Owns: starting each server (phaseflip, `vllm serve`, `llama-server`) on 127.0.0.1 on a free port in its own
 session, waiting for its /health (the boot time), driving it with a load generator none of us wrote
-(`vllm bench serve --dataset-name random`, the completions endpoint, and the chat one with --chat), once at
-a moderate request rate and once at saturation (every request at once), stopping it (SIGTERM to its process
+(`vllm bench serve --dataset-name random`, the completions endpoint, and the chat one with --chat) at a
+moderate request rate (one every server keeps up with), at about a 2-core server's capacity and at
+saturation (every request at once), stopping it (SIGTERM to its process
 group, SIGKILL after 30 s, then any process left in its session), and printing per dtype and rate each
 server's TTFT / ITL / end-to-end latency (median and p99, ms), output tok/s, completed/failed requests and
 boot seconds, with the ratios phaseflip / vLLM and phaseflip / llama.cpp (output tok/s at saturation: > 1
-phaseflip faster; median TTFT and ITL at the moderate rate: < 1 phaseflip faster) and the cores other
+phaseflip faster; median TTFT and ITL at the other rates: < 1 phaseflip faster) and the cores other
 processes kept busy during each run (above ~0.1 core the row is not a measurement). Rounds run interleaved:
 every round boots each dtype's servers in turn. Requests are greedy (--temperature 0) with ignore_eos.
 `vllm bench serve` reads a stream's usage only from a chunk without choices (as vLLM sends it); llama-server
@@ -146,14 +147,14 @@ def stop(proc: subprocess.Popen) -> None:
             pass
 
 
-def bench(a, port: int, rate: float, chat: bool, out: Path, sid: int) -> dict:
+def bench(a, port: int, rate: float, chat: bool, seed: int, out: Path, sid: int) -> dict:
     """One `vllm bench serve` run: its figures and the cores other processes kept busy meanwhile."""
     backend, endpoint = ("openai-chat", "/v1/chat/completions") if chat else ("openai", "/v1/completions")
     cmd = [str(a.vllm_venv / "bin" / "vllm"), "bench", "serve", "--backend", backend,
            "--base-url", f"http://127.0.0.1:{port}", "--endpoint", endpoint, "--model", NAME,
            "--tokenizer", str(a.model), "--dataset-name", "random", "--num-prompts", str(a.num_prompts),
            "--random-input-len", str(a.random_input_len), "--random-output-len", str(a.random_output_len),
-           "--request-rate", str(rate), "--ignore-eos", "--temperature", "0", "--seed", str(a.seed), "--disable-tqdm",
+           "--request-rate", str(rate), "--ignore-eos", "--temperature", "0", "--seed", str(seed), "--disable-tqdm",
            "--percentile-metrics", ",".join(METRICS), "--metric-percentiles", "50,99",
            "--save-result", "--result-dir", str(out.parent), "--result-filename", out.name]
     start_cpu, start_srv, t0 = _cpu_seconds(), _session_cpu(sid), time.perf_counter()
@@ -173,6 +174,12 @@ def bench(a, port: int, rate: float, chat: bool, out: Path, sid: int) -> dict:
     return row
 
 
+def loads(a) -> list[tuple[str, float]]:
+    """(label, request rate) of each load a server gets, in the order it gets them."""
+    rates = [("moderate", a.moderate_rate), ("capacity", a.capacity_rate), ("saturation", a.saturation_rate)]
+    return [(label, rate) for label, rate in rates if rate > 0]
+
+
 def _median(rows: list[dict], key: str):
     vals = [r[key] for r in rows if r.get(key) is not None]
     return statistics.median(vals) if vals else None
@@ -182,7 +189,7 @@ def summarise(runs: list[dict], a) -> list[dict]:
     """One table per (dtype, rate, backend): each server's medians over rounds, and phaseflip's ratios."""
     tables = []
     for dtype in a.dtypes:
-        for label in ("moderate", "saturation"):
+        for label, _ in loads(a):
             for chat in ([False, True] if a.chat else [False]):
                 cell = {s: [r for r in runs if "error" not in r and
                             (r["dtype"], r["server"], r["label"], r["chat"]) == (dtype, s, label, chat)]
@@ -207,7 +214,7 @@ def _f(v, fmt: str = ".0f") -> str:
 
 def print_tables(tables: list[dict], a) -> None:
     for t in tables:
-        rate = a.moderate_rate if t["rate"] == "moderate" else a.saturation_rate
+        rate = dict(loads(a))[t["rate"]]
         print(f"\n== {t['dtype']}, {t['rate']} ({rate} req/s), {'chat' if t['chat'] else 'completions'}: "
               f"{a.num_prompts} x ({a.random_input_len} in + {a.random_output_len} out), "
               f"median of {a.rounds} round(s) ==")
@@ -255,10 +262,12 @@ def parse_args(argv=None):
     p.add_argument("--random-input-len", type=int, default=300)
     p.add_argument("--random-output-len", type=int, default=60)
     p.add_argument("--num-prompts", type=int, default=64)
-    p.add_argument("--moderate-rate", type=float, default=1.0, help="req/s")
+    p.add_argument("--moderate-rate", type=float, default=0.5, help="req/s")
+    p.add_argument("--capacity-rate", type=float, default=1.0, help="req/s (about a 2-core server's capacity at "
+                   "the default lengths); 0: skip")
     p.add_argument("--saturation-rate", type=float, default=math.inf, help="req/s (inf: all at once)")
     p.add_argument("--chat", action="store_true", help="also /v1/chat/completions (--backend openai-chat)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="the first load's prompts; load i (chat: +1) gets seed + 2i")
     p.add_argument("--boot-timeout-s", type=float, default=600)
     p.add_argument("--result-dir", type=Path, help="server logs and vllm bench results; none: a temp dir")
     p.add_argument("--json", type=Path, help="write the runs and the tables there")
@@ -297,10 +306,11 @@ def main(argv=None) -> None:
                     continue
                 _log(f"{server} {dtype} up in {boot_s:.1f} s on port {port}")
                 try:
-                    for label, rate in (("moderate", a.moderate_rate), ("saturation", a.saturation_rate)):
+                    # each load its own prompts: a server's prefix cache must not answer from the last load's
+                    for i, (label, rate) in enumerate(loads(a)):
                         for chat in ([False, True] if a.chat else [False]):
                             out = a.result_dir / f"{tag}-{label}{'-chat' if chat else ''}.json"
-                            row = bench(a, port, rate, chat, out, proc.pid)
+                            row = bench(a, port, rate, chat, a.seed + 2 * i + chat, out, proc.pid)
                             row.update(round=rnd, dtype=dtype, server=server, label=label, chat=chat, boot_s=boot_s)
                             _log(f"{tag} {label}{' chat' if chat else ''}: " + (row.get("error") or
                                  f"{row['output_throughput']:.1f} out tok/s, {row['completed']} ok, "
