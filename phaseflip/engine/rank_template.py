@@ -4,11 +4,11 @@ Owns: `start_rank` (a CPU rank process for ProcessRanks, as a handle shaped like
 pid, poll, wait, kill, terminate, returncode), the template process itself
 (`python -m phaseflip.engine.rank_template CONTROLLER_PID PDEATHSIG FD IDLE_S`) and what travels between them.
 
-Why: a rank started as a fresh interpreter spends ~2 s of its start importing torch (2 cores), every
-boot. A process that boots more than one multi-rank engine (a notebook, an evaluation sweep, the test
-suite's ~55 boots) pays that once: the template imports a rank's modules when its first rank is asked
-for, then forks each rank from that state (~20 ms). The first boot takes as long as before: the ranks
-imported in parallel, the template imports once.
+Why: a rank started as a fresh interpreter spends seconds of its start importing torch, every boot. A
+process that boots more than one multi-rank engine (a notebook, an evaluation sweep, the test suite's
+~55 boots) pays that once: the template imports a rank's modules when its first rank is asked for,
+then forks each rank from that state (a fork takes milliseconds). The first boot takes as long as
+without the template: fresh ranks import in parallel, the template imports once.
 
 A forked rank is what a fresh one would be: a session of its own; the controller's stdin, stdout and
 stderr of the moment (sent with each request); the controller's environment and working directory of
@@ -22,7 +22,7 @@ exits on its own after IDLE_S with no live rank.
 A new template replaces the one that was started under another working directory or another value of
 a variable that a library may read when it is imported (IMPORT_TIME_ENV), or that failed to start a
 rank; the old one is closed at once when idle, else when its ranks are gone and IDLE_S has passed.
-A fresh interpreter starts the rank instead (as before the template): on CUDA (a forked process must
+A fresh interpreter starts the rank instead (as without the template): on CUDA (a forked process must
 not inherit a CUDA driver state), with PHASEFLIP_RANK_TEMPLATE=0, and for a rank the template failed
 to start.
 """
@@ -210,7 +210,7 @@ def _is_open(fd: int) -> bool:
 # -- the template process ------------------------------------------------------------------------------
 def serve(controller_pid: int, pdeathsig: bool, fd: int, idle_s: float) -> None:
     """Import what a rank imports, then fork a rank per request until the controller goes away."""
-    import phaseflip.engine.rank_process as rank_process   # the ~2 s each fresh rank would pay
+    import phaseflip.engine.rank_process as rank_process   # the import each fresh rank would pay
     rank_process.die_with_parent(controller_pid, pdeathsig)   # as a rank does with its parent
     # Python 3.12+ warns at a fork with other threads (here the watchdog's, OpenBLAS's); neither holds
     # anything a forked rank needs
@@ -331,7 +331,7 @@ def _resident_file_pages() -> list[tuple[int, int]]:
 
 def _map(runs: list[tuple[int, int]]) -> None:
     """Map `runs` into this process's page tables from the page cache (MADV_POPULATE_READ, Linux 5.14;
-    where it fails the pages map as they are used, as before)."""
+    where it fails the pages map as they are used)."""
     madvise = ctypes.CDLL(None, use_errno=True).madvise
     for address, length in runs:
         madvise(ctypes.c_void_p(address), ctypes.c_size_t(length), 22)

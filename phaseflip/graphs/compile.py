@@ -22,17 +22,17 @@ def compile_region(fn):
     """fn compiled once for every call with the same guards: tensors that differ only in contents or
     address (each layer's weights) share one graph. Automatic dynamic shapes: a dimension becomes
     symbolic once a second size is seen (the token count; 0/1 still specialise), while the weights'
-    dimensions stay static (dynamic=True made them symbolic too, and inductor's one-row reduction over
-    a symbolic weight ran ~70x slower)."""
+    dimensions stay static (dynamic=True makes them symbolic too, and inductor's one-row reduction over
+    a symbolic weight runs ~70x slower)."""
     return torch.compile(fn, dynamic=None)
 
 
 def compile_whole_step(fn):
     """compile_region, with inductor's wrapper (the code that calls the graph's kernels one after the
-    other) in C++: SmolLM2's CPU decode step at batch 1 (bf16, 2 cores, 30 layers: ~240 kernel and op
-    calls) ran 7.84-7.95 ms a step against 8.46 with the Python wrapper (one process, alternating
-    blocks). The wrapper is built apart from the kernels where this torch can: built together, the
-    step's first compile took 63.9 s, apart 34.7 (29.9 with the Python wrapper); warm boots the same.
+    other) in C++: a CPU decode step makes hundreds of kernel and op calls (SmolLM2 at batch 1: ~240),
+    and with the C++ wrapper it runs a few percent faster than with the Python one. The wrapper is built
+    apart from the kernels where this torch can: that about halves the step's first compile (warm boots
+    are alike either way).
     Its graphs report their calls while a DirectStep binds (`_reporting_inductor`)."""
     import torch._inductor.config as inductor_config   # at the call: no import-time work
     options = {"cpp_wrapper": True}
@@ -67,9 +67,8 @@ class DirectStep:
     inputs (the same tensor objects: the bucket's views, the weights' arena views, the KV cache) and
     returned one of its outputs, later calls with the same views call that graph directly on those
     inputs: no frame evaluation, no guards (~200 weight tensors checked a call), no Python gathering
-    the inputs. Any other call, or a step that does not bind, goes through dynamo as before. SmolLM2's
-    batch-1 decode step (2 cores, one process, alternating blocks of 10, median): fp32 12.30 -> 11.79
-    ms, bf16 8.34 -> 7.83 (2026-12-02)."""
+    the inputs. Any other call, or a step that does not bind, goes through dynamo. A bound batch-1
+    decode step runs a few percent faster than through dynamo."""
 
     def __init__(self, compiled):
         self.compiled = compiled
@@ -111,7 +110,7 @@ def _binding(first: tuple, second: tuple) -> tuple | None:
 def cache_dirs(root: str) -> dict[str, str]:
     """Where inductor's and Triton's caches go for a compile cache at root: below it, unless the user
     named a directory. Importing torch._dynamo (torch 2.13) writes inductor's default dir into
-    TORCHINDUCTOR_CACHE_DIR, so that value counts as unset: taken as the user's, it had kept every
+    TORCHINDUCTOR_CACHE_DIR, so that value counts as unset: taken as the user's, it would keep every
     boot's compiled code in the temp dir."""
     wanted = {"TORCHINDUCTOR_CACHE_DIR": os.path.join(root, "inductor"),
               "TRITON_CACHE_DIR": os.path.join(root, "triton")}

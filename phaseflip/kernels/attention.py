@@ -137,8 +137,8 @@ def attend(q, k, v, kv_cache, layer: int, slot_mapping, block_tables, seq_lens, 
 
 # The op takes a layout's WHOLE KV view ([blocks, layers, 2, block_size, heads, D], layouts/kvcache.py)
 # and a layer index, not the layer's K/V sub-views: inductor hands a custom op that mutates an offset
-# sub-view of a closed-over tensor a fresh buffer instead of the cache (seen with torch 2.13), so the
-# compiled step attended over zeros. A view of the whole region starting at offset 0 is passed intact.
+# sub-view of a closed-over tensor a fresh buffer instead of the cache (torch 2.13), so the compiled
+# step would attend over zeros. A view of the whole region starting at offset 0 is passed intact.
 def _paged_attention_fake(q, k, v, kv_cache, layer, slot_mapping, block_tables, seq_lens, query_start_loc,
                           scale):
     return torch.empty_like(q)

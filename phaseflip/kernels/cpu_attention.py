@@ -189,8 +189,8 @@ def _attend_prefill(q, k, v, rows, row: PrefillRow, scale: float) -> torch.Tenso
     hkv = k.shape[1]
     group = hq // hkv
     if row.gather is None:  # the chunk is the whole context: its own K/V, plain causal, the kv heads
-        # shared by their query heads inside SDPA (enable_gqa; two repeat_interleave copies before it:
-        # SmolLM2, 128 tokens, 2 cores, 403 us a layer against 454)
+        # shared by their query heads inside SDPA (enable_gqa: faster than two repeat_interleave copies
+        # before it)
         out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None],
                                              v.transpose(0, 1)[None], is_causal=True, scale=scale,
                                              enable_gqa=group > 1)

@@ -48,10 +48,10 @@ inline float widen(T x) { return static_cast<float>(x); }
 
 #ifdef PF_LANES
 // fn(pos, k row, v row) for each of a sequence's L cached positions of kv head h, block by block (no
-// division per position: a divide per row and per 16 lanes cost ~10% of a 32-sequence step's
+// division per position: a divide per row and per 16 lanes would cost ~10% of a 32-sequence step's
 // attention). With Fetch, each position also asks for the same position's K and V rows one block on
-// (the blocks lie anywhere in the cache, beyond the hardware's prefetch: without it the K pass waited
-// on memory, ~10 GB/s over 32 sequences' caches)
+// (the blocks lie anywhere in the cache, beyond the hardware's prefetch: without it the K pass waits
+// on memory)
 template <typename T, bool Fetch, typename Fn>
 inline void for_rows(const Cache& c, const int64_t* table, int64_t L, int64_t h, int64_t d, Fn&& fn) {
   const int64_t blocks = (L + c.block_size - 1) / c.block_size;
@@ -108,9 +108,8 @@ void attend_vec(const float* qf /* [G, D], scaled */, T* out, const Cache& c, co
 }
 
 // The widest CH (vectors per pass over V) that divides D and keeps G * CH accumulators within 16 of
-// AVX-512's 32 registers, 12 of AVX2's 16 (the V row and the broadcast score take two more; 12 against
-// 8 for SmolLM2's G = 3: 2 passes over V instead of 4, its decode attention 5-12% faster at 1 and 32
-// sequences of 192 positions, 2026-12-02)
+// AVX-512's 32 registers, 12 of AVX2's 16 (the V row and the broadcast score take two more; 12, not 8,
+// gives SmolLM2's G = 3 two passes over V instead of four: a faster decode attention)
 template <typename T, int G>
 bool attend_vec_any(const float* qf, T* out, const Cache& c, const int64_t* table, int64_t L, int64_t h,
                     int64_t d, float* scores) {
@@ -269,8 +268,8 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
 
 // The whole paged-attention op for the CPU with the kernel above in front: a step it serves costs one
 // C++ call from a compiled graph; any other step (or dtype) goes on to phaseflip::paged_attention
-// (kernels/attention.py, whose body is Python). Before, every layer of a decode step went through that
-// Python body to reach the kernel: ~15-20 us a layer.
+// (kernels/attention.py, whose body is Python). Without it, every layer of a compiled decode step would
+// go through that Python body to reach the kernel, a cost paid at every layer.
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& kv_cache,
                            int64_t layer, const at::Tensor& slot_mapping, const at::Tensor& block_tables,
                            const at::Tensor& seq_lens, const at::Tensor& query_start_loc, double scale) {

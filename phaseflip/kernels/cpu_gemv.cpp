@@ -28,8 +28,8 @@ using dot::Lanes;
 using dot::gemv_range;
 
 // x's rows (of W, any strides) as the dot reads them, X values K apart: x itself where it already is,
-// else widened into buf by this thread. Tensor::to's copy took a dispatch and a parallel region for a few
-// KiB, 121 times a token: ~1% of both threads' time in a bf16 decode step (perf, 2026-12-02)
+// else widened into buf by this thread. Tensor::to's copy would take a dispatch and a parallel region for
+// a few KiB, 121 times a token: ~1% of both threads' time in a bf16 decode step
 template <typename X, typename W>
 const X* dense_rows(const at::Tensor& x, std::vector<X>& buf) {
   const int64_t M = x.size(0), K = x.size(1), s0 = x.stride(0), s1 = x.stride(1);

@@ -10,39 +10,27 @@ there, why not, where they live, what the build cost).
 
 Why a few-rows product of our own: a decode step's projections multiply one to four rows by every weight,
 a pass over the whole model that should run at the memory's read speed. Neither the library's GEMM
-(MKL's GEMV, oneDNN built per row count) nor inductor's reduction over a weight row gets there on
-this CPU (2 cores, AVX-512 + BF16; 30 layers of SmolLM2 one-row products, the same process, 2026-12-01):
-bf16 reduction 9.2-9.8 ms, this kernel 7.1-7.4 (30 GB/s); fp32 15.2 against 13.0; four rows, bf16
-35.1 against 14.9. Inductor's own C++ GEMM template reaches this speed only on frozen weights,
-repacked into a copy that a flip would not refill; this kernel reads the arena as it lies. From 5 to
-MAX_ROWS rows it transposes x and broadcasts each weight value over 16 rows of x (no horizontal sums),
-the next weight rows fetched ahead: 8 / 16 / 32 rows of SmolLM2's layers, fp32, 27.2 / 26.2 / 43.2 ms
-against oneDNN's 34.1 / 40.4 / 59.5, bf16 15.5 / 15.6 / 27.4 against 24.3 / 26.1 / 37.3 (the same
-process, alternating; scratch gemm_k.py). Past 16 rows (AVX2) x is cut into panels of 16 rows that
-each group of weight rows meets in turn (cpu_wide.h `PANEL_MB`), which holds ~155 GFLOPS on 2 Zen 3
-cores (199 peak) at any row count: fp32 64 / 128 / 256 rows 86.8 / 175.2 / 351.7 ms over SmolLM2's
-30 layers against oneDNN's 122.8 / 203.3 / 367.1 (2026-12-02), so short prompt chunks take it too
-where the boot measures it faster (linear_forms.choose_wide_forms). Dotting each weight row with each x row
-there (the one-pass form extended to tiles) was no faster than oneDNN.
+(MKL's GEMV, oneDNN built per row count) nor inductor's reduction over a weight row gets there; this
+kernel is the faster in float32 and in bfloat16, by more at four rows than at one. Inductor's own C++
+GEMM template reaches this speed only on frozen weights, repacked into a copy that a flip would not
+refill; this kernel reads the arena as it lies. From 5 to MAX_ROWS rows it transposes x and broadcasts
+each weight value over 16 rows of x (no horizontal sums), the next weight rows fetched ahead, which beats
+oneDNN at 8 to 32 rows. Past 16 rows (AVX2) x is cut into panels of 16 rows that each group of weight
+rows meets in turn (cpu_wide.h `panel_mb`), which holds a steady share of the cores' peak at any row
+count, ahead of oneDNN by less as the rows grow, so short prompt chunks take it too where the boot
+measures it faster (linear_forms.choose_wide_forms). Dotting each weight row with each x row there (the
+one-pass form extended to tiles) is no faster than oneDNN.
 Both kernels are written once over cpu_simd.h's float32 vector: AVX-512 (16 lanes) or AVX2 + FMA (8
-lanes), plain loops where the CPU has neither. Before the AVX2 form, an AVX2-only CPU got the plain
-loops, which the boot measured slowest and never chose (an AMD EPYC Zen 3, 2026-12-02: the step took
-inductor's reductions, the head the library's product): SmolLM2 batch-1 decode 21.9-23.2 ms a token
-in bf16 (now 13.7-15.3, the kernel in every form) and 27.3-31.9 in fp32 (now 24.3-25.4; 3 rounds each,
-old and new code in runs minutes apart).
+lanes), plain loops where the CPU has neither. The plain loops are the slowest product and the boot
+never chooses them, so an AVX2-only CPU has the kernel only through its AVX2 form.
 Why a decode attention of our own: per layer, the general path (kernels/cpu_attention.py) runs a plan
-lookup, a store, a gather of every context into a fresh tensor and one SDPA call from Python: 55-120 us
-a layer at batch 1 (SDPA alone 34 us on a 100-token context), 1.1-2.7 ms at 32 sequences; this one
-reads the paged cache in place, one call: 9-37 us a layer at batch 1 over 100-600 tokens (fp32; the
-general path 65-142 in the same run), 0.43 ms at 32 sequences of 256 tokens (2.2 ms) with one layer's
-cache hot. With 30 layers' caches read from memory in turn (as a step reads them), SmolLM2's heads, 32
-sequences of 161 and 257 positions: float32 0.52-0.53 and 0.84-1.17 ms a layer, bfloat16 0.35-0.39 and
-0.45-0.49 (2026-12-02, after the K pass learnt to fetch the next block's rows: 0.92-1.22, 1.60-1.63,
-0.71-0.73, 1.00-1.09 before; scratch attn32.py, two alternating rounds).
+lookup, a store, a gather of every context into a fresh tensor and one SDPA call from Python; this one
+reads the paged cache in place, in one call, several times faster at batch 1 and at 32 sequences. With
+every layer's cache read from memory in turn (as a step reads them), its K pass fetching the next
+block's rows ahead (cpu_decode.cpp) about halves a layer's attention.
 Prompt chunks take the same op (cpu_prefill.cpp: register tiles over a float32 copy of each kv head's
-context), not the plan path's gather and SDPA: SmolLM2's heads, a 128-token prompt 398-456 us a layer
-against 827-862, 512 tokens 4.1-5.1 ms against 8.8-10.2, bf16 alike (2 cores, the same process
-alternating, 2026-12-02; scratch pa3.py).
+context), not the plan path's gather and SDPA, at about half its time a layer, bf16 alike.
+The measurements behind these choices are in docs/performance.md.
 
 The build: one g++ call (-O3 -march=native -fopenmp, torch's headers and libraries), its output
 renamed into place so that ranks building at once never load half a file, under the phaseflip cache
@@ -70,7 +58,7 @@ HEADERS = tuple(Path(__file__).with_name(name) for name in ("cpu_simd.h", "cpu_d
 MAX_ROWS = 256    # the kernel's rows a pass (cpu_gemv.cpp's MAX_ROWS): more take equal passes
 # the row counts the load-time check multiplies: every one to 64 (each one-pass form, each panel width,
 # 1-4 panels), then partial and whole panels up to a pass, and two and three passes (every count to 256
-# cost ~0.2 s a boot)
+# would cost ~0.2 s a boot)
 CHECK_ROWS = (*range(1, 65), 65, 100, 128, 131, 200, MAX_ROWS, MAX_ROWS + 1, 3 * MAX_ROWS - 5)
 DTYPES = (torch.float32, torch.bfloat16)
 

@@ -9,9 +9,9 @@
 // round (kernels/norm.py, rotary.py, activation.py), so bfloat16 follows eager torch's roundings (a norm's
 // sum of squares is added in another order than torch's, so a value can still land one rounding apart);
 // float32 is unaffected.
-// Why: at batch 1 the weights stream at the memory's speed, but between ~8 operators a layer the two
-// threads met at every join and the main thread's dispatch ran alone; one call a layer still left ~40 us
-// a layer outside the region (SmolLM2 fp32, 2 Zen 4 cores, 2026-12-03). Built and loaded by
+// Why: at batch 1 the weights stream at the memory's speed, but between ~8 operators a layer the threads
+// meet at every join and the main thread's dispatch runs alone; even one call a layer leaves time outside
+// the region at every layer. Built and loaded by
 // phaseflip/kernels/cpu_kernels.py with the other kernels; kernels/fused_layer.py decides when it runs.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>

@@ -35,7 +35,7 @@ inline void softmax_rows(float* scores, int64_t G, int64_t L, int64_t stride) {
     float mx = -INFINITY, sum = 0.f;
     int64_t pos = 0;
 #ifdef PF_LANES
-    pf::vf top = pf::set1(-INFINITY);   // a vector max: std::max_element took ~9% of the attention's cycles
+    pf::vf top = pf::set1(-INFINITY);   // a vector max: std::max_element would take ~9% of the attention's cycles
     for (; pos + pf::LANES <= L; pos += pf::LANES) top = pf::max(top, pf::load(sg + pos));
     mx = pf::max_lane(top);
 #endif

@@ -101,7 +101,8 @@ inline vf times_pow2(vf p, vf n) {   // p * 2^n for whole n in [-126, 127]: n ad
 
 // e^x for x <= 0 (scores less their max): 2^(x log2 e) split into 2^n and 2^f, |f| <= 1/2, by its Taylor
 // series to degree 7 (relative error < 1e-8 before rounding); x below -87 counts as -87 (e^-87 ~ 1.6e-38,
-// a normal float). The library's expf, one value at a time, took most of a 32-sequence step's attention.
+// a normal float). The library's expf, one value at a time, would take most of a 32-sequence step's
+// attention.
 inline vf exp_neg(vf x) {
   const vf t = mul(max(x, set1(-87.f)), set1(1.4426950408889634f));
   const vf n = round_even(t);

@@ -58,7 +58,7 @@ template <> struct Wide<c10::BFloat16> {
 // out[r * Mp + m] = sum_k w_r[k] * x[m][k] for NR weight rows (ldw apart), every padded row m.
 // Meanwhile the next NR rows (from `ahead` on) are fetched, a line each time this step's share of
 // them crosses one: NR rows read side by side are NR streams, which the hardware's prefetch follows
-// poorly (one-row products ran at ~30 GB/s, eight rows side by side ~13 without this).
+// poorly (without this, eight rows side by side read at under half a one-row product's speed).
 template <typename W, int MB, int NR>
 inline void wide_rows(const W* w, int64_t ldw, const typename Wide<W>::T* xt, int64_t K, float* out,
                       const char* ahead) {
@@ -107,10 +107,9 @@ inline void transpose8(const W* x, int64_t s0, float* dst, int64_t ld) {
 
 // Rows m_from .. M - 1 of x [M, K] (strides s0, s1) into the panels `run` reads: 8 x 8 blocks
 // transposed in registers where the values become float32 lanes and x's rows are contiguous, the rest
-// one value at a time. One value at a time throughout (and a fresh zeroed buffer per call) took 0.8-0.9
-// ns a value, ~0.35 ms of each layer's products at 128 rows on one thread; now 0.2-0.3 over both
-// threads: SmolLM2's 30 layers at 128 / 32 rows 174.5 / 43.3 ms -> 165.8 / 41.7 (156 -> 164 GFLOPS),
-// bf16 128 rows 170.2 -> 159.7 ms (2 cores, the same process, 2026-12-02; scratch tr.py, wide_ab.py)
+// one value at a time. Packing one value at a time throughout, on one thread, into a fresh zeroed buffer
+// per call is a visible share of each layer's products at 128 rows; the blocks in registers, the panels
+// packed over torch's threads and the thread's kept buffer (`run`) make it a small one.
 template <typename W, typename T, int64_t Mp, int64_t ks>
 void pack(const W* xp, int64_t s0, int64_t s1, int64_t m_from, int64_t M, int64_t K, int64_t Kp, T* tp) {
   int64_t m8 = m_from, k8 = 0;
@@ -133,16 +132,13 @@ void pack(const W* xp, int64_t s0, int64_t s1, int64_t m_from, int64_t M, int64_
 // x's rows transposed in panels of up to panel_mb vectors of rows: [panel][K][Mp] (bf16 pairs:
 // [K/2][Mp][2]), zero beyond the last row; each group of weight rows is multiplied with every panel in
 // turn while it sits in L1/L2. AVX2: panels of 16 rows, 6 weight rows at once (2 loads of x and 6
-// broadcasts per 12 FMAs); one panel of 32 rows left room for 3 weight rows (4 loads of x per 12 FMAs,
-// 73 KiB of x per sweep of K=576), 64 rows for 1: SmolLM2's 30 layers' fp32 products at 32 / 64 rows
-// 56.4 / 178.1 ms against 43.8 / 85.5 in panels (120 / 76 GFLOPS against 155 / 159; 2 cores,
-// 2026-12-02); bf16, with its broadcast a 16-bit one and a mask (pf::broadcast), 61.5 / 113.2 -> 41.6 /
-// 81.0 (163 / 168 GFLOPS). AVX-512 (Zen 4, 2 cores): float32 panels of 32 rows (72 KiB of x per sweep
-// of K=576; AVX2's 16 are 36 KiB), not 64 (147 KiB, 4 loads of x from L2 per 16 FMAs): the 30 layers at 64 /
-// 128 / 256 / 512 rows 87.3 / 192.3 / 338.3 / 989.0 ms -> 68.5 / 143.4 / 277.5 / 596.5 (156 / 141 / 161
-// / 110 -> 199 / 190 / 196 / 182 GFLOPS; oneDNN 142 / 134 / 155 / 190), 8-32 rows within 4%; bf16 pairs
-// keep 64-row panels (the same 72 KiB): 32 / 128 rows 24.1 / 76.3 ms against 25.4 / 79.1 in 32-row
-// panels (2026-12-03; scratch wide_ab.py, one process, alternating).
+// broadcasts per 12 FMAs); one panel of 32 rows would leave room for 3 weight rows (4 loads of x per 12
+// FMAs, 73 KiB of x per sweep of K=576), of 64 rows for 1, and both run markedly slower than 16-row
+// panels, in float32 and in bf16 (its broadcast a 16-bit one and a mask, pf::broadcast). AVX-512:
+// float32 panels of 32 rows (72 KiB of x per sweep of K=576; AVX2's 16 are 36 KiB), not 64 (147 KiB, 4
+// loads of x from L2 per 16 FMAs): from 64 rows up they run near the cores' peak, where 64-row panels
+// fall well short (8-32 rows alike either way); bf16 pairs keep 64-row panels (the
+// same 72 KiB), a little faster than 32-row ones.
 template <typename W>
 constexpr int panel_mb() { return pf::LANES == 16 && sizeof(typename Wide<W>::T) == 2 ? 4 : 2; }
 
@@ -152,7 +148,7 @@ void run(const at::Tensor& x, const at::Tensor& w, at::Tensor& y) {
   constexpr int64_t Mp = MB * pf::LANES, ks = Wide<W>::kstep;
   const int64_t N = w.size(0), K = w.size(1), ldw = w.stride(0), M = x.size(0);
   const int64_t panels = (M + Mp - 1) / Mp, Kp = (K + ks - 1) / ks * ks;
-  // the calling thread's buffer, kept between calls (a fresh one cost an allocation and its zeroing
+  // the calling thread's buffer, kept between calls (a fresh one would cost an allocation and its zeroing
   // per product; it holds up to MAX_ROWS x the widest K), zeroed where no value lands: the last panel
   // (its padding rows) and an odd K's last pair
   thread_local std::vector<T> xt;
@@ -181,9 +177,7 @@ void run(const at::Tensor& x, const at::Tensor& w, at::Tensor& y) {
           for (int64_t r = 0; r < rows; ++r)
             wide_rows<W, MB, 1>(wp + (n + r) * ldw, ldw, panel, K, part + r * Mp, ahead);
         // a row of y at a time: N floats apart, y's rows share L1 sets when N * 4 is a multiple of 4
-        // KiB (gate/up's 3072), and 16 rows written a column at a time missed L1 at every store:
-        // SmolLM2's layers at 128 / 32 rows 162.2 / 42.0 ms -> 149.6 / 38.9 (168 -> 182 GFLOPS;
-        // 8 rows 102 -> 106; 2 cores, 2026-12-02)
+        // KiB (gate/up's 3072), and 16 rows written a column at a time miss L1 at every store
         const int64_t m1 = std::min(M, (p + 1) * Mp);
         if (rows == NR)
           for (int64_t m = p * Mp; m < m1; ++m) {

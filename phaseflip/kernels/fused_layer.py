@@ -5,10 +5,9 @@ Owns: `serves` (whether forward's layers run as that call), `decoder_layers` (th
 terms) and `report` (what a boot says about it).
 
 Why: a batch-1 decode step streams every weight once, so it should run at the memory's read speed. As
-~8 operators a layer, inductor's or eager ones, its two threads met at a join after each and the main
-thread's dispatch ran alone between them: the replayed compiled step ran at 0.70-0.87 of a torch.sum over
-the same bytes while its products alone streamed at ~0.95 of it (SmolLM2 fp32, 2 Zen 4 cores,
-2026-12-03). The fused call runs every layer in one parallel region with a barrier between phases.
+~8 operators a layer, inductor's or eager ones, its threads meet at a join after each and the main
+thread's dispatch runs alone between them, so the step falls well short of the speed its products alone
+stream at. The fused call runs every layer in one parallel region with a barrier between phases.
 
 When: calls outside a trace (eager steps, and the eager forward around a compiled prefill's layers),
 one token of one sequence, the whole layer on this rank (no tensor-parallel partial sums to reduce

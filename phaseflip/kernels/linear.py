@@ -16,10 +16,9 @@ machine to machine, so it is timed at boot: the library's product (F.linear), th
 W @ x^T (one row run as two, so that MKL takes its skinny GEMM rather than its GEMV), oneDNN padded
 to its ladder, or our few-rows kernel (kernels/cpu_kernels.py, where it builds); unmeasured, the
 stationary form is used. Above SMALL_BATCH rows (batched decode, prompt chunks, the head over a
-batch) the kernel's wide form is timed against the ladder's product (`choose_wide_forms`): over
-SmolLM2's 30 layers, float32, 2 Zen 3 cores, 8 / 32 / 128 / 256 / 512 rows took 31.8-36.7 / 39 / 146
-/ 291 / 612 ms against oneDNN's 46.4-55.5 / 88.9 / 203 / 367 / 693 (~186 GFLOPS of the cores' 199 from
-128 rows; 2026-12-02; a Zen 4's AVX-512 timings are in cpu_wide.h); unmeasured, the ladder. The plain
+batch) the kernel's wide form is timed against the ladder's product (`choose_wide_forms`; on the
+machines in docs/performance.md the kernel is the faster at most row counts, near the cores' peak from
+128 rows); unmeasured, the ladder. The plain
 weight is used as it lies in the arena (no packed copy: a flip refills the arena in place). CUDA
 tensors take F.linear; traced CPU code: `_traced_cpu_linear`.
 """

@@ -24,8 +24,8 @@ WIDE_LAYER_ROWS = 64   # above it, the wide forms are timed on one layer's weigh
 LADDER_PROBE_ROWS = 128   # the rows (a prefill chunk) bfloat16's two ladder forms are timed at
 
 # Every measurement of this process by (what, dtype, model): a model's second layout (or engine) takes
-# its model's, another model is measured anew. Keyed by dtype alone, a tiny model measured first had
-# put SmolLM2's one-row products on the library's product: its batch-1 decode 2x slower (2026-12-03).
+# its model's, another model is measured anew. Keyed by dtype alone, a tiny model measured first would
+# choose a larger model's forms, which can make the larger one's batch-1 decode far slower.
 _measured: dict[tuple, dict] = {}
 
 
@@ -34,9 +34,9 @@ def choose_gemv(layers: list[tuple[torch.Tensor, ...]], repeats: int = 3, model=
     faster as inductor's reductions or as the eager product (the measured small-rows form, as the step
     calls it),
     over a pass of every layer's projections (each layer one compiled graph), alternating, best of
-    `repeats`. A single weight timed alone misled: on SmolLM2's 113 MB head the forms were within 1%,
-    and where eager won by that hair the decode step took 28 ms instead of 18-20 (the pass: reductions
-    21 ms, eager 34-45; fp32, 2026-12-01). Call before any step is traced (the choice is read then).
+    `repeats`. A single weight timed alone misleads: on a large head (SmolLM2's, 113 MB) the forms time
+    within 1%, and the one that wins by that hair can make the decode step far slower, where the pass
+    over the layers tells them apart. Call before any step is traced (the choice is read then).
     bfloat16 where the kernel serves takes it without a pass (BF16_KERNEL). Returns the report."""
     dtype, weights = layers[0][0].dtype, [w for layer in layers for w in layer]
     return _once(lin._gemv_reports, "gemv", dtype, model, weights, partial(_gemv_passes, layers, repeats))
@@ -63,11 +63,10 @@ def _gemv_passes(layers: list[tuple[torch.Tensor, ...]], repeats: int) -> dict:
             "layers": len(layers), "pass_bytes": pass_bytes}
 
 
-# bf16 takes the kernel untimed: the layer pass picked the reductions in 3 of 14 boots, the served step in none
-BF16_KERNEL = ("bfloat16 one-row products take the few-rows kernel unmeasured: the whole decode step "
-               "served, the choice forced, alternating boots: kernel 13.6-15.2 and 11.0-12.7 ms/token, "
-               "reductions 18.3-19.4 and 16.3-18.0 (SmolLM2 batch 1, 2 cores, 2026-12-02; in float32 the "
-               "pass and the step agree: reductions 17.6-21.9, kernel 22.7-26.6)")
+# bf16 takes the kernel untimed: the layer pass sometimes picks the reductions, the served step never does
+BF16_KERNEL = ("bfloat16 one-row products take the few-rows kernel unmeasured: served in the whole decode "
+               "step it is faster than inductor's reductions, which the one-layer pass does not show "
+               "(docs/performance.md, CPU products)")
 
 
 def _one_row_products(xs: dict[int, torch.Tensor], weights: tuple[torch.Tensor, ...], form: str) -> list:
@@ -113,9 +112,9 @@ def _once(reports: dict, what: str, dtype: torch.dtype, model, weights: list[tor
 def choose_ladder_form(weights: list[torch.Tensor], passes: int = 2, model=None) -> dict:
     """Measure once per process and model (_once) whether bfloat16 products on the ladder run faster as the
     library's bf16 product or widened to float32 on oneDNN's ladder: LADDER_PROBE_ROWS rows times each of
-    `weights` (one layer's projections: GEMM-bound, one layer tells), alternating, best of `passes`. On an
-    AVX2-only Zen 3 (no bf16 arithmetic) SmolLM2's 30 layers at 128 rows took 1515 ms on the library's
-    product, 239 widened (2026-12-02). Call before `warm` (it builds the widened ladder). Returns the report."""
+    `weights` (one layer's projections: GEMM-bound, one layer tells), alternating, best of `passes`. On a
+    CPU without bf16 arithmetic the library's bf16 product is several times slower than the widened one.
+    Call before `warm` (it builds the widened ladder). Returns the report."""
     weights = [w for w in weights if w.device.type == "cpu" and w.dim() == 2]
     if not weights or weights[0].dtype != torch.bfloat16:
         return {"choice": "not measured (only bfloat16 has two ladder forms)", "ms": None}
@@ -173,8 +172,8 @@ def choose_wide_forms(weights: list[torch.Tensor], passes: int = 2, model=None) 
     """Measure once per process, dtype and model (_once) whether products of more than SMALL_BATCH rows
     run faster on the few-rows kernel (x transposed, each weight value broadcast over 16 rows of x) or on the
     ladder's product (oneDNN in float32, the library's in bfloat16): at each of lin.WIDE_ROWS, the two
-    over every weight in turn (above WIDE_LAYER_ROWS the first layer's four: ~40 / ~80 ms a pass at
-    256 / 512 rows, ~1.4 / 2.8 s over SmolLM2's 30), alternating, best of `passes`. Returns the report."""
+    over every weight in turn (above WIDE_LAYER_ROWS the first layer's four: a pass over every layer
+    would take seconds of boot at 256 and 512 rows), alternating, best of `passes`. Returns the report."""
     weights = [w for w in weights if w.device.type == "cpu" and w.dim() == 2 and lin._kernel_serves(w)]
     if not weights:
         return {"choice": "ladder (no CPU weights to measure on)", "forms": {}, "ms": None}

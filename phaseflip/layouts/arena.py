@@ -73,8 +73,8 @@ def image_slots(weights: RankWeights) -> tuple[dict[str, Slot], int]:
 def host_bytes(num_bytes: int, pin: bool = False) -> torch.Tensor:
     """num_bytes of host memory to pack into: pinned on CUDA; on the CPU (Linux) a private mapping on
     transparent huge pages where the kernel offers them (`_huge_pages`), else one whose pages the
-    kernel populates in one call (MAP_POPULATE) instead of one fault per page while packing (755 MB
-    here: 221-236 ms against 288 ms faulted in by the writes, 2026-12-01, 2 cores)."""
+    kernel populates in one call (MAP_POPULATE) instead of one fault per page while packing, which
+    packs faster."""
     if pin or num_bytes == 0 or not hasattr(mmap, "MAP_POPULATE"):
         return torch.empty(num_bytes, dtype=torch.uint8, pin_memory=pin)
     if num_bytes >= HUGE_PAGE and thp_available():
@@ -96,8 +96,7 @@ def _huge_pages(num_bytes: int) -> torch.Tensor:
     span stays on 4 KiB pages: the mapping holds no byte past num_bytes, as the memory ledger counts it),
     populated in one call (one write per 4 KiB on a kernel older than MADV_POPULATE_WRITE).
     A decode step reads every weight once: through 4 KiB pages each 4 KiB costs a TLB miss, and the
-    steps ran 5-9% slower (SmolLM2 batch-1 decode, one process, alternating: fp32 23.5-24.9 ms/token
-    against 21.9-23.2 on huge pages, bf16 14.8-16.9 against 14.2-16.0; 2026-12-02, 2 cores)."""
+    steps run several percent slower than on huge pages."""
     region = mmap.mmap(-1, num_bytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     whole = torch.frombuffer(region, dtype=torch.uint8)   # keeps the mapping alive while it lives
     start = -whole.data_ptr() % HUGE_PAGE

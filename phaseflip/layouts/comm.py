@@ -74,8 +74,8 @@ class RankComm:
 def break_graphs_at_collectives() -> None:
     """Make a compiled layer break its graph at each all-reduce and call it eagerly
     (torch.compiler.disable on RankComm.all_reduce). Called when a rank is about to compile, not at
-    import: the decorator imports torch._dynamo, ~1.6 s of every rank process's start (3.2 -> 1.6 s
-    to import a rank here), which a rank that never compiles does not need."""
+    import: the decorator imports torch._dynamo, about half of a rank process's import time, which a
+    rank that never compiles does not need."""
     global _graph_breaks
     if not _graph_breaks:
         RankComm.all_reduce = torch.compiler.disable(RankComm.all_reduce)

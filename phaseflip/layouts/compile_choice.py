@@ -28,11 +28,11 @@ class CompileChoice:
     def _compiled_steps(self, cuda: bool) -> dict[Phase, object]:
         """The compiled step of each role. Prefill (and every role on CUDA, where a CUDA graph replays
         the step and host overhead is gone anyway): the decoder layer compiled once, reused by every
-        layer and bucket. CPU decode: the whole step, every layer in ONE graph: per-layer graph entry,
-        guard checks and wrapper calls cost ~4 ms of a ~30 ms batch-1 token (SmolLM2, 2 cores:
-        16-19 ms against 22-23 ms for the layers with attention stubbed out), with inductor's wrapper
-        in C++ (compile_whole_step: ~0.6 ms less a step); its cold compile is 35-42 s per graph (batch
-        1, 2, and one dynamic graph for the larger buckets), a warm load 4-7 s."""
+        layer and bucket. CPU decode: the whole step, every layer in ONE graph: per layer, graph entry,
+        guard checks and wrapper calls would be a sizeable share of a batch-1 token; with inductor's
+        wrapper in C++ (compile_whole_step) the step is faster still. Its graphs (batch 1, 2, and one
+        dynamic graph for the larger buckets) take tens of seconds each to compile cold, seconds to load
+        warm."""
         layer_step = functools.partial(self.step_fn, layer_fn=compile_region(decoder_layer))
         return {Phase.PREFILL: layer_step, Phase.DECODE: layer_step if cuda else compile_whole_step(self.step_fn)}
 
@@ -58,8 +58,8 @@ class CompileChoice:
             t0 = time.perf_counter()
             sizes = self._phase_sizes(phase)
             # the buckets timed at boot: decode at 1 row (its own graph: 0/1 specialisation), 2 rows
-            # (the dynamic graph's first size) and the largest, where the two measured within a few %
-            # at every bucket from 4 up (timing each cost 13-21 s of a 2-rank boot); prefill at its
+            # (the dynamic graph's first size) and the largest, since from 4 rows up the two measure
+            # within a few % at every bucket and timing each bucket costs seconds of boot; prefill at its
             # smallest bucket (its dynamic graph serves the others; larger chunks are GEMM-bound)
             probed = (sizes[:2] + sizes[2:][-1:]) if phase is Phase.DECODE else sizes[:1]
             compiled = self.compiled_steps[phase]
@@ -95,9 +95,9 @@ class CompileChoice:
 
     def _measure(self, compiled, views: dict[str, torch.Tensor], measure: bool, eager=None) -> dict:
         """One bucket: the first compiled call (it compiles when no earlier bucket had these guards),
-        then, when measuring, the best of a few calls of each, compiled and eager timed in turn (one
-        cold boot timed bf16 batch-1 decode compiled 35.7 ms against eager 17.9 with the two timed one
-        after the other, and served eager at 19.7 ms a token; warm boots timed it 11.0-11.2)."""
+        then, when measuring, the best of a few calls of each, compiled and eager timed in turn (timed
+        one after the other, a cold boot's compile work can make the faster step time as the slower,
+        and the boot then serves the slower)."""
         t0 = time.perf_counter()
         compiled(views)
         first_ms = (time.perf_counter() - t0) * 1e3

@@ -155,10 +155,9 @@ class LayoutRunner(CompileChoice):
                 self.registry.add(step)
 
     # Step kinds a decode batch above every bucket replays chunk by chunk. CUDA graphs: the uncaptured
-    # step pays a launch per kernel (17x the graph step, measured on an H200). Not the CPU's compiled
-    # step: chunks read every weight once per chunk, and a decode step is bound by those reads
-    # (SmolLM2 fp32, 32 sequences, buckets up to 8: 4 compiled chunks 227-271 ms per step, one eager
-    # 32-row step 164-218 ms).
+    # step pays a launch per kernel (over ten times the graph step). Not the CPU's compiled step:
+    # chunks read every weight once per chunk, and a decode step is bound by those reads, so one eager
+    # step over all the rows is the faster.
     CHUNKED_BACKENDS = ("cuda",)
 
     def _run(self, plan: StepPlan, meta: dict[str, torch.Tensor], variant: str | None = None):

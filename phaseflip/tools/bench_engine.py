@@ -64,8 +64,8 @@ def run_single_rank(model: str | None, threads: int, offline_work: Workload | No
 
 def memcpy_gbps(num_bytes: int = 256 * 2**20, repeats: int = 9) -> float:
     """The host's copy bandwidth (bytes copied per second, each byte counted once), the median of
-    `repeats` copies of 256 MiB with torch's threads: the best single copy was seen to read 38 GB/s in
-    a run whose median was 21, which made every floor in that run too low."""
+    `repeats` copies of 256 MiB with torch's threads: the best single copy can read far faster than the
+    median, which would make every floor of the run too low."""
     src = torch.ones(num_bytes, dtype=torch.uint8)
     dst = torch.empty_like(src)
     dst.copy_(src)  # first touch
