@@ -1,4 +1,4 @@
-"""Issue 17 — the suite keeps to itself however and wherever it runs: its cache is a temp dir (never
+"""The suite keeps to itself however and wherever it runs: its cache is a temp dir (never
 the user's), and its engines run on the CPU unless a test asks for CUDA."""
 from __future__ import annotations
 

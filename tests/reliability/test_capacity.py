@@ -1,4 +1,4 @@
-"""Issue 7, item 1 — capacity: what can never fit is refused up front naming the numbers, boot refuses
+"""Capacity: what can never fit is refused up front naming the numbers, boot refuses
 a KV budget that cannot serve max_model_len once (and its advice works), and preemption under
 pressure (recompute) keeps greedy outputs identical to an unpressured single-rank run."""
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Issue 7, item 7 — determinism: the same batch twice gives identical outputs (greedy and seeded,
+"""Determinism: the same batch twice gives identical outputs (greedy and seeded,
 over flips), and a request's output does not depend on which other requests share its batch: greedy
 fp32 tokens equal the single-rank reference alone, and seeded ones equal their own run alone, on 2
 ranks flipping between PP and TP (TP reduces partial sums across ranks)."""

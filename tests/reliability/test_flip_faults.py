@@ -1,4 +1,4 @@
-"""Issue 7, item 4 — faults in flips and in boot capture. A flip that fails at read, exchange, refill,
+"""Faults in flips and in boot capture. A flip that fails at read, exchange, refill,
 write or cutover, on either rank or on both, rolls back (the engine stays in the source
 layout with nothing lost): every request of the batch still completes with the single-rank reference
 tokens, the failure is logged with its stage and rank, and the next flips succeed. A fault while a

@@ -1,4 +1,4 @@
-"""Issue 7, item 6 — fuzzing the API: random prompts (token ids valid and invalid, unicode and empty
+"""Fuzzing the API: random prompts (token ids valid and invalid, unicode and empty
 strings, dicts, numpy ints), stop strings that span tokens, huge max_tokens, 0 to 500 prompts and mixed
 SamplingParams (valid and invalid). Every call returns the right shape or raises a validation error
 naming the bad value, and each is bounded in time. Seeded: a failure reproduces."""

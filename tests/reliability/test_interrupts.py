@@ -1,4 +1,4 @@
-"""Issue 7, item 5 — interrupts: a KeyboardInterrupt anywhere in generate (in a step, in a flip, while
+"""Interrupts: a KeyboardInterrupt anywhere in generate (in a step, in a flip, while
 a command is being sent to the ranks, at a random moment from a real SIGINT) propagates, and the
 engine is usable for the next call: nothing left behind, the controller and the ranks agree on the
 active layout, and the next batch gives the single-rank reference tokens. A second interrupt while

@@ -1,4 +1,4 @@
-"""Issue 15, item 2 — the KV sized by gpu_memory_utilization: each rank runs profile steps at the
+"""The KV sized by gpu_memory_utilization: each rank runs profile steps at the
 largest buckets before its KV exists, measures what the device then uses, and the pool gets what the
 fraction leaves; all ranks agree on the smallest count and the LLM adopts it.
 

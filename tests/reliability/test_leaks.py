@@ -1,4 +1,4 @@
-"""Issue 7, item 2 — leaks: after every generate (clean, stopped early, refused, failed in-process)
+"""Leaks: after every generate (clean, stopped early, refused, failed in-process)
 every KV block is free and no request state remains on the controller or a rank; 200 generate calls
 of random sizes with forced flips leave each process's RSS within a stated bound of its RSS at the
 tenth call (call 10, not call 1: allocator pools and lazily built kernels warm up first)."""

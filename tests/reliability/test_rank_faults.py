@@ -1,4 +1,4 @@
-"""Issue 7, item 3 — faults in ranks: a step that raises on one rank fails the batch with an error
+"""Faults in ranks: a step that raises on one rank fails the batch with an error
 naming the rank, then the engine refuses new work ("engine is dead") and no rank process is left;
 at world size 1 (in-process) the engine recovers honestly instead. SIGKILL of a rank (mid-step, at a
 random moment, or while idle) and of the controller: nothing hangs, nothing is left within 10 s."""

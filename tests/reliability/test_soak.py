@@ -1,4 +1,4 @@
-"""Issue 7, item 8 — soak (marked slow; about a minute on 2 cores): 1000 requests of random lengths and
+"""Soak (marked slow; about a minute on 2 cores): 1000 requests of random lengths and
 parameters on 2 ranks under the default policy plus random forced flips and a small KV pool; every
 request completes, every greedy one equals the single-rank reference, nothing is left after each
 call, and RSS stays within a bound of its value after the first call."""

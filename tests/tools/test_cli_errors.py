@@ -1,4 +1,4 @@
-"""Issue 17 — every command turns a bad value of each of its options into one `Error: ...` line with
+"""Every command turns a bad value of each of its options into one `Error: ...` line with
 a non-zero exit code (2: click's bad usage), before any work; `--debug` shows the traceback instead."""
 from __future__ import annotations
 

@@ -50,7 +50,7 @@ def test_every_ledger_sums_to_its_budget_exactly(manifest):
 
 
 def test_no_term_is_negative_and_the_measured_use_is_explained(manifest):
-    """Issue 15: every term measured on its own, none negative; what the terms do not account for of
+    """Every term measured on its own, none negative; what the terms do not account for of
     the measured RSS is `unexplained`, small when every reading is right (0.5-0.9% on SmolLM2)."""
     m, _, _ = manifest
     for r in m["ranks"]:
