@@ -10,7 +10,16 @@ from phaseflip.engine.sampling_params import SamplingParams
 from phaseflip.kernels import linear as lin
 from phaseflip.kernels import linear_forms as forms
 
-ONEDNN = pytest.mark.skipif(not lin._onednn_op(), reason="this torch build has no oneDNN linear")
+HAS_ONEDNN = (getattr(torch.ops.mkldnn, "_linear_pointwise", None) is not None
+              and torch.backends.mkldnn.is_available())
+ONEDNN = pytest.mark.skipif(not HAS_ONEDNN, reason="this torch build has no oneDNN linear")
+
+
+@ONEDNN
+def test_onednn_self_check_passes_where_the_op_exists():
+    """Where torch has oneDNN's linear, its self-check must pass: a failing one would quietly move every
+    product to the MKL paths (and skip the tests of the oneDNN forms), so it fails here instead."""
+    assert lin._onednn_op(), "oneDNN's linear gave another answer than F.linear on linear.py's self-check"
 
 
 @pytest.fixture(autouse=True)
@@ -94,7 +103,7 @@ def test_a_compiled_step_multiplies_like_the_eager_one(dtype):
 
 @pytest.mark.parametrize("form", lin.SMALL_FORMS)
 def test_every_small_rows_form_equals_f_linear(form, monkeypatch):
-    if form == "onednn" and not lin._onednn_op():
+    if form == "onednn" and not HAS_ONEDNN:
         pytest.skip("this torch build has no oneDNN linear")
     monkeypatch.setattr(lin, "_small_reports", {torch.float32: {"forms": dict.fromkeys(lin.MEASURED_ROWS, form)}})
     g = torch.Generator().manual_seed(1)
