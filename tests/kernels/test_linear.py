@@ -24,8 +24,11 @@ def test_onednn_self_check_passes_where_the_op_exists():
 
 @pytest.fixture(autouse=True)
 def _no_earlier_measurements(monkeypatch):
-    """Each test measures for itself (the process keeps every measurement by dtype and model)."""
+    """Each test measures for itself: the process keeps every measurement by dtype and model, and every
+    form chosen (an engine booted by an earlier test leaves its choices for its dtype)."""
     monkeypatch.setattr(forms, "_measured", {})
+    for reports in ("_small_reports", "_gemv_reports", "_wide_reports", "_ladder_reports"):
+        monkeypatch.setattr(lin, reports, {})
 
 
 @pytest.mark.parametrize("m", [1, 2, 3, lin.SMALL_BATCH, lin.SMALL_BATCH + 1, 40, 64, 65, 100, 512, 600])
