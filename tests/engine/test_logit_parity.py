@@ -9,6 +9,8 @@ as close to HF's fp32 answer as HF's own bf16 forward is (its distance, mean and
 BF16_SLACK times HF bf16's, measured on the same positions): bf16 rounding has no fixed size, but a wrong
 operator moves far past it.
 """
+import functools
+
 import pytest
 import torch
 
@@ -31,10 +33,15 @@ def engine_logprobs(model_dir, prompts, dtype: str, **engine_kw) -> list[tuple[l
     return [(list(o.outputs[0].token_ids), o.outputs[0].logprobs) for o in outs]
 
 
+@functools.lru_cache(maxsize=2)
+def hf_model(model_dir: str, dtype: torch.dtype):
+    from transformers import AutoModelForCausalLM
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
+
+
 def hf_logprobs(model_dir, prompt: list[int], generated: list[int], dtype: torch.dtype) -> torch.Tensor:
     """HF's log-softmax (float32) at each position that predicted a generated token: [len(generated), V]."""
-    from transformers import AutoModelForCausalLM
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
+    model = hf_model(str(model_dir), dtype)
     with torch.no_grad():
         logits = model(input_ids=torch.tensor([prompt + generated]), use_cache=False).logits[0]
     return torch.log_softmax(logits[len(prompt) - 1:-1].float(), dim=-1)
