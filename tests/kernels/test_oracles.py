@@ -59,8 +59,7 @@ def test_paged_attention_reference_is_attention(seqs, group, d, page):
     got = paged_attention_ref(**args)
     torch.testing.assert_close(got[rows].to(F64), want[rows], atol=1e-5, rtol=1e-5)
     # and it stored every real token's K/V at its slot
-    page_of = args["slot_mapping"].tolist()
-    for t, slot in enumerate(page_of):
+    for t, slot in enumerate(args["slot_mapping"].tolist()):
         if slot >= 0:
             assert torch.equal(args["k_cache"][slot // page, slot % page], args["k"][t])
             assert torch.equal(args["v_cache"][slot // page, slot % page], args["v"][t])
@@ -68,7 +67,8 @@ def test_paged_attention_reference_is_attention(seqs, group, d, page):
 
 def test_rms_norm_references_are_rms_norm():
     g = torch.Generator().manual_seed(0)
-    x, res, w, eps = torch.randn(5, 48, generator=g) * 3, torch.randn(5, 48, generator=g), torch.rand(48, generator=g), 1e-6
+    x, res, w = torch.randn(5, 48, generator=g) * 3, torch.randn(5, 48, generator=g), torch.rand(48, generator=g)
+    eps = 1e-6
     want = torch.stack([row.to(F64) / math.sqrt(float((row.to(F64) ** 2).mean()) + eps) for row in x]) * w.to(F64)
     torch.testing.assert_close(norm.rms_norm(x, w, eps).to(F64), want, atol=1e-6, rtol=1e-5)
     summed = x.to(F64) + res.to(F64)
