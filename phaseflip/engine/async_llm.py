@@ -13,6 +13,12 @@ anything is queued. A failed step ends the requests it held with the error; a de
 died) ends every stream with EngineDeadError, refuses new work, and calls its `on_dead` callbacks.
 `shutdown(timeout_s)` refuses new work, lets running requests finish until the deadline, ends the
 rest with EngineStopping, and shuts the ranks down.
+
+At world size 1 the steps' CPU work runs on the engine thread. torch's OpenMP keeps a worker team per
+thread that starts parallel work; with two such teams on a machine with as many cores as one team has
+threads, OpenMP stops spinning at its barriers and every product pays a sleep and a wake. So a caller
+whose own thread ran torch work before creating an AsyncLLM slows the engine (`phaseflip serve`'s
+event-loop thread runs none).
 """
 from __future__ import annotations
 
