@@ -39,6 +39,13 @@ def hf_model(model_dir: str, dtype: torch.dtype):
     return AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _release_hf_models():
+    """The HF models (SmolLM2 in fp32 and bf16: ~0.8 GB) are kept for this module's tests only."""
+    yield
+    hf_model.cache_clear()
+
+
 def hf_logprobs(model_dir, prompt: list[int], generated: list[int], dtype: torch.dtype) -> torch.Tensor:
     """HF's log-softmax (float32) at each position that predicted a generated token: [len(generated), V]."""
     model = hf_model(str(model_dir), dtype)
