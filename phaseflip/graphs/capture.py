@@ -95,6 +95,9 @@ def capture_cuda(key: StepKey, fn: StepFn | dict[str, StepFn], buffers: StaticBu
     views = buffers.views(sizes)
     device = next(iter(views.values())).device
     torch.cuda.synchronize(device)
+    # torch.cuda.graph() empties the allocator's cache as it begins: emptied first here too, or the
+    # blocks it releases would count against this capture (pool_bytes came out negative)
+    torch.cuda.empty_cache()
     reserved = torch.cuda.memory_reserved(device)
     runs, graphs = {}, {}
     for variant, f in _variants(fn).items():

@@ -198,16 +198,24 @@ def restore(ctx: Context) -> dict:
             "flip_total_ms_median": statistics.median(c["total_ms"] for c in cycles)}
 
 
-def decode_rates(llm, batches, prompt_len: int, new_tokens: int) -> dict[int, float]:
-    """Decode tokens/s at each batch: token 0 comes from the prefill and token 1's step includes the flip
-    to the decode layout, so the rate is measured from token 1 to the last token."""
+def decode_rates(llm, batches, prompt_len: int, new_tokens: int, runs: int = 3) -> dict[int, float]:
+    """Decode tokens/s at each batch, the median of `runs` generates after an untimed one (on an H200 the
+    first generate at a batch size ran at 0.4-0.6x the later ones, and later ones still spread ~15%).
+    Token 0 comes from the prefill and token 1's step includes the flip to the decode layout, so each
+    rate is measured from token 1 to the last token."""
     rates = {}
     for batch in batches:
-        outs = llm.generate(_prompts(batch, prompt_len, seed=100 + batch), _greedy(new_tokens), use_tqdm=False)
-        starts = [o.metrics.arrival_time + o.metrics.token_times[1] for o in outs]
-        ends = [o.metrics.arrival_time + o.metrics.token_times[-1] for o in outs]
-        rates[batch] = batch * (new_tokens - 2) / (max(ends) - min(starts))
+        prompts = _prompts(batch, prompt_len, seed=100 + batch)
+        llm.generate(prompts, _greedy(new_tokens), use_tqdm=False)
+        rates[batch] = statistics.median(_decode_rate(llm.generate(prompts, _greedy(new_tokens), use_tqdm=False),
+                                                      new_tokens) for _ in range(runs))
     return rates
+
+
+def _decode_rate(outs, new_tokens: int) -> float:
+    starts = [o.metrics.arrival_time + o.metrics.token_times[1] for o in outs]
+    ends = [o.metrics.arrival_time + o.metrics.token_times[-1] for o in outs]
+    return len(outs) * (new_tokens - 2) / (max(ends) - min(starts))
 
 
 def decode_throughput(ctx: Context) -> dict:
