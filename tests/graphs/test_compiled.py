@@ -49,9 +49,11 @@ def test_compile_caches_go_below_the_phaseflip_cache_in_a_fresh_process(tmp_path
     assert run(env={**env, "TORCHINDUCTOR_CACHE_DIR": mine}).stdout.strip() == mine
 
 
-@pytest.mark.slow
 def test_auto_measures_each_bucket_matches_hf_and_writes_no_kv(tiny_model_dir, tmp_path, monkeypatch):
-    d = tiny_model_dir("llama")
+    """compile="auto", the default: each probed bucket timed compiled against eager, the faster kept
+    and replayed, HF's tokens. The model is the next test's (its graphs, compiled in this process,
+    serve both: one cold compile for the two)."""
+    d = tiny_model_dir("llama", num_layers=6)
     prompts = parity_prompts(384)[:4]
     expected = hf_greedy(d, prompts, 16)
     with _boot(d, "auto", tmp_path, monkeypatch) as llm:
