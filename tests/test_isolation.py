@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from phaseflip import LLM
-from phaseflip.engine.default_model import cache_dir
+from phaseflip.cache import cache_dir
 from phaseflip.tools.inspect_cmd import default_manifest_path
 
 

