@@ -24,7 +24,7 @@ $(VENV)/.installed: setup.cfg pyproject.toml
 	touch $@
 
 model: $(VENV)/.installed
-	$(PY) -c "from phaseflip.engine.default_model import ensure_default_model as e; print('default model:', e())"
+	$(PY) -c "from phaseflip.engine.checkpoint.default_model import ensure_default_model as e; print('default model:', e())"
 	$(PY) -m phaseflip.kernels.cpu_kernels
 
 # The main job: two CPU ranks, both layouts captured at boot, the drain rule flipping between them.

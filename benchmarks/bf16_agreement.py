@@ -35,8 +35,8 @@ def _first_divergence(a: list[int], b: list[int]) -> int:
 @click.option("--model", default=None, help="HF-format model directory (default: the embedded SmolLM2).")
 @click.option("--new-tokens", type=click.IntRange(min=1), default=32, show_default=True)
 def main(model, new_tokens):
-    from phaseflip.engine.default_model import ensure_default_model
-    from phaseflip.engine.tokenizer import load_tokenizer
+    from phaseflip.engine.checkpoint.default_model import ensure_default_model
+    from phaseflip.engine.checkpoint.tokenizer import load_tokenizer
     model_dir = str(model or ensure_default_model())
     prompts = [load_tokenizer(model_dir).encode(t) for t in TEXTS]
     with LLM(model=model_dir, dtype="bfloat16") as llm:

@@ -70,7 +70,7 @@ def _run(cmd: list[str]) -> str:
 
 def _model_dir(model: str | None) -> Path:
     if model is None:
-        from phaseflip.engine.default_model import ensure_default_model
+        from phaseflip.engine.checkpoint.default_model import ensure_default_model
         return ensure_default_model()
     missing = [f for f in MODEL_FILES if not (Path(model) / f).is_file()]
     if missing:
@@ -335,7 +335,7 @@ def main(llama_bench, llama_batched_bench, converter, convert_python, model, wor
     opts = {"llama_bench": llama_bench, "llama_batched_bench": llama_batched_bench, "threads": threads,
             "repeats": repeats}
     cpu_start, wall_start = _cpu_seconds(), time.perf_counter()
-    from phaseflip.engine.tokenizer import load_tokenizer
+    from phaseflip.engine.checkpoint.tokenizer import load_tokenizer
     work = workloads(load_tokenizer(str(model_dir)))
     llms = {o: boot(model_dir, dt, threads, compile_mode, work) for o, (dt, _, _) in DTYPES.items()}
     try:

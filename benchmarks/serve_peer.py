@@ -273,7 +273,7 @@ def parse_args(argv=None):
     p.add_argument("--json", type=Path, help="write the runs and the tables there")
     a = p.parse_args(argv)
     if a.model is None:
-        from phaseflip.engine.default_model import default_model_dir
+        from phaseflip.engine.checkpoint.default_model import default_model_dir
         a.model = default_model_dir()
     a.gguf_dir = a.gguf_dir or a.model.parent / f"{a.model.name}-gguf"
     need = [a.model / "config.json", a.vllm_venv / "bin" / "vllm"]

@@ -20,7 +20,7 @@ def _private_cache(tmp_path_factory):
     builds anew, into the temp dir). Compiled graphs go to one suite-wide dir in the system's temp dir
     (unless the user named inductor's and Triton's): a session that compiled every graph cold would not
     fit the suite's 10 minutes; inductor keys its entries by what they were compiled from."""
-    from phaseflip.engine.default_model import DEFAULT_MODEL_NAME, cache_dir, is_complete
+    from phaseflip.engine.checkpoint.default_model import DEFAULT_MODEL_NAME, cache_dir, is_complete
     users = cache_dir()
     private = tmp_path_factory.mktemp("phaseflip-cache")
     if is_complete(users / DEFAULT_MODEL_NAME):
@@ -89,14 +89,14 @@ def tiny_tokenizer_dir(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def default_model_dir() -> Path:
     """The embedded default model (SmolLM2-135M-Instruct), converted once into the cache by `make`."""
-    from phaseflip.engine.default_model import ensure_default_model
+    from phaseflip.engine.checkpoint.default_model import ensure_default_model
     return ensure_default_model()
 
 
 @pytest.fixture(scope="session")
 def smollm_reference(default_model_dir):
     """(model_dir, 8 prompts' token ids, HF greedy reference of 32 tokens each), computed once."""
-    from phaseflip.engine.tokenizer import load_tokenizer
+    from phaseflip.engine.checkpoint.tokenizer import load_tokenizer
     from tests.models import SMOLLM_TEXTS, hf_generate_greedy
     tok = load_tokenizer(default_model_dir)
     prompts = [tok.encode(t) for t in SMOLLM_TEXTS]

@@ -33,7 +33,7 @@ from phaseflip.engine.config import EngineConfig
 from phaseflip.engine.core import StepOutcome
 from phaseflip.engine.outputs import TextStream, metrics
 from phaseflip.engine.prompts import PreparedPrompt
-from phaseflip.engine.ranks import EngineDeadError
+from phaseflip.engine.ranks.group import EngineDeadError
 from phaseflip.engine.request_stream import EngineStopping, QueueFull, RequestStream, hand_over
 from phaseflip.engine.requests import RequestOutput
 

@@ -20,7 +20,7 @@ import torch
 
 from phaseflip.engine.config import EngineConfig
 from phaseflip.cache import cache_dir
-from phaseflip.engine.loader import resolve_dtype
+from phaseflip.engine.checkpoint.loader import resolve_dtype
 from phaseflip.layouts.messages import RankBoot
 from phaseflip.layouts.model_config import ModelConfig
 from phaseflip.layouts.planner import LayoutPlan, kv_block_bytes, plan_layouts

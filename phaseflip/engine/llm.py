@@ -24,10 +24,10 @@ from phaseflip.engine.boot import kv_reason, make_plan, rank_boot
 from phaseflip.engine.config import EngineConfig
 from phaseflip.engine.core import EngineCore
 from phaseflip.engine.policy.control import LayoutControl
-from phaseflip.engine.loader import load_model_config
-from phaseflip.engine.tokenizer import load_tokenizer
-from phaseflip.engine.ranks import EngineDeadError, LocalRanks, ProcessRanks
-from phaseflip.engine.torchrun_ranks import TorchrunRanks
+from phaseflip.engine.checkpoint.loader import load_model_config
+from phaseflip.engine.checkpoint.tokenizer import load_tokenizer
+from phaseflip.engine.ranks.group import EngineDeadError, LocalRanks, ProcessRanks
+from phaseflip.engine.ranks.torchrun import TorchrunRanks
 from phaseflip.layouts.comm import env_rank
 from phaseflip.engine.outputs import request_output
 from phaseflip.engine.prompts import PreparedPrompt, prepare_prompts
@@ -267,5 +267,5 @@ def _start_ranks(boot, world_size: int):
 
 
 def _default_model_dir():
-    from phaseflip.engine.default_model import ensure_default_model
+    from phaseflip.engine.checkpoint.default_model import ensure_default_model
     return ensure_default_model()

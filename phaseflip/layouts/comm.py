@@ -20,7 +20,7 @@ def init_group(rank: int, world_size: int, device: str, init_method: str | None,
 
     The timeout bounds every wait of a collective or a send/recv, including a PP stage waiting for
     the stages before it: it must exceed the longest step. A dead rank is not found by this timeout
-    but by the controller, which polls its rank processes (engine/ranks.py)."""
+    but by the controller, which polls its rank processes (engine/ranks/group.py)."""
     backend = "nccl" if device.startswith("cuda") else "gloo"
     dist.init_process_group(backend, init_method=init_method or "env://", rank=rank,
                             world_size=world_size, timeout=datetime.timedelta(seconds=timeout_s))

@@ -1,7 +1,7 @@
 """ModelConfig: the architecture facts the model maths needs, parsed once from config.json.
 
 Owns: the frozen, validated description of a Llama/Mistral/Qwen2/Qwen3 decoder. It never reads files
-(engine/loader.py does) and never holds weights.
+(engine/checkpoint/loader.py does) and never holds weights.
 """
 from __future__ import annotations
 

@@ -20,7 +20,7 @@ from starlette.responses import JSONResponse, Response
 
 from phaseflip import __version__
 from phaseflip.engine.request_stream import EngineStopping, QueueFull
-from phaseflip.engine.ranks import EngineDeadError
+from phaseflip.engine.ranks.group import EngineDeadError
 from phaseflip.serve.generation import APIError, Served, chat, complete
 from phaseflip.serve.metrics import ServingMetrics
 from phaseflip.serve.protocol import ChatCompletionRequest, CompletionRequest

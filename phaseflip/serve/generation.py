@@ -18,7 +18,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, StreamingResponse
 
 from phaseflip.engine.async_llm import AsyncLLM
-from phaseflip.engine.ranks import EngineDeadError
+from phaseflip.engine.ranks.group import EngineDeadError
 from phaseflip.engine.request_stream import EngineStopping, RequestStream
 from phaseflip.engine.requests import CompletionOutput
 from phaseflip.serve.protocol import ChatCompletionRequest, CompletionRequest

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import uvicorn
 
 from phaseflip.engine.async_llm import AsyncLLM
-from phaseflip.engine.default_model import DEFAULT_MODEL_NAME
+from phaseflip.engine.checkpoint.default_model import DEFAULT_MODEL_NAME
 from phaseflip.serve.app import build_app
 from phaseflip.serve.generation import Served
 from phaseflip.serve.metrics import ServingMetrics

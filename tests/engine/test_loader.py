@@ -1,4 +1,4 @@
-"""engine/loader.py: config parsing, weight loading and validation, dtype choice, tokenizer parity with HF."""
+"""engine/checkpoint/loader.py: config parsing, weight loading and validation, dtype choice, tokenizer parity with HF."""
 from __future__ import annotations
 
 import json
@@ -9,9 +9,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from phaseflip.engine.loader import (CheckpointError, expected_tensor_shapes, load_model_config, load_weights,
+from phaseflip.engine.checkpoint.loader import (CheckpointError, expected_tensor_shapes, load_model_config, load_weights,
                                      resolve_dtype)
-from phaseflip.engine.tokenizer import load_tokenizer
+from phaseflip.engine.checkpoint.tokenizer import load_tokenizer
 from phaseflip.layouts.model_config import RopeScaling
 from tests.models import KINDS, TOKENIZER_VOCAB_SIZE, compare_greedy, hf_greedy, make_tokenizer
 

@@ -91,7 +91,7 @@ def test_tiny_models_fp32_logprobs_equal_hf(tiny_model_dir, kind, engine_kw):
 
 @pytest.fixture(scope="module")
 def smollm_prompts(default_model_dir):
-    from phaseflip.engine.tokenizer import Tokenizer
+    from phaseflip.engine.checkpoint.tokenizer import Tokenizer
     tok = Tokenizer(str(default_model_dir))
     return [tok.encode(t) for t in SMOLLM_TEXTS]
 

@@ -7,7 +7,7 @@ from phaseflip.engine import stopping
 from phaseflip.engine.outputs import TextStream
 from phaseflip.engine.requests import Sequence, SeqStatus
 from phaseflip.engine.sampling_params import SamplingParams
-from phaseflip.engine.tokenizer import load_tokenizer
+from phaseflip.engine.checkpoint.tokenizer import load_tokenizer
 
 TEXT = "Le café était fermé — past the 東京 station 🚉 — until the rain stopped. Then: halt here? The end. "
 

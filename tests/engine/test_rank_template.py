@@ -1,4 +1,4 @@
-"""The rank template (engine/rank_template.py): CPU ranks forked from one process that imported their
+"""The rank template (engine/ranks/template.py): CPU ranks forked from one process that imported their
 code once, each what a fresh rank would be (this process's stderr, environment and working directory of
 the moment, a session of its own, numpy's generator reseeded, its exit reported); fresh interpreters where
 the template must not serve; the template's death takes its ranks with it, the engine says so, and an
@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 from phaseflip import LLM, SamplingParams
-from phaseflip.engine import rank_template
-from phaseflip.engine.ranks import EngineDeadError
+from phaseflip.engine.ranks import template as rank_template
+from phaseflip.engine.ranks.group import EngineDeadError
 from tests.reliability.support import alive, wait_gone
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
@@ -38,7 +38,7 @@ def parents(llm) -> set[int]:
 
 def is_template(pid: int) -> bool:
     with open(f"/proc/{pid}/cmdline", "rb") as f:
-        return b"phaseflip.engine.rank_template" in f.read()
+        return b"phaseflip.engine.ranks.template" in f.read()
 
 
 def test_boots_fork_their_ranks_from_one_template_with_the_same_outputs(model):

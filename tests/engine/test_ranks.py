@@ -12,7 +12,7 @@ import time
 import pytest
 
 from phaseflip import LLM, SamplingParams
-from phaseflip.engine.ranks import EngineDeadError, RankError
+from phaseflip.engine.ranks.group import EngineDeadError, RankError
 from phaseflip.layouts.messages import ArmFault
 from tests.reliability.support import alive, wait_gone
 
@@ -66,7 +66,7 @@ def test_ranks_exit_when_the_controller_is_killed(model, tmp_path, built_in):
     script.write_text(textwrap.dedent(f"""
         import json, sys, threading, time
         from phaseflip import LLM
-        from phaseflip.engine import rank_template
+        from phaseflip.engine.ranks import template as rank_template
         engines = []
         build = lambda: engines.append(LLM(model={model!r}, dtype="float32", world_size=2))
         if {built_in == "main thread"}:
@@ -110,6 +110,6 @@ def test_torchrun_runs_the_same_boot(model, tmp_path):
 def test_a_rank_process_imports_no_compiler_until_it_compiles():
     """torch._dynamo costs a rank ~1.6 s to import; comm's graph breaks are applied when a rank is about
     to compile (break_graphs_at_collectives), not at import."""
-    code = ("import sys, phaseflip.engine.rank_process; "
+    code = ("import sys, phaseflip.engine.ranks.process; "
             "assert 'torch._dynamo' not in sys.modules, 'torch._dynamo imported at import'")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)

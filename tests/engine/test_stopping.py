@@ -8,7 +8,7 @@ import pytest
 from phaseflip.engine import stopping
 from phaseflip.engine.requests import Sequence
 from phaseflip.engine.sampling_params import SamplingParams
-from phaseflip.engine.tokenizer import load_tokenizer
+from phaseflip.engine.checkpoint.tokenizer import load_tokenizer
 
 TEXT = ("Le café était fermé, so we walked on — past the 東京 station — until the rain stopped. "
         "Then, at last: halt here? No: the story goes on and on, the end. ") * 6

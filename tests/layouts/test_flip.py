@@ -106,7 +106,7 @@ def test_each_rank_holds_only_its_shards(ref):
     with LLM(model=str(d), dtype="float32", world_size=2, park="always") as llm:
         stats = llm.stats()
         model_bytes = sum(t.numel() * t.element_size()
-                          for t in __import__("phaseflip.engine.ranks", fromlist=["x"])
+                          for t in __import__("phaseflip.engine.ranks.group", fromlist=["x"])
                           .load_checkpoint(str(d), __import__("torch").float32)[1].values())
     for rank, (arena, shards) in enumerate(zip(stats["arena_bytes"], stats["shard_bytes"])):
         assert arena == max(shards["pp"], shards["tp"]), (rank, arena, shards)

@@ -95,9 +95,9 @@ def rank_processes() -> list[int]:
     """Live rank processes started by this process (found in /proc: also those of a failed boot):
     fresh interpreters it started, and the processes its rank template forked."""
     me, procs = os.getpid(), _processes()
-    templates = {pid for pid, ppid, cmd in procs if ppid == me and b"phaseflip.engine.rank_template" in cmd}
+    templates = {pid for pid, ppid, cmd in procs if ppid == me and b"phaseflip.engine.ranks.template" in cmd}
     return [pid for pid, ppid, cmd in procs
-            if ppid in templates or (ppid == me and b"phaseflip.engine.rank_process" in cmd)]
+            if ppid in templates or (ppid == me and b"phaseflip.engine.ranks.process" in cmd)]
 
 
 def rss_bytes(pid: int) -> int:

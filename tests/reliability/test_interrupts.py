@@ -13,7 +13,7 @@ import threading
 import pytest
 
 from phaseflip import LLM
-from phaseflip.engine.ranks import EngineDeadError
+from phaseflip.engine.ranks.group import EngineDeadError
 from phaseflip.layouts.messages import FlipCommand, StatsQuery
 from tests.reliability.support import ENGINE, assert_settled, deadline, greedy, ids, python_sigint, wait_gone
 

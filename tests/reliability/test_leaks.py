@@ -11,7 +11,7 @@ import random
 import pytest
 
 from phaseflip import LLM, SamplingParams
-from phaseflip.engine.ranks import RankError
+from phaseflip.engine.ranks.group import RankError
 from phaseflip.layouts.messages import ArmFault
 from tests.reliability.support import ENGINE, assert_settled, deadline, rss_bytes
 

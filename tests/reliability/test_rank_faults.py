@@ -17,7 +17,7 @@ import time
 import pytest
 
 from phaseflip import LLM
-from phaseflip.engine.ranks import EngineDeadError, RankError
+from phaseflip.engine.ranks.group import EngineDeadError, RankError
 from phaseflip.layouts.messages import ArmFault, RankFailure
 from tests.reliability.support import (ENGINE, alive, assert_settled, deadline, greedy, ids, rank_processes,
                                        wait_gone)
@@ -178,7 +178,7 @@ def test_rank_killed_during_boot(model, monkeypatch, when):
             kill_a_new_rank(before, killed)
         threading.Thread(target=kill_soon, daemon=True).start()
     else:
-        import phaseflip.engine.ranks as ranks
+        import phaseflip.engine.ranks.group as ranks
 
         class KillingProgress(ranks.BootProgress):
             def update(self, msg):

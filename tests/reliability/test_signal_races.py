@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from phaseflip import LLM
-from phaseflip.engine.ranks import EngineDeadError
+from phaseflip.engine.ranks.group import EngineDeadError
 from tests.reliability.support import ENGINE, deadline, greedy, python_sigint
 from tests.reliability.test_interrupts import NEW, PROMPTS, assert_usable
 

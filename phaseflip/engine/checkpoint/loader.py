@@ -2,7 +2,7 @@
 
 Owns: reading config.json (ModelConfig), *.safetensors (+ model.safetensors.index.json) into a dict of HF
 tensor names, checking every tensor the architecture needs against shapes computed from the config,
-choosing the compute dtype. The tokenizer lives in engine/tokenizer.py.
+choosing the compute dtype. The tokenizer lives in engine/checkpoint/tokenizer.py.
 Every defect of a checkpoint is a CheckpointError that names the file and the field or tensor.
 
 It never imports transformers, never touches a device other than the CPU, and never shards or packs

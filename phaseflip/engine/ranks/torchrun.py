@@ -4,7 +4,7 @@ Owns: TorchrunRanks (rank 0: the controller and rank 0's runtime in one process;
 to the other ranks over a gloo group, replies gathered back) and serve_torchrun_rank (ranks > 0:
 receive the boot and the commands from rank 0 until Shutdown). torchrun started these processes
 (env:// rendezvous, possibly on other nodes) and manages their lives: this module never spawns,
-watches or kills a process. A rank's exception reaches the caller as RankError, as in engine/ranks.py.
+watches or kills a process. A rank's exception reaches the caller as RankError, as in engine/ranks/group.py.
 """
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ import os
 import torch
 import torch.distributed as dist
 
-from phaseflip.engine.rank_process import comm_device, load_checkpoint, set_threads
-from phaseflip.engine.ranks import EngineDeadError, RankError
+from phaseflip.engine.ranks.process import comm_device, load_checkpoint, set_threads
+from phaseflip.engine.ranks.group import EngineDeadError, RankError
 from phaseflip.layouts.comm import RankComm, init_group
 from phaseflip.layouts.messages import RankBoot, RankFailure, Shutdown
 from phaseflip.layouts.runtime import RankRuntime

@@ -1,8 +1,8 @@
 """Rank processes: spawning them, sending commands, collecting replies, propagating failures.
 
 Owns: the controller's side of the rank group. `LocalRanks` runs the single rank in-process (world
-size 1); `ProcessRanks` spawns world_size processes (engine/rank_process.py) that form a
-torch.distributed group (gloo on CPU, NCCL on CUDA); under torchrun, engine/torchrun_ranks.py.
+size 1); `ProcessRanks` spawns world_size processes (engine/ranks/process.py) that form a
+torch.distributed group (gloo on CPU, NCCL on CUDA); under torchrun, engine/ranks/torchrun.py.
 A rank's exception reaches the caller as RankError naming the rank with its traceback;
 a dead rank raises EngineDeadError naming it (polled every 0.1 s: never a hang); ranks exit when the
 controller dies (PR_SET_PDEATHSIG plus a parent watchdog); shutdown() leaves no process behind.
@@ -25,9 +25,9 @@ import threading
 import time
 from contextlib import contextmanager
 
-from phaseflip.engine.progress import BootProgress
-from phaseflip.engine.rank_process import load_checkpoint
-from phaseflip.engine.rank_template import start_rank
+from phaseflip.engine.ranks.progress import BootProgress
+from phaseflip.engine.ranks.process import load_checkpoint
+from phaseflip.engine.ranks.template import start_rank
 from phaseflip.layouts.comm import NoComm
 from phaseflip.layouts.messages import FlipCommand, RankBoot, RankFailure, RankProgress, Shutdown
 from phaseflip.layouts.runtime import RankRuntime
@@ -90,7 +90,7 @@ def _free_port() -> int:
 
 class ProcessRanks:
     """Rank processes (not multiprocessing's, which re-imports the user's __main__ module): on the CPU
-    forked by this process's rank template (engine/rank_template.py), else fresh interpreters; each
+    forked by this process's rank template (engine/ranks/template.py), else fresh interpreters; each
     connects back to a local listener with an auth key."""
 
     def __init__(self, boot: RankBoot, world_size: int, poll_s: float = 0.1):

@@ -2,10 +2,10 @@
 
 Owns: what every rank does to start, wherever it runs (load_checkpoint, set_threads, comm_device:
 shared with LocalRanks and the torchrun ranks), and the entry point of a spawned rank process,
-`python -m phaseflip.engine.rank_process RANK WORLD_SIZE INIT_METHOD CONTROL AUTHKEY PARENT_PID PDEATHSIG`:
+`python -m phaseflip.engine.ranks.process RANK WORLD_SIZE INIT_METHOD CONTROL AUTHKEY PARENT_PID PDEATHSIG`:
 it connects back to the controller's listener, joins the process group and serves commands until
 Shutdown. It dies with the controller (PR_SET_PDEATHSIG plus a parent watchdog) and never outlives it.
-It must never import the controller's side (engine/ranks.py): a rank's failures travel to the
+It must never import the controller's side (engine/ranks/group.py): a rank's failures travel to the
 controller as RankFailure replies, not as exceptions.
 """
 from __future__ import annotations
@@ -22,7 +22,7 @@ import time
 
 import torch
 
-from phaseflip.engine.loader import load_model_config, load_weights
+from phaseflip.engine.checkpoint.loader import load_model_config, load_weights
 from phaseflip.layouts.comm import RankComm, init_group
 from phaseflip.layouts.messages import RankBoot
 from phaseflip.layouts.runtime import RankRuntime
@@ -61,7 +61,7 @@ def die_with_parent(parent_pid: int, pdeathsig: bool) -> None:
 
 def main(rank: int, world_size: int, init_method: str, control: str, authkey: str,
          parent_pid: int, pdeathsig: bool) -> None:
-    """Entry point of a rank process (`python -m phaseflip.engine.rank_process ...`)."""
+    """Entry point of a rank process (`python -m phaseflip.engine.ranks.process ...`)."""
     die_with_parent(parent_pid, pdeathsig)
     faulthandler.register(signal.SIGUSR1)  # `kill -USR1 <pid>` prints every thread's stack
     host, port = control.rsplit(":", 1)

@@ -73,7 +73,7 @@ def ensure_default_model() -> Path:
 
 
 def _convert_into(gguf_path: Path, staging: Path) -> None:
-    from phaseflip.engine.gguf_convert import convert_gguf
+    from phaseflip.engine.checkpoint.gguf_convert import convert_gguf
 
     convert_gguf(gguf_path, staging)
     missing = [name for name in REQUIRED_FILES if not (staging / name).is_file()]

@@ -2,7 +2,7 @@
 
 Owns: `start_rank` (a CPU rank process for ProcessRanks, as a handle shaped like subprocess.Popen's:
 pid, poll, wait, kill, terminate, returncode), the template process itself
-(`python -m phaseflip.engine.rank_template CONTROLLER_PID PDEATHSIG FD IDLE_S`) and what travels between them.
+(`python -m phaseflip.engine.ranks.template CONTROLLER_PID PDEATHSIG FD IDLE_S`) and what travels between them.
 
 Why: a rank started as a fresh interpreter spends seconds of its start importing torch, every boot. A
 process that boots more than one multi-rank engine (a notebook, an evaluation sweep, the test suite's
@@ -48,8 +48,8 @@ IDLE_S = 60.0
 IMPORT_TIME_ENV = ("PYTHON", "LD_", "OMP_", "GOMP_", "KMP_", "MKL_", "OPENBLAS_", "DNNL_", "ONEDNN_",
                    "TORCH", "PYTORCH_", "ATEN_", "CUDA", "NCCL_", "GLOO_", "TRITON_", "MALLOC_", "TMP",
                    "TEMP", "HOME", "PATH", "XDG_")
-MODULE = "phaseflip.engine.rank_template"
-RANK_MODULE = "phaseflip.engine.rank_process"
+MODULE = "phaseflip.engine.ranks.template"
+RANK_MODULE = "phaseflip.engine.ranks.process"
 
 _lock = threading.Lock()
 _template: "_Template | None" = None
@@ -210,7 +210,7 @@ def _is_open(fd: int) -> bool:
 # -- the template process ------------------------------------------------------------------------------
 def serve(controller_pid: int, pdeathsig: bool, fd: int, idle_s: float) -> None:
     """Import what a rank imports, then fork a rank per request until the controller goes away."""
-    import phaseflip.engine.rank_process as rank_process   # the import each fresh rank would pay
+    import phaseflip.engine.ranks.process as rank_process   # the import each fresh rank would pay
     rank_process.die_with_parent(controller_pid, pdeathsig)   # as a rank does with its parent
     # Python 3.12+ warns at a fork with other threads (here the watchdog's, OpenBLAS's); neither holds
     # anything a forked rank needs
@@ -274,7 +274,7 @@ def _reap(live: set[int], sock) -> bool:
 
 def _fork(rank_process, args: list[str], env: dict, cwd: str, fd_targets: list[int], fds: list[int],
           own_fds: tuple, resident: list[tuple[int, int]] = ()) -> int:
-    """Fork one rank; in the child, become what a fresh `python -m phaseflip.engine.rank_process` is."""
+    """Fork one rank; in the child, become what a fresh `python -m phaseflip.engine.ranks.process` is."""
     sys.stdout.flush()
     sys.stderr.flush()
     try:

@@ -10,7 +10,7 @@ import json
 from datetime import datetime
 from pathlib import Path
 
-from phaseflip.engine.loader import CheckpointError, read_json
+from phaseflip.engine.checkpoint.loader import CheckpointError, read_json
 
 class Tokenizer:
     """tokenizer.json through the `tokenizers` library, with HF's special-token and chat-template rules."""
