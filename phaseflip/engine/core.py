@@ -13,7 +13,7 @@ from phaseflip.engine.policy.rules import StepSummary
 from phaseflip.engine.requests import Sequence
 from phaseflip.engine.scheduler import Scheduler
 from phaseflip.engine.stopping import check_stop
-from phaseflip.layouts.plan import StepPlan, StepResult
+from phaseflip.layouts.messages import StepBatch, StepResult
 
 
 MAX_IDLE_POLLS = 10_000  # a rule that leaves work pending with nothing runnable this long is a bug
@@ -21,7 +21,7 @@ MAX_IDLE_POLLS = 10_000  # a rule that leaves work pending with nothing runnable
 
 @dataclass(frozen=True)
 class StepOutcome:
-    """What one step did to requests: the sequences that got a token (finished or not, in plan order)
+    """What one step did to requests: the sequences that got a token (finished or not, in batch order)
     and those that finished (with or without a new token: the scheduler finishes one that outgrew
     the pool)."""
     sampled: tuple[Sequence, ...] = ()
@@ -29,7 +29,7 @@ class StepOutcome:
 
 
 class EngineCore:
-    def __init__(self, scheduler: Scheduler, execute: Callable[[StepPlan], StepResult], control,
+    def __init__(self, scheduler: Scheduler, execute: Callable[[StepBatch], StepResult], control,
                  tokenizer, eos_token_ids: frozenset[int], max_model_len: int):
         self.scheduler = scheduler
         self.execute = execute
@@ -51,8 +51,8 @@ class EngineCore:
     def step(self) -> StepOutcome:
         """Run one step: which sequences got a token in it and which finished."""
         prefill, decode = self.control.allowed()
-        plan = self.scheduler.schedule(prefill=prefill, decode=decode)
-        if plan is None:
+        batch = self.scheduler.schedule(prefill=prefill, decode=decode)
+        if batch is None:
             if self.scheduler.has_unfinished():
                 self._idle_polls += 1
                 if self._idle_polls > MAX_IDLE_POLLS:
@@ -62,14 +62,14 @@ class EngineCore:
             return StepOutcome()
         self._idle_polls = 0
         # The scheduler itself finishes a sequence that outgrew the whole KV pool ("length").
-        finished = [self.seqs.pop(i) for i in plan.finished_seq_ids
+        finished = [self.seqs.pop(i) for i in batch.finished_seq_ids
                     if i in self.seqs and self.seqs[i].is_finished]
         t0 = time.perf_counter()
-        result = self.execute(plan)
+        result = self.execute(batch)
         now = time.perf_counter()
-        decodes = sum(1 for c in plan.chunks if c.decode)
+        decodes = sum(1 for c in batch.chunks if c.decode)
         sampled = {s.seq_id: s.token_id for s in result.sampled}
-        self.scheduler.on_step_done(plan, sampled)
+        self.scheduler.on_step_done(batch, sampled)
         self.num_steps += 1
         advanced = []
         for s in result.sampled:
@@ -82,7 +82,7 @@ class EngineCore:
                 self.scheduler.finish(seq, decision.finish_reason)
                 finished.append(self.seqs.pop(seq.seq_id))
         self.control.after_step(StepSummary(
-            prefill_tokens=plan.num_tokens - decodes, decode_tokens=decodes, seconds=now - t0,
+            prefill_tokens=batch.num_tokens - decodes, decode_tokens=decodes, seconds=now - t0,
             finished_output_lengths=tuple(s.num_output_tokens for s in finished)))
         return StepOutcome(tuple(advanced), tuple(finished))
 
@@ -98,7 +98,7 @@ class EngineCore:
 
     def abort(self, seq_ids) -> None:
         """Finish these sequences now ("abort"): their KV blocks are free for the next step, and the
-        ranks drop their state with the next plan. Finished or unknown ids are ignored."""
+        ranks drop their state with the next batch. Finished or unknown ids are ignored."""
         for seq_id in seq_ids:
             seq = self.seqs.pop(seq_id, None)
             if seq is not None and not seq.is_finished:

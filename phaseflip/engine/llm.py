@@ -36,9 +36,9 @@ from phaseflip.engine.sampling_params import SamplingParams
 from phaseflip.engine.scheduler import Scheduler, SchedulerConfig
 from phaseflip.engine.manifest import build_manifest
 from phaseflip.engine.policy.rules import make_rule
-from phaseflip.layouts.messages import ForgetRequests, LiveStateQuery, ManifestQuery, RunStep, StatsQuery
+from phaseflip.layouts.messages import (ForgetRequests, LiveStateQuery, ManifestQuery, RunStep, StatsQuery, StepBatch,
+                                        StepResult)
 from phaseflip.layouts.timing import timed
-from phaseflip.layouts.plan import StepPlan, StepResult
 
 log = logging.getLogger("phaseflip")
 
@@ -99,10 +99,10 @@ class LLM:
                  self.plan.shapes.block_size, self.plan.num_kv_blocks * self.plan.shapes.block_size,
                  self.kv_sized_by)
 
-    def _run_step(self, plan: StepPlan) -> StepResult:
-        replies = self.ranks.call(RunStep(self.control.active, plan))
+    def _run_step(self, batch: StepBatch) -> StepResult:
+        replies = self.ranks.call(RunStep(self.control.active, batch))
         output_rank = self.plan.layout_plan.spec(self.control.active).output_rank
-        return StepResult(plan.step_id, replies[output_rank].sampled or ())
+        return StepResult(batch.step_id, replies[output_rank].sampled or ())
 
     def flip(self, target: str) -> dict:
         """Flip to `target` ("pp" | "tp") now; returns the flip's log entry (components in ms, bytes)."""

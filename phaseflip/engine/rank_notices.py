@@ -1,14 +1,14 @@
 """What the ranks have been told about requests, and what they still must be told (no torch).
 
 Owns: the sequences announced to the ranks (a NewRequest goes with a sequence's first scheduled chunk,
-once, preemption or not: the rank keeps its sampling state) and the finished sequences no plan has
-carried yet (the rank drops their state when a plan that ran, or an explicit ForgetRequests, says so).
-The scheduler composes a plan from these; llm.py tells the ranks directly when no plan follows.
+once, preemption or not: the rank keeps its sampling state) and the finished sequences no batch has
+carried yet (the rank drops their state when a batch that ran, or an explicit ForgetRequests, says so).
+The scheduler composes a batch from these; llm.py tells the ranks directly when no batch follows.
 """
 from __future__ import annotations
 
 from phaseflip.engine.requests import Sequence
-from phaseflip.layouts.plan import NewRequest
+from phaseflip.layouts.messages import NewRequest
 
 
 def _new_request(seq: Sequence) -> NewRequest:
@@ -21,7 +21,7 @@ def _new_request(seq: Sequence) -> NewRequest:
 class RankNotices:
     def __init__(self) -> None:
         self._announced: set[int] = set()    # seq ids already sent as NewRequest
-        self._finished: list[int] = []       # finished since the last plan that ran
+        self._finished: list[int] = []       # finished since the last batch that ran
 
     def announce(self, seqs: list[Sequence]) -> tuple[NewRequest, ...]:
         """NewRequests for those of seqs the ranks have not heard of yet (now they have)."""
@@ -38,7 +38,7 @@ class RankNotices:
         return tuple(self._finished)
 
     def told(self, seq_ids) -> None:
-        """The ranks were told that these sequences finished (a plan carrying them ran, or directly)."""
+        """The ranks were told that these sequences finished (a batch carrying them ran, or directly)."""
         told = set(seq_ids)
         self._finished = [i for i in self._finished if i not in told]
 

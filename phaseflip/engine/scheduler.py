@@ -1,8 +1,8 @@
-"""Continuous batching over paged KV: forms the next StepPlan from the waiting and running sequences.
+"""Continuous batching over paged KV: forms the next StepBatch from the waiting and running sequences.
 
 Owns: the FIFO waiting queue, the running list (in admission order), preemption by recompute and the
 bookkeeping after a step (num_computed_tokens, sampled tokens). What the ranks are told about requests
-(new and finished ones, carried by each plan) is engine/rank_notices.py's. It decides WHAT runs in a
+(new and finished ones, carried by each batch) is engine/rank_notices.py's. It decides WHAT runs in a
 step; which layout runs it is the layout policy's (engine/policy/).
 
 One step (vLLM-V1 style, a single token budget `max_num_batched_tokens`):
@@ -16,7 +16,7 @@ One step (vLLM-V1 style, a single token budget `max_num_batched_tokens`):
      sequence starts on the cached blocks of its longest cached prefix (engine/prefix_cache.py):
      they count as computed, and its first chunk starts after them. After each step, the full
      blocks a step completed are entered in the cache.
-Chunk order in the plan: decodes first, then prefill chunks; each group in admission order.
+Chunk order in the batch: decodes first, then prefill chunks; each group in admission order.
 
 A sequence whose next chunk needs more blocks than the whole pool holds can never run: it is finished
 with reason "length" (the pool is its max model length) instead of wedging the scheduler.
@@ -31,7 +31,7 @@ from dataclasses import dataclass, fields
 from phaseflip.engine.blocks import BlockAllocator
 from phaseflip.engine.rank_notices import RankNotices
 from phaseflip.engine.requests import Sequence, SeqStatus
-from phaseflip.layouts.plan import Phase, SeqChunk, StepPlan
+from phaseflip.layouts.messages import Phase, SeqChunk, StepBatch
 
 
 @dataclass(frozen=True)
@@ -61,7 +61,7 @@ class Scheduler:
         self._step_id = 0
         self.notices = RankNotices()                # new and finished requests, for the ranks
         self._live: dict[int, Sequence] = {}        # waiting + running, by seq_id
-        self._in_flight: int | None = None          # step_id of the plan awaiting on_step_done
+        self._in_flight: int | None = None          # step_id of the batch awaiting on_step_done
 
     # -- queue state ---------------------------------------------------------------------------
     @property
@@ -93,8 +93,8 @@ class Scheduler:
         self._live[seq.seq_id] = seq
 
     # -- one step ------------------------------------------------------------------------------
-    def schedule(self, prefill: bool = True, decode: bool = True) -> StepPlan | None:
-        """The next step's plan, or None when there is nothing to run. One plan in flight at a time.
+    def schedule(self, prefill: bool = True, decode: bool = True) -> StepBatch | None:
+        """The next step's batch, or None when there is nothing to run. One batch in flight at a time.
 
         prefill=False leaves prompt chunks (and admission) out; decode=False leaves decodes out: the
         layout rule uses them to run prefill in one layout and decode in the other."""
@@ -109,11 +109,11 @@ class Scheduler:
         chunks = [self._make_chunk(seq, n) for seq, n in scheduled]
         ordered = [c for c in chunks if c.decode] + [c for c in chunks if not c.decode]
         self._step_id += 1
-        plan = StepPlan(step_id=self._step_id, phase=Phase.DECODE if all(c.decode for c in chunks) else Phase.PREFILL,
+        batch = StepBatch(step_id=self._step_id, phase=Phase.DECODE if all(c.decode for c in chunks) else Phase.PREFILL,
                         chunks=tuple(ordered), new_requests=self.notices.announce([seq for seq, _ in scheduled]),
                         finished_seq_ids=self.notices.pending_finished())
-        self._in_flight = plan.step_id
-        return plan
+        self._in_flight = batch.step_id
+        return batch
 
     def _schedule_running(self, budget: int, prefill: bool = True,
                           decode: bool = True) -> tuple[list[tuple[Sequence, int]], int, bool]:
@@ -216,23 +216,23 @@ class Scheduler:
         return seq.num_computed_tokens == seq.num_tokens - 1 and seq.num_output_tokens > 0
 
     # -- after a step ----------------------------------------------------------------------------
-    def on_step_done(self, plan: StepPlan, sampled_token_ids: dict[int, int]) -> None:
+    def on_step_done(self, batch: StepBatch, sampled_token_ids: dict[int, int]) -> None:
         """Advance every chunk's sequence; append the sampled token of chunks with sample=True.
 
-        Chunks of sequences finished (aborted) since the plan was made are skipped. Everything is
+        Chunks of sequences finished (aborted) since the batch was made are skipped. Everything is
         checked before anything changes.
         """
-        if plan.step_id != self._in_flight:
-            raise RuntimeError(f"step {plan.step_id} is not the step in flight ({self._in_flight})")
-        live = [(c, self._live[c.seq_id]) for c in plan.chunks if c.seq_id in self._live]
+        if batch.step_id != self._in_flight:
+            raise RuntimeError(f"step {batch.step_id} is not the step in flight ({self._in_flight})")
+        live = [(c, self._live[c.seq_id]) for c in batch.chunks if c.seq_id in self._live]
         for chunk, seq in live:
             if seq.num_computed_tokens != chunk.start_pos:
-                raise RuntimeError(f"step {plan.step_id} is stale for seq {seq.seq_id}: chunk starts at "
+                raise RuntimeError(f"step {batch.step_id} is stale for seq {seq.seq_id}: chunk starts at "
                                    f"{chunk.start_pos}, seq has {seq.num_computed_tokens} computed")
             if chunk.sample and chunk.seq_id not in sampled_token_ids:
-                raise KeyError(f"step {plan.step_id}: no sampled token for seq {seq.seq_id}")
+                raise KeyError(f"step {batch.step_id}: no sampled token for seq {seq.seq_id}")
         self._in_flight = None
-        self.notices.told(plan.finished_seq_ids)  # only once the plan ran: an interrupted plan's go again
+        self.notices.told(batch.finished_seq_ids)  # only once the batch ran: an interrupted batch's go again
         cache = self.allocator.cache
         for chunk, seq in live:
             seq.num_computed_tokens += chunk.num_tokens

@@ -1,4 +1,4 @@
-"""Paged attention with the KV store on the CPU: one index plan per step, batched matmuls.
+"""Paged attention with the KV store on the CPU: one set of index gathers per step, batched matmuls.
 
 Owns: `paged_attention_cpu`, the body `phaseflip::paged_attention` runs on CPU tensors. Its contract
 is kernels/attention.py's (that module's `paged_attention_ref` stays the simple oracle it is tested
@@ -6,9 +6,9 @@ against); what differs is how the work is laid out:
 
 - Every layer of a step sees the same metadata, so the index arithmetic (which tokens are stored where,
   which rows are decodes, which cache rows each decode reads, its padding mask) is done ONCE per step
-  in an `AttentionPlan` and reused by all layers. The plan is remembered by value: the metadata it was
+  in an `AttentionGathers` and reused by all layers. The gathers are remembered by value: the metadata it was
   built from is kept and compared (torch.equal, a few microseconds), never trusted by identity, so a
-  reused buffer with new contents gets a new plan. One `PlanCache` per process keeps it: the op takes
+  reused buffer with new contents gets new gathers. One `GathersCache` per process keeps it: the op takes
   tensors only, so no caller can hand it an owner.
 - The layer's K and V caches are read and written as rows of D elements of one view: K of (block b,
   offset o, kv head h) is row b * rows_per_block + o * Hkv + h, its V block_size * Hkv rows further
@@ -56,7 +56,7 @@ class PrefillRow:
 
 
 @dataclass(frozen=True)
-class AttentionPlan:
+class AttentionGathers:
     key: tuple                    # the metadata (cloned) and cache geometry it was built from
     store_tokens: torch.Tensor | None  # tokens written to the cache (None: all of them)
     store_rows: torch.Tensor          # [2 * stored tokens * Hkv] the rows their K, then V, go to
@@ -131,8 +131,8 @@ def _prefill_row(start: int, stop: int, seq_len: int, block_row, geo: Geometry, 
                       bias)
 
 
-def build_plan(slot_mapping, block_tables, seq_lens, query_start_loc, block_size: int, hkv: int,
-               group: int, rows_per_block: int | None = None) -> AttentionPlan:
+def build_gathers(slot_mapping, block_tables, seq_lens, query_start_loc, block_size: int, hkv: int,
+               group: int, rows_per_block: int | None = None) -> AttentionGathers:
     """rows_per_block: the block stride in rows of D (None: blocks of one layer's K and V, adjacent)."""
     geo = Geometry(block_size, hkv, 2 * block_size * hkv if rows_per_block is None else rows_per_block)
     key = (slot_mapping.clone(), block_tables.clone(), seq_lens.clone(), query_start_loc.clone(), block_size,
@@ -150,24 +150,24 @@ def build_plan(slot_mapping, block_tables, seq_lens, query_start_loc, block_size
     t = slot_mapping.shape[0]
     covers_all = (len(groups) == 1 and len(decode) == t
                   and torch.equal(groups[0].tokens, torch.arange(t)))
-    return AttentionPlan(key, store_tokens, store_rows, groups, prefill, covers_all)
+    return AttentionGathers(key, store_tokens, store_rows, groups, prefill, covers_all)
 
 
-class PlanCache:
-    """The last plan built, reused while the metadata is unchanged (compared by value), else rebuilt."""
+class GathersCache:
+    """The last gathers built, reused while the metadata is unchanged (compared by value), else rebuilt."""
 
     def __init__(self):
-        self.last: AttentionPlan | None = None
+        self.last: AttentionGathers | None = None
 
     def get(self, slot_mapping, block_tables, seq_lens, query_start_loc, block_size: int, hkv: int,
-            group: int, rows_per_block: int) -> AttentionPlan:
+            group: int, rows_per_block: int) -> AttentionGathers:
         meta = (slot_mapping, block_tables, seq_lens, query_start_loc, block_size, hkv, group, rows_per_block)
         if self.last is None or not _same(self.last.key, meta):
-            self.last = build_plan(*meta)
+            self.last = build_gathers(*meta)
         return self.last
 
 
-_plans = PlanCache()   # the process's one cache: the op passes tensors only, so no caller can own it
+_gathers = GathersCache()   # the process's one cache: the op passes tensors only, so no caller can own it
 
 
 def _attend_decode(q, rows, g: DecodeGroup, scale: float) -> torch.Tensor:
@@ -222,19 +222,19 @@ def paged_attention_cpu(q, k, v, kv_layer, slot_mapping, block_tables, seq_lens,
         if out.numel():
             return out
     t, hkv, d = k.shape
-    plan = _plans.get(slot_mapping, block_tables, seq_lens, query_start_loc, kv_layer.shape[2], hkv,
+    gathers = _gathers.get(slot_mapping, block_tables, seq_lens, query_start_loc, kv_layer.shape[2], hkv,
                       q.shape[1] // hkv, kv_layer.stride(0) // d)
     rows = _as_rows(kv_layer)
     new_k, new_v = k, v
-    if plan.store_tokens is not None:
-        new_k, new_v = k.index_select(0, plan.store_tokens), v.index_select(0, plan.store_tokens)
-    rows.index_copy_(0, plan.store_rows, torch.cat([new_k.reshape(-1, d), new_v.reshape(-1, d)]))
-    if plan.covers_all:
-        return _attend_decode(q, rows, plan.decode[0], scale)
+    if gathers.store_tokens is not None:
+        new_k, new_v = k.index_select(0, gathers.store_tokens), v.index_select(0, gathers.store_tokens)
+    rows.index_copy_(0, gathers.store_rows, torch.cat([new_k.reshape(-1, d), new_v.reshape(-1, d)]))
+    if gathers.covers_all:
+        return _attend_decode(q, rows, gathers.decode[0], scale)
     out = torch.zeros_like(q)
-    for g in plan.decode:
+    for g in gathers.decode:
         out.index_copy_(0, g.tokens, _attend_decode(q.index_select(0, g.tokens), rows, g, scale))
-    for row in plan.prefill:
+    for row in gathers.prefill:
         a, b = row.start, row.stop
         out[a:b] = _attend_prefill(q[a:b], k[a:b], v[a:b], rows, row, scale)
     return out

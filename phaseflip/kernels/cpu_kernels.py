@@ -29,7 +29,7 @@ reads the paged cache in place, in one call, several times faster at batch 1 and
 every layer's cache read from memory in turn (as a step reads them), its K pass fetching the next
 block's rows ahead (cpu_decode.cpp) about halves a layer's attention.
 Prompt chunks take the same op (cpu_prefill.cpp: register tiles over a float32 copy of each kv head's
-context), not the plan path's gather and SDPA, at about half its time a layer, bf16 alike.
+context), not the gathers path's gather and SDPA, at about half its time a layer, bf16 alike.
 The measurements behind these choices are in docs/performance.md.
 
 The build: one g++ call (-O3 -march=native -fopenmp, torch's headers and libraries), its output

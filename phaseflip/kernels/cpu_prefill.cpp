@@ -6,7 +6,7 @@
 // First each kv head's context is laid out once as float32: K in tiles of NC positions ([tile][D][NC],
 // a tile's values contiguous), V as [L][D]; then tasks of QB query tokens (x the kv head's G query
 // heads) each run scores -> softmax -> weighted V for their rows, every group of MR rows only over the
-// positions its last token sees. The library's SDPA with the plan path around it (kernels/cpu_attention.py)
+// positions its last token sees. The library's SDPA with the gathers path around it (kernels/cpu_attention.py)
 // takes about twice as long a layer.
 #include <ATen/Parallel.h>
 #include <c10/util/Exception.h>

@@ -18,7 +18,7 @@ from phaseflip.graphs.capture import StepKey, capture_cuda
 from phaseflip.graphs.compile import compile_region, compile_whole_step, time_alternating, time_replays
 from phaseflip.kernels.linear import GEMV_ROWS, gemv_reduces
 from phaseflip.layouts.forward import compute_logits, decoder_layer
-from phaseflip.layouts.plan import Phase
+from phaseflip.layouts.messages import Phase
 
 
 class CompileChoice:

@@ -19,8 +19,8 @@ from phaseflip.kernels.dispatch import add_rms_norm, apply_rotary, rms_norm, sil
 from phaseflip.kernels.linear import linear
 from phaseflip.layouts.kvcache import KVView
 from phaseflip.layouts.model_config import ModelConfig
-from phaseflip.layouts.shard import LayerWeights, RankWeights
-from phaseflip.layouts.spec import RankShard
+from phaseflip.layouts.weights import LayerWeights, RankWeights
+from phaseflip.layouts.shard import RankShard
 
 
 class Comm(Protocol):

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from phaseflip.layouts.plan import NewRequest, Phase, SeqChunk, StepPlan
+from phaseflip.layouts.messages import NewRequest, Phase, SeqChunk, StepBatch
 from phaseflip.layouts.step_sampling import VARIANTS
 
 PROFILE_SEQ_BASE = 1 << 62   # profile steps' sequence ids: never a request's
@@ -64,8 +64,8 @@ def device_memory(device: str):
     return CudaMemory(device)
 
 
-def profile_plans(decode_bucket: int, prefill_bucket: int, max_model_len: int, block_size: int,
-                  max_blocks_per_seq: int) -> list[StepPlan]:
+def profile_batches(decode_bucket: int, prefill_bucket: int, max_model_len: int, block_size: int,
+                  max_blocks_per_seq: int) -> list[StepBatch]:
     """The largest prefill bucket's tokens (as sequences of at most max_model_len tokens, each sampled)
     and the largest decode bucket's sequences (one token each). Every sequence writes the same few
     blocks: what they hold does not matter, only what the step allocates. Block tables are as wide as
@@ -76,11 +76,11 @@ def profile_plans(decode_bucket: int, prefill_bucket: int, max_model_len: int, b
     sizes = [per_seq] * (prefill_bucket // per_seq) + ([prefill_bucket % per_seq] if prefill_bucket % per_seq else [])
     prefill = tuple(SeqChunk(PROFILE_SEQ_BASE + i, (0,) * n, 0, table, True, False) for i, n in enumerate(sizes))
     decode = tuple(SeqChunk(PROFILE_SEQ_BASE + i, (0,), 0, table, True, True) for i in range(decode_bucket))
-    plans = []
+    batches = []
     for phase, chunks in ((Phase.PREFILL, prefill), (Phase.DECODE, decode)):
         news = tuple(NewRequest(c.seq_id, ProfileParams(), c.num_tokens) for c in chunks)
-        plans.append(StepPlan(-1, phase, chunks, news, tuple(c.seq_id for c in chunks)))
-    return plans
+        batches.append(StepBatch(-1, phase, chunks, news, tuple(c.seq_id for c in chunks)))
+    return batches
 
 
 def profile_blocks(prefill_bucket: int, max_model_len: int, block_size: int) -> int:
@@ -88,20 +88,20 @@ def profile_blocks(prefill_bucket: int, max_model_len: int, block_size: int) -> 
     return -(-min(prefill_bucket, max_model_len) // block_size)
 
 
-def run_profile(runners: dict, arena, sampler, plans: list[StepPlan]) -> list[dict]:
+def run_profile(runners: dict, arena, sampler, batches: list[StepBatch]) -> list[dict]:
     """Each layout's profile steps, through the serving path (execute: head, gather, sampling)."""
     ran = []
     for name, runner in runners.items():
         arena.refill(name)
-        for plan in plans:
-            sampler.add_requests(plan.new_requests)
+        for batch in batches:
+            sampler.add_requests(batch.new_requests)
             try:
-                runner.execute(plan)
+                runner.execute(batch)
             finally:
-                for seq_id in plan.finished_seq_ids:
+                for seq_id in batch.finished_seq_ids:
                     sampler.remove(seq_id)
-            ran.append({"layout": name, "phase": plan.phase.value, "tokens": plan.num_tokens,
-                        "seqs": plan.num_seqs})
+            ran.append({"layout": name, "phase": batch.phase.value, "tokens": batch.num_tokens,
+                        "seqs": batch.num_seqs})
     return ran
 
 

@@ -1,19 +1,88 @@
-"""Typed messages between the controller and the rank processes (besides StepPlan in plan.py).
+"""Typed messages between the controller and the ranks: what to run in a step and what came back, the
+commands a rank executes and its replies.
 
-Owns: the commands a rank executes (boot, run a step in a layout, flip, arm a fault, stats, shutdown)
-and its replies. Plain picklable dataclasses: a command is a type, never a method name in a string.
+Owns: StepBatch (one step's batch mixing prefill chunks and decodes), SeqChunk, NewRequest and
+StepResult; the commands (boot, run a step in a layout, flip, arm a fault, stats, shutdown) and their
+replies. Plain picklable dataclasses, no torch: a command is a type, never a method name in a string.
 """
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
-
-from phaseflip.layouts.plan import SampledToken, StepPlan
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # annotations only: runner.py imports torch, and messages stay plain data
     from phaseflip.layouts.planner import LayoutPlan
     from phaseflip.layouts.runner import StepShapes
 
+
+# -- a step's batch and its result ---------------------------------------------------------------
+class Phase(str, enum.Enum):
+    PREFILL = "prefill"  # at least one chunk has more than one token or is a prompt chunk
+    DECODE = "decode"    # every chunk is one generated token of a running sequence
+
+
+@dataclass(frozen=True)
+class SeqChunk:
+    """One sequence's share of a step: tokens [start_pos, start_pos + len(token_ids)) of the sequence."""
+    seq_id: int
+    token_ids: tuple[int, ...]
+    start_pos: int             # == num_computed_tokens before the step
+    block_ids: tuple[int, ...]  # the sequence's block table; covers start_pos + len(token_ids) tokens
+    sample: bool               # the chunk reaches the sequence's last known token: sample the next one
+    decode: bool               # one generated token of a running sequence (Scheduler.wants_decode)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def context_len(self) -> int:
+        """Tokens of this sequence in the KV cache once the step has run."""
+        return self.start_pos + len(self.token_ids)
+
+
+@dataclass(frozen=True)
+class NewRequest:
+    """Sent once, the first time a sequence is scheduled: the rank keeps its sampling state."""
+    seq_id: int
+    params: Any  # SamplingParams
+    num_prompt_tokens: int
+    prompt_token_ids: tuple[int, ...] = ()   # only where the params' repetition penalty reads them
+
+
+@dataclass(frozen=True)
+class StepBatch:
+    step_id: int
+    phase: Phase
+    chunks: tuple[SeqChunk, ...]
+    new_requests: tuple[NewRequest, ...] = ()
+    finished_seq_ids: tuple[int, ...] = ()  # the rank may drop their sampling state
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(c.num_tokens for c in self.chunks)
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.chunks)
+
+
+@dataclass(frozen=True)
+class SampledToken:
+    seq_id: int
+    token_id: int
+    logprob: float | None = None                    # of the sampled token, when logprobs were asked for
+    top_logprobs: dict[int, float] | None = None    # top-N (+ the sampled token), when asked for
+
+
+@dataclass(frozen=True)
+class StepResult:
+    step_id: int
+    sampled: tuple[SampledToken, ...]  # one per chunk with sample=True, in chunk order
+
+
+# -- rank commands and replies ---------------------------------------------------------------------
 FLIP_STAGES = ("read", "exchange", "refill", "write", "cutover")
 CHUNKED_STAGES = ("read", "exchange", "write")   # run once per chunk of live blocks
 # "step": the next RunStep raises on that rank; "capture": the rank's boot raises as it starts capturing
@@ -45,7 +114,7 @@ class RankBoot:
 @dataclass(frozen=True)
 class RunStep:
     layout: str                # the layout the controller believes is active: checked by the rank
-    plan: StepPlan
+    batch: StepBatch
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,7 @@ from fractions import Fraction
 from typing import Sequence
 
 from phaseflip.layouts.model_config import ModelConfig
-from phaseflip.layouts.spec import RankShard, Span
+from phaseflip.layouts.shard import RankShard, Span
 
 LAYOUT_NAMES = ("pp", "tp")
 

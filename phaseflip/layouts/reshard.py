@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from phaseflip.layouts.kvcache import KVView
-from phaseflip.layouts.spec import RankShard, Span
+from phaseflip.layouts.shard import RankShard, Span
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """One layout's step on one rank: fill the static buffers, replay the captured step, pass it on.
 
-Owns: executing a StepPlan in one layout — PP: receive the hidden states from the previous stage, run
+Owns: executing a StepBatch in one layout — PP: receive the hidden states from the previous stage, run
 this stage's layers, send them to the next (explicit send/recv); TP: run every layer on this rank's
 head/MLP share (all-reduces inside the maths), gather the vocab-parallel logits to the output rank.
 The output rank (the last one in both layouts) samples; where it holds the whole vocabulary, a decode
@@ -25,10 +25,10 @@ from phaseflip.layouts.compile_choice import CompileChoice
 from phaseflip.layouts.forward import compute_logits, decoder_layer, forward
 from phaseflip.layouts.kvcache import KVView
 from phaseflip.layouts.model_config import ModelConfig
-from phaseflip.layouts.plan import Phase, SampledToken, StepPlan
+from phaseflip.layouts.messages import Phase, SampledToken, StepBatch
 from phaseflip.layouts.sampler import Sampler
-from phaseflip.layouts.shard import RankWeights
-from phaseflip.layouts.spec import RankShard
+from phaseflip.layouts.weights import RankWeights
+from phaseflip.layouts.shard import RankShard
 from phaseflip.layouts.step_inputs import bucket_sizes, decode_rows, prepare_inputs
 from phaseflip.layouts.step_sampling import cat_outputs, sampling_variants, variant_for
 
@@ -160,18 +160,18 @@ class LayoutRunner(CompileChoice):
     # step over all the rows is the faster.
     CHUNKED_BACKENDS = ("cuda",)
 
-    def _run(self, plan: StepPlan, meta: dict[str, torch.Tensor], variant: str | None = None):
+    def _run(self, batch: StepBatch, meta: dict[str, torch.Tensor], variant: str | None = None):
         """This stage's hidden states: a replay when a bucket fits, else an eager run. An eager replay
         runs at the exact size; a compiled or CUDA-graph one over its padded bucket. Between PP stages
         only the real rows travel (padding rows of a padded receiver keep stale, never-read values).
         A decode batch above the largest decode bucket may run as chunks of that bucket (`_run_chunks`)."""
-        chunk = self._decode_chunk(plan)
+        chunk = self._decode_chunk(batch)
         if chunk is not None:
-            return self._run_chunks(plan, meta, chunk, variant)
-        size = plan.num_seqs if plan.phase is Phase.DECODE else plan.num_tokens
-        step = self.registry.lookup(self.layout, plan.phase.value, size)
+            return self._run_chunks(batch, meta, chunk, variant)
+        size = batch.num_seqs if batch.phase is Phase.DECODE else batch.num_tokens
+        step = self.registry.lookup(self.layout, batch.phase.value, size)
         padded = step is not None and not step.exact_size
-        rows = plan.num_tokens
+        rows = batch.num_tokens
         if self.is_pp and not self.shard.has_embed:
             hidden_in = self.buffers.tensors["hidden_in"]
             self.comm.recv(hidden_in[:rows], self.rank - 1)
@@ -195,23 +195,23 @@ class LayoutRunner(CompileChoice):
         self.buffers.upload()
         return step.replay(variant=variant)
 
-    def _decode_chunk(self, plan: StepPlan) -> int | None:
+    def _decode_chunk(self, batch: StepBatch) -> int | None:
         """The largest decode bucket where a decode batch exceeds it and that bucket's step is of a
         CHUNKED_BACKENDS kind, else None (the batch runs uncaptured at its own size)."""
-        if plan.phase is not Phase.DECODE:
+        if batch.phase is not Phase.DECODE:
             return None
-        largest = self.registry.largest(self.layout, plan.phase.value)
-        if largest is None or plan.num_seqs <= largest:
+        largest = self.registry.largest(self.layout, batch.phase.value)
+        if largest is None or batch.num_seqs <= largest:
             return None
-        step = self.registry.lookup(self.layout, plan.phase.value, largest)
+        step = self.registry.lookup(self.layout, batch.phase.value, largest)
         return largest if step.backend in self.CHUNKED_BACKENDS else None
 
-    def _run_chunks(self, plan: StepPlan, meta: dict[str, torch.Tensor], chunk: int, variant: str | None):
+    def _run_chunks(self, batch: StepBatch, meta: dict[str, torch.Tensor], chunk: int, variant: str | None):
         """A decode batch above every bucket as replays of `chunk` sequences each (the rest in the bucket
         that fits it), not one uncaptured step: decode rows are independent (one token each, attending
         only its own sequence's cache), so the chunks give the rows the whole batch would. A later PP
         stage receives all rows first."""
-        n = plan.num_seqs
+        n = batch.num_seqs
         if self.is_pp and not self.shard.has_embed:
             buffer = self.buffers.tensors["hidden_in"]
             hidden_in = buffer.new_empty((n, buffer.shape[1]))
@@ -220,23 +220,23 @@ class LayoutRunner(CompileChoice):
         parts = []
         for a in range(0, n, chunk):
             b = min(a + chunk, n)
-            step = self.registry.lookup(self.layout, plan.phase.value, b - a)   # the last chunk may be smaller
+            step = self.registry.lookup(self.layout, batch.phase.value, b - a)   # the last chunk may be smaller
             parts.append(self._replay(step, decode_rows(meta, a, b), variant))
-        self.registry.chunked_runs[(self.layout, plan.phase.value)] += 1
+        self.registry.chunked_runs[(self.layout, batch.phase.value)] += 1
         hidden = cat_outputs(parts, [min(chunk, n - a) for a in range(0, n, chunk)])
         if self.is_pp and not self.shard.has_head:
             self.comm.send(hidden, self.rank + 1)
         return hidden
 
-    def execute(self, plan: StepPlan) -> list[SampledToken] | None:
+    def execute(self, batch: StepBatch) -> list[SampledToken] | None:
         """Run the step; the output rank returns the sampled tokens, the others None."""
-        meta, sample_rows = prepare_inputs(plan, self.shapes.block_size)
-        if plan.phase is Phase.DECODE and self.samples_in_step:
-            seq_ids = [c.seq_id for c in plan.chunks]
+        meta, sample_rows = prepare_inputs(batch, self.shapes.block_size)
+        if batch.phase is Phase.DECODE and self.samples_in_step:
+            seq_ids = [c.seq_id for c in batch.chunks]
             columns = self.sampler.step_columns(seq_ids, self.cfg.vocab_size)
-            picked, logits = self._run(plan, {**meta, **columns}, variant_for(columns))
+            picked, logits = self._run(batch, {**meta, **columns}, variant_for(columns))
             return self.sampler.finish_in_step(picked, logits, seq_ids, columns)
-        hidden = self._run(plan, meta)
+        hidden = self._run(batch, meta)
         if not self.shard.has_head or not sample_rows:
             return [] if self.rank == self.output_rank else None
         n = len(sample_rows)
@@ -250,7 +250,7 @@ class LayoutRunner(CompileChoice):
             logits = self._gather_logits(logits)
         if self.rank != self.output_rank:
             return None
-        return self.sampler.sample(logits, [c.seq_id for c in plan.chunks if c.sample])
+        return self.sampler.sample(logits, [c.seq_id for c in batch.chunks if c.sample])
 
     def _gather_logits(self, logits: torch.Tensor) -> torch.Tensor | None:
         widths = [s.vocab.count for s in self.shards]

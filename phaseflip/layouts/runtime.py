@@ -2,7 +2,7 @@
 
 Owns: boot of one rank (its shards of every layout packed into host images, the weight arena and the
 KV region allocated ONCE (under gpu_memory_utilization sized first by profile steps, kv_sizing.py),
-every step of every layout captured), then StepPlan execution in the active layout, flips and stats.
+every step of every layout captured), then StepBatch execution in the active layout, flips and stats.
 The same code runs in-process at world size 1 and inside each rank process (layouts/worker.py).
 Checkpoint reading is passed in (`load`), so layouts/ never imports engine/.
 """
@@ -25,14 +25,14 @@ from phaseflip.layouts.comm import break_graphs_at_collectives
 from phaseflip.layouts.flip import (DEFAULT_STAGING_BYTES, DEFAULT_STAGING_FRACTION, InjectedFault,
                                     allocate_staging, run_flip)
 from phaseflip.layouts.kv_sizing import (device_memory, fit_blocks, kept_outputs_bytes, profile_blocks,
-                                         profile_plans, run_profile, too_small)
+                                         profile_batches, run_profile, too_small)
 from phaseflip.layouts.kvcache import KVRegion, KVShape
 from phaseflip.layouts.messages import (ArmFault, FlipCommand, FlipReport, RankBoot, RankManifest,
                                         RankReady, RankStats, RunStep, StepReply)
 from phaseflip.layouts.model_config import ModelConfig
 from phaseflip.layouts.runner import LayoutPart, LayoutRunner, RankContext
 from phaseflip.layouts.sampler import Sampler
-from phaseflip.layouts.shard import RankWeights, shard_weights
+from phaseflip.layouts.weights import RankWeights, shard_weights
 from phaseflip.layouts.step_inputs import buffer_specs
 from phaseflip.layouts.ledger import graph_pool_bytes, measure_memory, rank_ledger, rss_bytes
 from phaseflip.layouts.timing import timed
@@ -163,10 +163,10 @@ class RankRuntime:
         provisional = self._kv_region(boot, dtype, profile_blocks(max(s.prefill_buckets), boot.max_model_len,
                                                                   s.block_size))
         runners = self._make_runners(boot, provisional, GraphRegistry())
-        plans = profile_plans(max(s.decode_buckets), max(s.prefill_buckets), boot.max_model_len, s.block_size,
+        batches = profile_batches(max(s.decode_buckets), max(s.prefill_buckets), boot.max_model_len, s.block_size,
                               s.max_blocks_per_seq)
         start = probe.start_peak()
-        profiled = run_profile(runners, self.arena, self.sampler, plans)
+        profiled = run_profile(runners, self.arena, self.sampler, batches)
         peak = probe.peak_since(start)
         element = provisional.buffer.element_size()
         block_bytes = provisional.block_stride * element
@@ -239,11 +239,11 @@ class RankRuntime:
             raise RuntimeError(f"rank {self.rank}: step for layout {cmd.layout!r} but the arena holds "
                                f"{self.arena.active!r} (active {self.active!r})")
         self.faults.check("step")
-        plan = cmd.plan
-        self.sampler.add_requests(plan.new_requests)
-        for seq_id in plan.finished_seq_ids:
+        batch = cmd.batch
+        self.sampler.add_requests(batch.new_requests)
+        for seq_id in batch.finished_seq_ids:
             self.sampler.remove(seq_id)
-        sampled = self.runners[self.active].execute(plan) if plan.chunks else []
+        sampled = self.runners[self.active].execute(batch) if batch.chunks else []
         return StepReply(self.rank, None if sampled is None else tuple(sampled))
 
     def flip(self, cmd: FlipCommand) -> FlipReport:

@@ -1,120 +1,47 @@
-"""Which slice of each checkpoint tensor a rank holds, fused the way forward.py reads it.
+"""What one rank holds in one layout: its layer range, head shares, MLP share and vocab share.
 
-Owns: RankWeights / LayerWeights and `shard_weights`, which describes this rank's fused tensors
-(qkv_proj = [q; k; v] rows of its heads, gate_up_proj = [gate; up] rows of its MLP share) as views of
-the HF-named checkpoint tensors and `Stacked` row blocks: nothing is copied here; packing (arena.py)
-copies each source once, straight into its place. Module names follow the checkpoint so loading is a
-mapping, not a search.
+Owns: RankShard, the explicit description the model maths (forward.py) and the weight slicing
+(weights.py) take, so the maths never asks the process group how it is split.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
-
-import torch
+from dataclasses import dataclass
 
 from phaseflip.layouts.model_config import ModelConfig
-from phaseflip.layouts.spec import RankShard
 
 
 @dataclass(frozen=True)
-class Stacked:
-    """Row blocks to be stacked along dim 0 into one tensor, never materialised on their own: packing
-    copies each block into its rows of the destination (no torch.cat temporary)."""
-    parts: tuple[torch.Tensor, ...]
+class Span:
+    """A half-open range [start, start + count)."""
+    start: int
+    count: int
+
+    def __post_init__(self):
+        if self.start < 0 or self.count < 0:
+            raise ValueError(f"invalid span start={self.start} count={self.count}: both must be >= 0")
 
     @property
-    def shape(self) -> tuple[int, ...]:
-        return (sum(p.shape[0] for p in self.parts), *self.parts[0].shape[1:])
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.parts[0].dtype
-
-    def copy_into(self, out: torch.Tensor) -> None:
-        row = 0
-        for p in self.parts:
-            out[row:row + p.shape[0]].copy_(p)
-            row += p.shape[0]
+    def stop(self) -> int:
+        return self.start + self.count
 
 
-@dataclass
-class LayerWeights:
-    input_layernorm: torch.Tensor            # [H]
-    qkv_proj: torch.Tensor                   # [(hq + 2 hkv) * D, H]
-    qkv_bias: torch.Tensor | None            # [(hq + 2 hkv) * D]
-    q_norm: torch.Tensor | None              # [D]
-    k_norm: torch.Tensor | None              # [D]
-    o_proj: torch.Tensor                     # [H, hq * D]
-    post_attention_layernorm: torch.Tensor   # [H]
-    gate_up_proj: torch.Tensor               # [2 * I, H]
-    down_proj: torch.Tensor                  # [H, I]
+@dataclass(frozen=True)
+class RankShard:
+    layers: Span        # layers this rank runs
+    kv_heads: Span      # KV heads this rank holds (its query heads are their GQA groups)
+    mlp: Span           # columns of the MLP intermediate this rank holds
+    vocab: Span         # rows of the embedding / lm_head this rank holds
+    has_embed: bool     # runs the token embedding (first PP stage; every TP rank)
+    has_head: bool      # runs the final norm and lm_head (last PP stage; every TP rank)
+    tp_size: int = 1    # ranks sharing each layer (partial sums are all-reduced across them)
 
-    def tensors(self) -> dict[str, torch.Tensor]:
-        return {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) is not None}
+    @staticmethod
+    def full(cfg: ModelConfig) -> "RankShard":
+        """The whole model on one rank."""
+        return RankShard(layers=Span(0, cfg.num_layers), kv_heads=Span(0, cfg.num_kv_heads),
+                         mlp=Span(0, cfg.intermediate_size), vocab=Span(0, cfg.vocab_size),
+                         has_embed=True, has_head=True)
 
-
-@dataclass
-class RankWeights:
-    embed_tokens: torch.Tensor | None        # [V_rank, H]
-    layers: list[LayerWeights]
-    norm: torch.Tensor | None                # [H]
-    lm_head: torch.Tensor | None             # [V_rank, H]
-
-    def tensors(self) -> dict[str, torch.Tensor]:
-        out = {n: t for n, t in (("embed_tokens", self.embed_tokens), ("norm", self.norm),
-                                 ("lm_head", self.lm_head)) if t is not None}
-        for i, layer in enumerate(self.layers):
-            out.update({f"layers.{i}.{n}": t for n, t in layer.tensors().items()})
-        return out
-
-
-def replace_tensors(w: RankWeights, new: dict[str, torch.Tensor]) -> RankWeights:
-    """The same structure with every tensor replaced by new[name] (names as in RankWeights.tensors())."""
-    def layer(i: int, lw: LayerWeights) -> LayerWeights:
-        return LayerWeights(**{f.name: new.get(f"layers.{i}.{f.name}") for f in fields(LayerWeights)})
-    return RankWeights(embed_tokens=new.get("embed_tokens"), norm=new.get("norm"), lm_head=new.get("lm_head"),
-                       layers=[layer(i, lw) for i, lw in enumerate(w.layers)])
-
-
-def _rows(t: torch.Tensor, start: int, count: int) -> torch.Tensor:
-    return t[start:start + count]
-
-
-def _layer(hf: dict, cfg: ModelConfig, shard: RankShard, i: int) -> LayerWeights:
-    p = f"model.layers.{i}."
-    d = cfg.head_dim
-    q, kv, mlp = shard.q_heads(cfg), shard.kv_heads, shard.mlp
-    q_rows = (q.start * d, q.count * d)
-    kv_rows = (kv.start * d, kv.count * d)
-
-    def qkv(kind: str) -> Stacked:
-        return Stacked((_rows(hf[f"{p}self_attn.q_proj.{kind}"], *q_rows),
-                        _rows(hf[f"{p}self_attn.k_proj.{kind}"], *kv_rows),
-                        _rows(hf[f"{p}self_attn.v_proj.{kind}"], *kv_rows)))
-
-    return LayerWeights(
-        input_layernorm=hf[p + "input_layernorm.weight"],
-        qkv_proj=qkv("weight"),
-        qkv_bias=qkv("bias") if cfg.qkv_bias else None,
-        q_norm=hf[p + "self_attn.q_norm.weight"] if cfg.qk_norm else None,
-        k_norm=hf[p + "self_attn.k_norm.weight"] if cfg.qk_norm else None,
-        o_proj=hf[p + "self_attn.o_proj.weight"][:, q_rows[0]:q_rows[0] + q_rows[1]],
-        post_attention_layernorm=hf[p + "post_attention_layernorm.weight"],
-        gate_up_proj=Stacked((_rows(hf[p + "mlp.gate_proj.weight"], mlp.start, mlp.count),
-                              _rows(hf[p + "mlp.up_proj.weight"], mlp.start, mlp.count))),
-        down_proj=hf[p + "mlp.down_proj.weight"][:, mlp.start:mlp.stop],
-    )
-
-
-def shard_weights(hf: dict[str, torch.Tensor], cfg: ModelConfig, shard: RankShard) -> RankWeights:
-    """This rank's fused weights from HF-named checkpoint tensors (already validated by the loader), as
-    views and Stacked blocks of them (a column share stays a strided view)."""
-    embed = hf["model.embed_tokens.weight"]
-    head = embed if cfg.tie_word_embeddings else hf["lm_head.weight"]
-    v = shard.vocab
-    return RankWeights(
-        embed_tokens=_rows(embed, v.start, v.count) if shard.has_embed else None,
-        layers=[_layer(hf, cfg, shard, i) for i in range(shard.layers.start, shard.layers.stop)],
-        norm=hf["model.norm.weight"] if shard.has_head else None,
-        lm_head=_rows(head, v.start, v.count) if shard.has_head else None,
-    )
+    def q_heads(self, cfg: ModelConfig) -> Span:
+        g = cfg.group_size
+        return Span(self.kv_heads.start * g, self.kv_heads.count * g)

@@ -1,4 +1,4 @@
-"""Turn a StepPlan into the flat tensors one step reads (tokens, positions, slots, attention metadata).
+"""Turn a StepBatch into the flat tensors one step reads (tokens, positions, slots, attention metadata).
 
 Owns: `prepare_inputs` and the static-buffer specs (with their padding sentinels) those tensors are
 copied into. Sentinels: token id 0 and position 0 for padding tokens (harmless reads), slot -1 (the KV
@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from phaseflip.graphs.buffers import BufferSpec
-from phaseflip.layouts.plan import StepPlan
+from phaseflip.layouts.messages import StepBatch
 
 TOKEN_BUFFERS = ("input_ids", "positions", "slot_mapping")
 SEQ_BUFFERS = ("block_tables", "seq_lens", "query_start_loc")
@@ -52,10 +52,10 @@ def decode_rows(meta: dict[str, torch.Tensor], a: int, b: int) -> dict[str, torc
     return part
 
 
-def prepare_inputs(plan: StepPlan, block_size: int) -> tuple[dict[str, torch.Tensor], list[int]]:
-    """Exact-size input tensors for `plan`, and the rows whose hidden state is sampled."""
+def prepare_inputs(batch: StepBatch, block_size: int) -> tuple[dict[str, torch.Tensor], list[int]]:
+    """Exact-size input tensors for `batch`, and the rows whose hidden state is sampled."""
     ids, pos, slots, starts, sample_rows = [], [], [], [0], []
-    for c in plan.chunks:
+    for c in batch.chunks:
         bt = c.block_ids
         p = range(c.start_pos, c.context_len)
         ids.extend(c.token_ids)
@@ -64,14 +64,14 @@ def prepare_inputs(plan: StepPlan, block_size: int) -> tuple[dict[str, torch.Ten
         starts.append(starts[-1] + c.num_tokens)
         if c.sample:
             sample_rows.append(starts[-1] - 1)
-    width = max(len(c.block_ids) for c in plan.chunks)
-    tables = [list(c.block_ids) + [0] * (width - len(c.block_ids)) for c in plan.chunks]
+    width = max(len(c.block_ids) for c in batch.chunks)
+    tables = [list(c.block_ids) + [0] * (width - len(c.block_ids)) for c in batch.chunks]
     meta = {
         "input_ids": torch.tensor(ids, dtype=torch.int64),
         "positions": torch.tensor(pos, dtype=torch.int64),
         "slot_mapping": torch.tensor(slots, dtype=torch.int64),
         "block_tables": torch.tensor(tables, dtype=torch.int64),
-        "seq_lens": torch.tensor([c.context_len for c in plan.chunks], dtype=torch.int64),
+        "seq_lens": torch.tensor([c.context_len for c in batch.chunks], dtype=torch.int64),
         "query_start_loc": torch.tensor(starts, dtype=torch.int64),
     }
     return meta, sample_rows

@@ -17,7 +17,7 @@ from phaseflip.graphs.buffers import StaticBuffers
 from phaseflip.graphs.capture import StepKey, capture_eager
 from phaseflip.layouts import compile_choice as choice_module
 from phaseflip.layouts import runtime as runtime_module
-from phaseflip.layouts.plan import Phase
+from phaseflip.layouts.messages import Phase
 from phaseflip.layouts.runner import LayoutRunner
 from tests.engine.test_parity import parity_prompts
 from tests.models import compare_greedy, hf_greedy

@@ -14,7 +14,7 @@ def run_ref(kv_cache, layer, **args):
 
 
 def run_general(**args):
-    """The op with the C++ decode kernel switched off: kernels/cpu_attention.py's plan path alone."""
+    """The op with the C++ decode kernel switched off: kernels/cpu_attention.py's gathers path alone."""
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(cpu_kernels, "decode_attention_op", lambda: None)
         return torch.ops.phaseflip.paged_attention(**args)
@@ -144,7 +144,7 @@ def test_store_writes_exactly_the_slots():
 
 def test_ragged_decodes_are_grouped_by_length():
     args, _ = build([(n, 1) for n in (2, 90, 7, 40, 3, 60, 11, 25)], num_blocks=120)
-    plan = cpu_attention.build_plan(args["slot_mapping"], args["block_tables"], args["seq_lens"],
+    plan = cpu_attention.build_gathers(args["slot_mapping"], args["block_tables"], args["seq_lens"],
                                     args["query_start_loc"], block_size=4, hkv=2, group=2)
     assert 1 < len(plan.decode) <= cpu_attention.MAX_GROUPS
     assert sorted(t for g in plan.decode for t in g.tokens.tolist()) == list(range(8))
@@ -206,7 +206,7 @@ def test_prompt_chunks_at_model_head_sizes_match_naive(hq, hkv, d, seqs):
     served = cpu_kernels.decode_attention_op() is not None and d % 32 == 0   # 16 or 32 lanes x 2
     with pytest.MonkeyPatch.context() as mp:
         if served:
-            mp.setattr(cpu_attention, "_plans", None)   # any use of the general path would raise
+            mp.setattr(cpu_attention, "_gathers", None)   # any use of the general path would raise
         check(IMPLS["op"](**args), args, seqs, hist, tol=1e-4)
 
 
@@ -249,7 +249,7 @@ def test_the_decode_kernel_refuses_a_block_id_outside_the_cache():
 
 @pytest.mark.parametrize("seqs", [[(n, 1) for n in (2, 90, 7, 40)], [(0, 70), (9, 1), (33, 20)]])
 def test_bf16_steps_agree_with_the_general_path(seqs):
-    """bfloat16 caches: the kernel (float32 sums, read in place) against the plan path's SDPA."""
+    """bfloat16 caches: the kernel (float32 sums, read in place) against the gathers path's SDPA."""
     _kernel_or_skip()
     args, _ = build(seqs, num_blocks=120, pad_tokens=1, pad_seqs=1, hq=9, hkv=3, d=64, block_size=16)
     args = {k: v.to(torch.bfloat16) if isinstance(v, torch.Tensor) and v.is_floating_point() else v

@@ -15,8 +15,8 @@ from phaseflip.kernels.rotary import cos_sin_table
 from phaseflip.layouts import forward
 from phaseflip.layouts.kvcache import KVShape, KVView
 from phaseflip.layouts.model_config import ModelConfig
-from phaseflip.layouts.shard import LayerWeights, RankWeights
-from phaseflip.layouts.spec import RankShard
+from phaseflip.layouts.weights import LayerWeights, RankWeights
+from phaseflip.layouts.shard import RankShard
 
 H, I, HQ, HKV, D, LAYERS, BLOCK = 192, 320, 6, 2, 32, 3, 16
 TABLE = [5, 2, 7, 0, 1, 3]   # the sequence's blocks, out of order

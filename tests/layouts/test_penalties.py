@@ -11,7 +11,7 @@ import torch
 from phaseflip import LLM, SamplingParams
 from phaseflip.layouts import sampler as sampler_module
 from phaseflip.layouts.penalties import SeqPenalties, adjusted_logits
-from phaseflip.layouts.plan import NewRequest
+from phaseflip.layouts.messages import NewRequest
 from phaseflip.layouts.sampler import Sampler
 from phaseflip.layouts.step_sampling import sampling_variants, variant_for
 from tests.engine.test_llm import model_dir, one_thread  # noqa: F401  (fixtures: the tiny llama, one thread)

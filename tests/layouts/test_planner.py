@@ -10,7 +10,7 @@ import pytest
 from phaseflip.layouts.model_config import ModelConfig
 from phaseflip.layouts.planner import (LayoutPlan, LayoutSpec, kv_block_bytes, plan_layouts,
                                        proportional_split, usable_blocks)
-from phaseflip.layouts.spec import RankShard, Span
+from phaseflip.layouts.shard import RankShard, Span
 
 HETERO = [31.8, 18.8, 19.8]  # GiB of three unequal cards
 

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from phaseflip.engine.sampling_params import SamplingParams
-from phaseflip.layouts.plan import NewRequest, SampledToken
+from phaseflip.layouts.messages import NewRequest, SampledToken
 from phaseflip.layouts import sampler as sampler_module
 from phaseflip.layouts.sampler import Sampler, sequence_seed
 from phaseflip.layouts.step_sampling import sampling_variants, variant_for

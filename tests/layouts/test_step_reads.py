@@ -10,7 +10,7 @@ import pytest
 from torch.overrides import TorchFunctionMode
 
 from phaseflip import LLM, SamplingParams
-from phaseflip.layouts.plan import Phase
+from phaseflip.layouts.messages import Phase
 from phaseflip.layouts.runner import LayoutRunner
 from phaseflip.layouts.sampler import Sampler
 

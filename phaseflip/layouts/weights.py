@@ -1,0 +1,120 @@
+"""Which slice of each checkpoint tensor a rank holds, fused the way forward.py reads it.
+
+Owns: RankWeights / LayerWeights and `shard_weights`, which describes this rank's fused tensors
+(qkv_proj = [q; k; v] rows of its heads, gate_up_proj = [gate; up] rows of its MLP share) as views of
+the HF-named checkpoint tensors and `Stacked` row blocks: nothing is copied here; packing (arena.py)
+copies each source once, straight into its place. Module names follow the checkpoint so loading is a
+mapping, not a search.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import torch
+
+from phaseflip.layouts.model_config import ModelConfig
+from phaseflip.layouts.shard import RankShard
+
+
+@dataclass(frozen=True)
+class Stacked:
+    """Row blocks to be stacked along dim 0 into one tensor, never materialised on their own: packing
+    copies each block into its rows of the destination (no torch.cat temporary)."""
+    parts: tuple[torch.Tensor, ...]
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return (sum(p.shape[0] for p in self.parts), *self.parts[0].shape[1:])
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.parts[0].dtype
+
+    def copy_into(self, out: torch.Tensor) -> None:
+        row = 0
+        for p in self.parts:
+            out[row:row + p.shape[0]].copy_(p)
+            row += p.shape[0]
+
+
+@dataclass
+class LayerWeights:
+    input_layernorm: torch.Tensor            # [H]
+    qkv_proj: torch.Tensor                   # [(hq + 2 hkv) * D, H]
+    qkv_bias: torch.Tensor | None            # [(hq + 2 hkv) * D]
+    q_norm: torch.Tensor | None              # [D]
+    k_norm: torch.Tensor | None              # [D]
+    o_proj: torch.Tensor                     # [H, hq * D]
+    post_attention_layernorm: torch.Tensor   # [H]
+    gate_up_proj: torch.Tensor               # [2 * I, H]
+    down_proj: torch.Tensor                  # [H, I]
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        return {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) is not None}
+
+
+@dataclass
+class RankWeights:
+    embed_tokens: torch.Tensor | None        # [V_rank, H]
+    layers: list[LayerWeights]
+    norm: torch.Tensor | None                # [H]
+    lm_head: torch.Tensor | None             # [V_rank, H]
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        out = {n: t for n, t in (("embed_tokens", self.embed_tokens), ("norm", self.norm),
+                                 ("lm_head", self.lm_head)) if t is not None}
+        for i, layer in enumerate(self.layers):
+            out.update({f"layers.{i}.{n}": t for n, t in layer.tensors().items()})
+        return out
+
+
+def replace_tensors(w: RankWeights, new: dict[str, torch.Tensor]) -> RankWeights:
+    """The same structure with every tensor replaced by new[name] (names as in RankWeights.tensors())."""
+    def layer(i: int, lw: LayerWeights) -> LayerWeights:
+        return LayerWeights(**{f.name: new.get(f"layers.{i}.{f.name}") for f in fields(LayerWeights)})
+    return RankWeights(embed_tokens=new.get("embed_tokens"), norm=new.get("norm"), lm_head=new.get("lm_head"),
+                       layers=[layer(i, lw) for i, lw in enumerate(w.layers)])
+
+
+def _rows(t: torch.Tensor, start: int, count: int) -> torch.Tensor:
+    return t[start:start + count]
+
+
+def _layer(hf: dict, cfg: ModelConfig, shard: RankShard, i: int) -> LayerWeights:
+    p = f"model.layers.{i}."
+    d = cfg.head_dim
+    q, kv, mlp = shard.q_heads(cfg), shard.kv_heads, shard.mlp
+    q_rows = (q.start * d, q.count * d)
+    kv_rows = (kv.start * d, kv.count * d)
+
+    def qkv(kind: str) -> Stacked:
+        return Stacked((_rows(hf[f"{p}self_attn.q_proj.{kind}"], *q_rows),
+                        _rows(hf[f"{p}self_attn.k_proj.{kind}"], *kv_rows),
+                        _rows(hf[f"{p}self_attn.v_proj.{kind}"], *kv_rows)))
+
+    return LayerWeights(
+        input_layernorm=hf[p + "input_layernorm.weight"],
+        qkv_proj=qkv("weight"),
+        qkv_bias=qkv("bias") if cfg.qkv_bias else None,
+        q_norm=hf[p + "self_attn.q_norm.weight"] if cfg.qk_norm else None,
+        k_norm=hf[p + "self_attn.k_norm.weight"] if cfg.qk_norm else None,
+        o_proj=hf[p + "self_attn.o_proj.weight"][:, q_rows[0]:q_rows[0] + q_rows[1]],
+        post_attention_layernorm=hf[p + "post_attention_layernorm.weight"],
+        gate_up_proj=Stacked((_rows(hf[p + "mlp.gate_proj.weight"], mlp.start, mlp.count),
+                              _rows(hf[p + "mlp.up_proj.weight"], mlp.start, mlp.count))),
+        down_proj=hf[p + "mlp.down_proj.weight"][:, mlp.start:mlp.stop],
+    )
+
+
+def shard_weights(hf: dict[str, torch.Tensor], cfg: ModelConfig, shard: RankShard) -> RankWeights:
+    """This rank's fused weights from HF-named checkpoint tensors (already validated by the loader), as
+    views and Stacked blocks of them (a column share stays a strided view)."""
+    embed = hf["model.embed_tokens.weight"]
+    head = embed if cfg.tie_word_embeddings else hf["lm_head.weight"]
+    v = shard.vocab
+    return RankWeights(
+        embed_tokens=_rows(embed, v.start, v.count) if shard.has_embed else None,
+        layers=[_layer(hf, cfg, shard, i) for i in range(shard.layers.start, shard.layers.stop)],
+        norm=hf["model.norm.weight"] if shard.has_head else None,
+        lm_head=_rows(head, v.start, v.count) if shard.has_head else None,
+    )
