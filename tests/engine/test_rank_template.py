@@ -74,7 +74,7 @@ def test_a_forked_child_is_given_the_environment_directory_stderr_and_a_session(
     template's environment or directory, the stderr it was sent, its own session, numpy's generator reseeded."""
     def main(*args):
         with open(tmp_path / f"seen-{os.getpid()}.json", "w") as f:
-            json.dump(dict(args=args[:5], env=dict(os.environ), cwd=os.getcwd(), sid=os.getsid(0),
+            json.dump(dict(args=args[:4], env=dict(os.environ), cwd=os.getcwd(), sid=os.getsid(0),
                            stderr=os.readlink("/proc/self/fd/2"), draw=np.random.random()), f)
     stub = types.SimpleNamespace(__file__="stub.py", main=main)
     env = {"PHASEFLIP_SEEN": "yes", "PATH": os.environ.get("PATH", "")}
@@ -84,23 +84,33 @@ def test_a_forked_child_is_given_the_environment_directory_stderr_and_a_session(
         pids = []
         for _ in range(2):
             passed = os.dup(err.fileno())
-            pids.append(rank_template._fork(stub, ["1", "2", "tcp://x", "h:1", "ab"], env, str(tmp_path / "work"),
+            pids.append(rank_template._fork(stub, ["1", "2", "tcp://x", "h:1"], env, str(tmp_path / "work"),
                                             [2], [passed], ()))
             os.close(passed)
     for pid in pids:
         assert os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 0
     seen = [json.loads((tmp_path / f"seen-{pid}.json").read_text()) for pid in pids]
     for pid, s in zip(pids, seen):
-        assert s["args"] == [1, 2, "tcp://x", "h:1", "ab"]
+        assert s["args"] == [1, 2, "tcp://x", "h:1"]
         assert s["env"] == env and s["cwd"] == str(tmp_path / "work")
         assert s["sid"] == pid and s["stderr"] == str(tmp_path / "err.txt")
     assert seen[0]["draw"] != seen[1]["draw"]
 
 
 def test_fresh_interpreters_when_asked_and_a_bad_value_named(model, monkeypatch):
+    """Fresh interpreters: the listener's key travels in their environment, which only this user can
+    read, not on their command line, which every user can (/proc/PID/cmdline)."""
     monkeypatch.setenv("PHASEFLIP_RANK_TEMPLATE", "0")
     with boot(model) as llm:
         assert parents(llm) == {os.getpid()}
+        for pid in llm.ranks.pids:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                argv = f.read().split(b"\0")[:-1]
+            assert argv[1:3] == [b"-m", b"phaseflip.engine.ranks.process"] and len(argv) == 9, argv
+            assert argv[6].startswith(b"/"), "the control address is a socket path"
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                key = [v for v in f.read().split(b"\0") if v.startswith(b"PHASEFLIP_RANK_AUTHKEY=")]
+            assert len(key) == 1 and not any(key[0].split(b"=", 1)[1] in arg for arg in argv)
         assert len(llm.generate(["a b c"], GREEDY, use_tqdm=False)[0].outputs[0].token_ids) == 6
     monkeypatch.setenv("PHASEFLIP_RANK_TEMPLATE", "yes")
     with pytest.raises(ValueError, match=r"PHASEFLIP_RANK_TEMPLATE='yes': expected 1 .* or 0"):

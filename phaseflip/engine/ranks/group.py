@@ -17,7 +17,6 @@ from __future__ import annotations
 import multiprocessing as mp
 import multiprocessing.connection
 import os
-import queue
 import signal
 import socket
 import subprocess
@@ -25,6 +24,7 @@ import threading
 import time
 from contextlib import contextmanager
 
+from phaseflip.engine.ranks.listener import Acceptor, RankListener, admit
 from phaseflip.engine.ranks.progress import BootProgress
 from phaseflip.engine.ranks.process import load_checkpoint
 from phaseflip.engine.ranks.template import start_rank
@@ -97,14 +97,12 @@ class ProcessRanks:
         self.world_size, self.poll_s = world_size, poll_s
         self.dead: str | None = None
         self.torn: int | None = None  # a rank whose reply an exception may have cut mid-read
-        authkey = os.urandom(16)
         init_method = f"tcp://127.0.0.1:{_free_port()}"
-        with mp.connection.Listener(("127.0.0.1", 0), authkey=authkey) as listener:
-            host, port = listener.address
+        with RankListener() as listener:
             # A session of their own: a Ctrl-C at the terminal interrupts the controller (which keeps
             # the ranks in lockstep), not the ranks. They still die with the controller (PDEATHSIG).
-            self.procs = [start_rank([str(rank), str(world_size), init_method, f"{host}:{port}", authkey.hex()],
-                                     boot.device, _on_main_thread())
+            self.procs = [start_rank([str(rank), str(world_size), init_method, listener.control],
+                                     boot.device, _on_main_thread(), listener.secrets)
                           for rank in range(world_size)]
             self.pids = [p.pid for p in self.procs]
             self.conns = self._accept(listener)
@@ -117,11 +115,11 @@ class ProcessRanks:
             self.shutdown()
             raise
 
-    def _accept(self, listener, timeout_s: float = 60.0) -> list:
-        """Each rank connects back and names itself; one that dies first is noticed within poll_s.
-        Listener.accept takes no timeout: a thread accepts, and this loop polls what it hands over."""
+    def _accept(self, listener: RankListener, timeout_s: float = 60.0) -> list:
+        """Each rank connects back and names itself (listener.admit: only the processes started here,
+        each rank once); one that dies first is noticed within poll_s."""
         conns: dict[int, object] = {}
-        acceptor = _Acceptor(listener, self.world_size)
+        acceptor = Acceptor(listener)
         end = time.monotonic() + timeout_s
         try:
             while len(conns) < self.world_size:
@@ -131,8 +129,9 @@ class ProcessRanks:
                     self.shutdown_procs(0.0)  # the others wait for a boot that will never come
                     raise EngineDeadError(f"engine is dead: {reason}")
                 conn = acceptor.next(self.poll_s)
-                if conn is not None:
-                    conns[conn.recv()] = conn
+                rank = None if conn is None else admit(conn, self.pids, conns, self.world_size)
+                if rank is not None:
+                    conns[rank] = conn
         finally:
             acceptor.stop()
         return [conns[r] for r in range(self.world_size)]
@@ -267,51 +266,6 @@ class ProcessRanks:
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait(1.0)
-
-
-class _Acceptor:
-    """Accepts up to `count` connections on `listener` in a daemon thread and hands them over one at
-    a time, so the caller can wait with a timeout (Listener.accept has none)."""
-
-    def __init__(self, listener, count: int):
-        self.listener = listener
-        self.accepted: queue.Queue = queue.Queue()   # connections, or the exception that ended accepting
-        self.stopping = threading.Event()
-        self.thread = threading.Thread(target=self._run, args=(count,), name="phaseflip-accept", daemon=True)
-        self.thread.start()
-
-    def _run(self, count: int) -> None:
-        for _ in range(count):
-            try:
-                conn = self.listener.accept()
-            except Exception as e:  # noqa: BLE001 — raised by next() in the caller's thread
-                if not self.stopping.is_set():
-                    self.accepted.put(e)
-                return
-            if self.stopping.is_set():
-                conn.close()
-                return
-            self.accepted.put(conn)
-
-    def next(self, timeout_s: float):
-        """The next accepted connection, or None when none came within timeout_s."""
-        try:
-            got = self.accepted.get(timeout=timeout_s)
-        except queue.Empty:
-            return None
-        if isinstance(got, Exception):
-            raise got
-        return got
-
-    def stop(self) -> None:
-        """End the thread: a connection of our own wakes an accept still waiting (its handshake fails)."""
-        self.stopping.set()
-        if self.thread.is_alive():
-            try:
-                socket.create_connection(self.listener.address, timeout=1.0).close()
-            except OSError:
-                pass
-            self.thread.join(1.0)
 
 
 def _name(exc: BaseException) -> str:

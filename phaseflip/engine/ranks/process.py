@@ -2,8 +2,10 @@
 
 Owns: what every rank does to start, wherever it runs (load_checkpoint, set_threads, comm_device:
 shared with LocalRanks and the torchrun ranks), and the entry point of a spawned rank process,
-`python -m phaseflip.engine.ranks.process RANK WORLD_SIZE INIT_METHOD CONTROL AUTHKEY PARENT_PID PDEATHSIG`:
-it connects back to the controller's listener, joins the process group and serves commands until
+`python -m phaseflip.engine.ranks.process RANK WORLD_SIZE INIT_METHOD CONTROL PARENT_PID PDEATHSIG`
+(CONTROL: the listener's socket path, or HOST:PORT where the platform has no peer credentials): it
+connects back to the controller's listener with the key in $PHASEFLIP_RANK_AUTHKEY (hex; the
+environment, which only the same user can read, never the command line, which every user can), joins the process group and serves commands until
 Shutdown. It dies with the controller (PR_SET_PDEATHSIG plus a parent watchdog) and never outlives it.
 It must never import the controller's side (engine/ranks/group.py): a rank's failures travel to the
 controller as RankFailure replies, not as exceptions.
@@ -27,6 +29,8 @@ from phaseflip.layouts.comm import RankComm, init_group
 from phaseflip.layouts.messages import RankBoot
 from phaseflip.layouts.runtime import RankRuntime
 from phaseflip.layouts.worker import failure, serve
+
+AUTHKEY_ENV = "PHASEFLIP_RANK_AUTHKEY"   # the controller's listener key, hex: handed over in the environment
 
 
 def set_threads(boot: RankBoot, world_size: int) -> None:
@@ -59,13 +63,11 @@ def die_with_parent(parent_pid: int, pdeathsig: bool) -> None:
     threading.Thread(target=watch, daemon=True).start()
 
 
-def main(rank: int, world_size: int, init_method: str, control: str, authkey: str,
-         parent_pid: int, pdeathsig: bool) -> None:
+def main(rank: int, world_size: int, init_method: str, control: str, parent_pid: int, pdeathsig: bool) -> None:
     """Entry point of a rank process (`python -m phaseflip.engine.ranks.process ...`)."""
     die_with_parent(parent_pid, pdeathsig)
     faulthandler.register(signal.SIGUSR1)  # `kill -USR1 <pid>` prints every thread's stack
-    host, port = control.rsplit(":", 1)
-    conn = mp.connection.Client((host, int(port)), authkey=bytes.fromhex(authkey))
+    conn = connect_back(control, bytes.fromhex(os.environ.pop(AUTHKEY_ENV)))
     conn.send(rank)
     boot: RankBoot = conn.recv()
     set_threads(boot, world_size)
@@ -79,6 +81,13 @@ def main(rank: int, world_size: int, init_method: str, control: str, authkey: st
     os._exit(0)  # skip interpreter teardown: no hang in a half-closed process group
 
 
+def connect_back(control: str, authkey: bytes):
+    """The connection to the controller's listener: a socket path, or HOST:PORT."""
+    if control.startswith("/"):
+        return mp.connection.Client(control, family="AF_UNIX", authkey=authkey)
+    host, port = control.rsplit(":", 1)
+    return mp.connection.Client((host, int(port)), authkey=authkey)
+
+
 if __name__ == "__main__":
-    main(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4], sys.argv[5], int(sys.argv[6]),
-         sys.argv[7] == "1")
+    main(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4], int(sys.argv[5]), sys.argv[6] == "1")

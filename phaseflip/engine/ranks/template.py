@@ -55,9 +55,10 @@ _lock = threading.Lock()
 _template: "_Template | None" = None
 
 
-def start_rank(args: list[str], device: str, on_main_thread: bool):
-    """Rank process `args` (rank_process.main's first five arguments, as strings), forked by this
-    process's template on the CPU, else started as a fresh interpreter."""
+def start_rank(args: list[str], device: str, on_main_thread: bool, secrets: dict[str, str]):
+    """Rank process `args` (process.main's first four arguments, as strings) with `secrets` added to
+    its environment (never to its command line: /proc/PID/cmdline is readable by every user, environ by
+    the same user only), forked by this process's template on the CPU, else a fresh interpreter."""
     mode = os.environ.get("PHASEFLIP_RANK_TEMPLATE", "1")
     if mode not in ("0", "1"):
         raise ValueError(f"PHASEFLIP_RANK_TEMPLATE={mode!r}: expected 1 (fork CPU ranks from a template "
@@ -65,11 +66,11 @@ def start_rank(args: list[str], device: str, on_main_thread: bool):
     if device == "cpu" and mode == "1":
         template = _usable_template(on_main_thread)
         if template is not None:
-            handle = template.launch(args)
+            handle = template.launch(args, secrets)
             if handle is not None:
                 return handle
     return subprocess.Popen([sys.executable, "-m", RANK_MODULE, *args, str(os.getpid()), str(int(on_main_thread))],
-                            start_new_session=True)
+                            env={**os.environ, **secrets}, start_new_session=True)
 
 
 def _import_time_env(env) -> dict:
@@ -147,11 +148,12 @@ class _Template:
         with self.cond:
             return [pid for pid, code in self.codes.items() if code is None]
 
-    def launch(self, args: list[str], timeout_s: float = 60.0) -> RankHandle | None:
-        """A rank forked with these args, or None when the template could not (no rank starts there
-        after that; it is closed once its ranks are gone: closing it would take them along)."""
+    def launch(self, args: list[str], secrets: dict[str, str], timeout_s: float = 60.0) -> RankHandle | None:
+        """A rank forked with these args and `secrets` in its environment, or None when the template
+        could not (no rank starts there after that; it is closed once its ranks are gone: closing it
+        would take them along)."""
         fds = [fd for fd in (0, 1, 2) if _is_open(fd)]
-        request = pickle.dumps((args, dict(os.environ), os.getcwd(), fds))
+        request = pickle.dumps((args, {**os.environ, **secrets}, os.getcwd(), fds))
         with self.launching:
             try:
                 socket.send_fds(self.sock, [request], fds)
@@ -297,7 +299,7 @@ def _fork(rank_process, args: list[str], env: dict, cwd: str, fd_targets: list[i
         _reseed()
         _map(resident)
         sys.argv = [rank_process.__file__, *args]
-        rank_process.main(int(args[0]), int(args[1]), args[2], args[3], args[4], os.getppid(), True)
+        rank_process.main(int(args[0]), int(args[1]), args[2], args[3], os.getppid(), True)
     except BaseException:   # noqa: BLE001 — a fresh interpreter would print it and exit 1
         import traceback
         traceback.print_exc()
