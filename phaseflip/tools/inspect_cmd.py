@@ -2,7 +2,7 @@
 
 Owns: reading a boot manifest (or booting to get one), printing it as tables (captured steps per
 layout and phase, the ledger per rank for both layouts side by side, the boot timeline, the flips),
-`--json`, `--svg FILE` (tools/svg.py) and `--dot FILE --step LAYOUT:PHASE:BUCKET`.
+`--json`, `--svg FILE` (tools/svg.py) and `--dot FILE` (tools/dot.py).
 """
 from __future__ import annotations
 
@@ -130,16 +130,14 @@ def _boot_manifest(model, world_size, layouts) -> dict:
 @click.argument("manifest", required=False, type=click.Path(dir_okay=False))
 @click.option("--json", "as_json", is_flag=True, help="Print the manifest as JSON.")
 @click.option("--svg", "svg_path", type=click.Path(dir_okay=False), help="Draw memory bars and flip timelines here.")
-@click.option("--dot", "dot_path", type=click.Path(dir_okay=False), help="Dump one CUDA graph as DOT (needs --step).")
-@click.option("--step", default=None, help="LAYOUT:PHASE:BUCKET for --dot, e.g. tp:decode:8.")
+@click.option("--dot", "dot_path", type=click.Path(dir_okay=False),
+              help="Write the layouts, their captured steps and the flips as Graphviz text here.")
 @click.option("--model", default=None, help="Boot this model (HF dir; default the embedded one) and inspect it.")
 @click.option("--world-size", type=int, default=None, help="With --model/--boot: ranks.")
 @click.option("--layouts", default=None, help="With --model/--boot: pp,tp | pp | tp.")
 @click.option("--boot", "do_boot", is_flag=True, help="Boot (the default model unless --model) instead of reading a file.")
-def inspect(manifest, as_json, svg_path, dot_path, step, model, world_size, layouts, do_boot):
+def inspect(manifest, as_json, svg_path, dot_path, model, world_size, layouts, do_boot):
     """Show what a boot captured and where memory went. MANIFEST defaults to the last boot's."""
-    if dot_path:
-        raise click.BadParameter(_dot_unavailable(step), param_hint="--dot")
     if model or do_boot or world_size is not None:
         m = _boot_manifest(model, 1 if world_size is None else world_size, layouts)
     else:
@@ -152,11 +150,8 @@ def inspect(manifest, as_json, svg_path, dot_path, step, model, world_size, layo
         from phaseflip.tools.svg import render_svg
         Path(svg_path).write_text(render_svg(m))
         click.echo(f"wrote {svg_path}")
+    if dot_path:
+        from phaseflip.tools.dot import render_dot
+        Path(dot_path).write_text(render_dot(m))
+        click.echo(f"wrote {dot_path}")
     click.echo(json.dumps(m, indent=2) if as_json else render_text(m))
-
-
-def _dot_unavailable(step: str | None) -> str:
-    if not step:
-        return "--dot needs --step LAYOUT:PHASE:BUCKET"
-    return (f"--dot {step}: DOT dumps come from a live CUDA graph (torch.cuda.CUDAGraph.debug_dump); "
-            "this manifest's steps were recorded by a CPU backend, which has no graph to dump")

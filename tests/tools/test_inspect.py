@@ -106,10 +106,24 @@ def test_inspect_boots_a_model_without_generating(tiny_model_dir):
     assert {s["layout"] for s in m["steps"]} == {"pp", "tp"} and m["flips"] == []
 
 
-def test_dot_needs_a_cuda_graph(manifest):
-    _, _, path = manifest
-    result = CliRunner().invoke(main, ["inspect", str(path), "--dot", "x.dot", "--step", "tp:decode:8"])
-    assert result.exit_code != 0 and "CUDA graph" in result.output
+def test_dot_draws_the_layouts_their_steps_and_the_flips(manifest, tmp_path):
+    m, _, path = manifest
+    out = tmp_path / "m.dot"
+    result = CliRunner().invoke(main, ["inspect", str(path), "--dot", str(out)])
+    assert result.exit_code == 0, result.output
+    text = out.read_text()
+    assert text.startswith("digraph phaseflip {") and text.rstrip().endswith("}")
+    assert text.count("{") == text.count("}") and text.count('"') % 2 == 0
+    steps = {f'"{s["layout"]}:{s["phase"]}:{s["bucket"]}"' for s in m["steps"] if s["rank"] == 0}
+    declared = {line.split(" [")[0].strip() for line in text.splitlines() if "shape=ellipse" in line}
+    assert declared == steps and {'"layout pp"', '"layout tp"'} <= {
+        line.split(" [")[0].strip() for line in text.splitlines() if "shape=box" in line}
+    flips = [line for line in text.splitlines() if "style=bold" in line]
+    for direction in ("pp->tp", "tp->pp"):
+        n = sum(1 for e in m["flips"] if e["direction"] == direction)
+        (edge,) = [line for line in flips if f"{direction}: " in line]
+        source, target = direction.split("->")
+        assert edge.strip().startswith(f'"layout {source}" -> "layout {target}"') and f"{n} flip(s)" in edge
 
 
 def test_missing_manifest_is_a_clear_error(tmp_path):
