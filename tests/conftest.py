@@ -20,7 +20,8 @@ def _private_cache(tmp_path_factory):
     builds anew, into the temp dir). Compiled graphs go to one suite-wide dir in the system's temp dir
     (unless the user named inductor's and Triton's): a session that compiled every graph cold would not
     fit the suite's 10 minutes; inductor keys its entries by what they were compiled from."""
-    from phaseflip.engine.checkpoint.default_model import DEFAULT_MODEL_NAME, cache_dir, is_complete
+    from phaseflip.cache import cache_dir
+    from phaseflip.engine.checkpoint.default_model import DEFAULT_MODEL_NAME, is_complete
     users = cache_dir()
     private = tmp_path_factory.mktemp("phaseflip-cache")
     if is_complete(users / DEFAULT_MODEL_NAME):
@@ -31,6 +32,7 @@ def _private_cache(tmp_path_factory):
             (private / "kernels" / built.name).symlink_to(built)
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("PHASEFLIP_CACHE", str(private))
+        mp.setenv("PHASEFLIP_RANK_TEMPLATE_IDLE_S", "60")   # warm across the suite's boots, not 3 s
         for name, path in cache_dirs(os.path.join(tempfile.gettempdir(), "phaseflip-tests-compile")).items():
             mp.setenv(name, path)
         yield users

@@ -138,6 +138,10 @@ def _boot_manifest(model, world_size, layouts) -> dict:
 @click.option("--boot", "do_boot", is_flag=True, help="Boot (the default model unless --model) instead of reading a file.")
 def inspect(manifest, as_json, svg_path, dot_path, model, world_size, layouts, do_boot):
     """Show what a boot captured and where memory went. MANIFEST defaults to the last boot's."""
+    for hint, out in (("--svg", svg_path), ("--dot", dot_path)):
+        if out and not Path(out).resolve().parent.is_dir():
+            raise click.BadParameter(f"{out}: its directory {Path(out).resolve().parent} does not exist",
+                                     param_hint=hint)
     if model or do_boot or world_size is not None:
         m = _boot_manifest(model, 1 if world_size is None else world_size, layouts)
     else:

@@ -118,7 +118,7 @@ def test_fresh_interpreters_when_asked_and_a_bad_value_named(model, monkeypatch)
 
 
 def test_a_changed_import_time_variable_gets_a_new_template_and_the_old_one_leaves(model, monkeypatch):
-    monkeypatch.setattr(rank_template, "IDLE_S", 1.0)
+    monkeypatch.setenv("PHASEFLIP_RANK_TEMPLATE_IDLE_S", "1.0")
     monkeypatch.setenv("TORCH_PHASEFLIP_TEST_MARK", "before")   # TORCH*: torch may read such at import
     with boot(model) as first:
         (old,) = parents(first)
@@ -148,9 +148,29 @@ def test_a_killed_template_takes_its_ranks_and_the_engine_says_so(model, monkeyp
 
 
 def test_an_idle_template_leaves(model, monkeypatch):
-    monkeypatch.setattr(rank_template, "IDLE_S", 0.5)
+    monkeypatch.setenv("PHASEFLIP_RANK_TEMPLATE_IDLE_S", "0.5")
     monkeypatch.setenv("TORCH_PHASEFLIP_TEST_MARK", "idle")   # a template started with this idle time
     with boot(model) as llm:
         (template,) = parents(llm)
         assert alive(template)
     assert wait_gone([template], 10.0) == [], "the template stayed with no rank to serve"
+
+
+def test_no_process_of_the_engine_outlives_shutdown_by_10_s(model, monkeypatch):
+    """By default (no PHASEFLIP_RANK_TEMPLATE_IDLE_S) a template leaves a few seconds after its last
+    rank: nothing the engine started is alive 10 s after shutdown()."""
+    import psutil
+    monkeypatch.delenv("PHASEFLIP_RANK_TEMPLATE_IDLE_S")
+    monkeypatch.setenv("TORCH_PHASEFLIP_TEST_MARK", "default-idle")   # a template started now, with the default
+    before = {p.pid for p in psutil.Process().children(recursive=True)}
+    with boot(model) as llm:
+        started = {p.pid for p in psutil.Process().children(recursive=True)} - before
+        assert set(llm.ranks.pids) <= started and any(is_template(pid) for pid in started)
+    assert wait_gone(sorted(started), 10.0) == [], "a process of the engine outlived shutdown() by 10 s"
+
+
+def test_a_bad_idle_time_is_named(model, monkeypatch):
+    monkeypatch.setenv("PHASEFLIP_RANK_TEMPLATE_IDLE_S", "soon")
+    monkeypatch.setenv("TORCH_PHASEFLIP_TEST_MARK", "bad-idle")
+    with pytest.raises(ValueError, match=r"PHASEFLIP_RANK_TEMPLATE_IDLE_S='soon': expected the seconds"):
+        boot(model)

@@ -17,11 +17,13 @@ torch's default generator is, as in a fresh process, at its default seed); its e
 controller through the template. It dies with the controller: the template dies with it
 (as a rank does: PR_SET_PDEATHSIG when started from the controller's main thread, and a watch on its
 parent; also the end of its socket) and every rank dies with the template (PR_SET_PDEATHSIG). The template
-exits on its own after IDLE_S with no live rank.
+exits on its own once it has had no live rank for IDLE_S seconds (PHASEFLIP_RANK_TEMPLATE_IDLE_S, read
+when a template starts; a few seconds by default, so no process of the engine outlives its shutdown by
+more; a notebook or a sweep that boots engines back to back may keep it longer).
 
 A new template replaces the one that was started under another working directory or another value of
 a variable that a library may read when it is imported (IMPORT_TIME_ENV), or that failed to start a
-rank; the old one is closed at once when idle, else when its ranks are gone and IDLE_S has passed.
+rank; the old one is closed at once when idle, else when its ranks are gone and its idle time has passed.
 A fresh interpreter starts the rank instead (as without the template): on CUDA (a forked process must
 not inherit a CUDA driver state), with PHASEFLIP_RANK_TEMPLATE=0, and for a rank the template failed
 to start.
@@ -41,7 +43,8 @@ import threading
 import time
 import warnings
 
-IDLE_S = 60.0
+IDLE_S = 3.0   # seconds a template with no live rank lives on, unless PHASEFLIP_RANK_TEMPLATE_IDLE_S says
+IDLE_ENV = "PHASEFLIP_RANK_TEMPLATE_IDLE_S"
 # Variables a library or the interpreter may read when the template imports torch (OpenMP, BLAS,
 # allocators, torch's own): a template started under other values would give its ranks stale ones.
 # The rest (PHASEFLIP_*, a test runner's own) is read at run time: a rank gets the controller's values.
@@ -73,6 +76,21 @@ def start_rank(args: list[str], device: str, on_main_thread: bool, secrets: dict
                             env={**os.environ, **secrets}, start_new_session=True)
 
 
+def idle_s() -> float:
+    """PHASEFLIP_RANK_TEMPLATE_IDLE_S as seconds >= 0, else IDLE_S; a bad value is named."""
+    text = os.environ.get(IDLE_ENV)
+    if text is None:
+        return IDLE_S
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not value >= 0 or value == float("inf"):
+        raise ValueError(f"{IDLE_ENV}={text!r}: expected the seconds (a number >= 0) a rank template with no "
+                         "rank lives on")
+    return value
+
+
 def _import_time_env(env) -> dict:
     return {k: v for k, v in env.items() if k.startswith(IMPORT_TIME_ENV)}
 
@@ -84,7 +102,7 @@ def _usable_template(on_main_thread: bool) -> "_Template | None":
         if t is not None and t.alive() and t.env == _import_time_env(os.environ) and t.cwd == os.getcwd():
             return t
         if t is not None and not t.live_ranks():
-            t.close()   # else it serves its ranks to the end and leaves IDLE_S later
+            t.close()   # else it serves its ranks to the end and leaves once idle long enough
         _template = _Template(on_main_thread)
         return _template
 
@@ -126,10 +144,11 @@ class _Template:
     """The controller's end: the template process, its socket and the exits it reported."""
 
     def __init__(self, on_main_thread: bool):
+        idle = idle_s()
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         self.env, self.cwd, self.owner = _import_time_env(os.environ), os.getcwd(), os.getpid()
         self.proc = subprocess.Popen([sys.executable, "-m", MODULE, str(os.getpid()), str(int(on_main_thread)),
-                                      str(theirs.fileno()), str(IDLE_S)], pass_fds=[theirs.fileno()],
+                                      str(theirs.fileno()), str(idle)], pass_fds=[theirs.fileno()],
                                      start_new_session=True)
         theirs.close()
         self.sock = ours
@@ -210,7 +229,7 @@ def _is_open(fd: int) -> bool:
 
 
 # -- the template process ------------------------------------------------------------------------------
-def serve(controller_pid: int, pdeathsig: bool, fd: int, idle_s: float) -> None:
+def serve(controller_pid: int, pdeathsig: bool, fd: int, idle_limit_s: float) -> None:
     """Import what a rank imports, then fork a rank per request until the controller goes away."""
     import phaseflip.engine.ranks.process as rank_process   # the import each fresh rank would pay
     rank_process.die_with_parent(controller_pid, pdeathsig)   # as a rank does with its parent
@@ -226,7 +245,7 @@ def serve(controller_pid: int, pdeathsig: bool, fd: int, idle_s: float) -> None:
     signal.signal(signal.SIGCHLD, lambda *_: None)   # a child's exit wakes the select below
     live: set[int] = set()
     idle_since = time.monotonic()
-    while live or time.monotonic() - idle_since < idle_s:
+    while live or time.monotonic() - idle_since < idle_limit_s:
         ready, _, _ = select.select([sock, wake_r], [], [], 1.0)
         if wake_r in ready:
             while _drained(wake_r):
