@@ -11,6 +11,8 @@ from __future__ import annotations
 import statistics
 from collections import defaultdict
 
+from phaseflip.tools.inspect_cmd import shard_text
+
 COMPONENTS = ("read_ms", "exchange_ms", "refill_ms", "write_ms", "cutover_ms")
 
 
@@ -19,9 +21,7 @@ def _quote(s: str) -> str:
 
 
 def _layout_label(name: str, shards: list[dict]) -> str:
-    rows = [f"rank {s['rank']}: layers {s['layers'][0]}-{s['layers'][1]}, kv heads {s['kv_heads'][0]}-"
-            f"{s['kv_heads'][1]}, mlp {s['mlp'][0]}-{s['mlp'][1]}" for s in shards]
-    return "\n".join([f"layout {name}", *rows])
+    return "\n".join([f"layout {name}", *(shard_text(s) for s in shards)])
 
 
 def _step_lines(m: dict) -> list[str]:

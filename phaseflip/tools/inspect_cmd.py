@@ -99,14 +99,18 @@ def _where(e: dict) -> str:
     return str(e["failed_stage"]) + ("" if chunk is None else f" (chunk {chunk} of {e['chunks']})")
 
 
+def shard_text(s: dict) -> str:
+    """One rank's shard of a layout, as the manifest gives it."""
+    return (f"rank {s['rank']} layers {s['layers'][0]}-{s['layers'][1]} kv heads {s['kv_heads'][0]}-"
+            f"{s['kv_heads'][1]} mlp {s['mlp'][0]}-{s['mlp'][1]}")
+
+
 def render_text(m: dict) -> str:
     head = [f"phaseflip manifest: {m['model']['dir']} ({m['model']['architecture']}, {m['dtype']}, "
             f"{m['device']}), world size {m['world_size']}, layouts {','.join(m['layouts'])}, "
             f"active {m['active_layout']}; KV {m['kv']['num_blocks']} blocks of {m['kv']['block_size']}"]
     for lay, shards in m["layouts"].items():
-        head.append(f"  {lay}: " + "; ".join(
-            f"rank {s['rank']} layers {s['layers'][0]}-{s['layers'][1]} kv heads {s['kv_heads'][0]}-{s['kv_heads'][1]}"
-            f" mlp {s['mlp'][0]}-{s['mlp'][1]}" for s in shards))
+        head.append(f"  {lay}: " + "; ".join(shard_text(s) for s in shards))
     head += [f"  note: {n}" for n in m["plan"]["notes"]]
     pc = m.get("prefix_cache")  # absent from older manifests
     if pc and pc.get("enabled"):
