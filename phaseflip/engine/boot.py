@@ -208,5 +208,6 @@ def rank_boot(cfg: EngineConfig, plan: BootPlan) -> RankBoot:
                     max_model_len=plan.max_model_len, park=cfg.park, seed=cfg.seed,
                     capture=not cfg.enforce_eager, num_threads=cfg.num_threads,
                     compile=resolve_compile(cfg.compile), compile_cache_dir=str(cache_dir() / "compile"),
+                    remeasure=cfg.remeasure,
                     budgets_bytes=plan.budgets_bytes,
                     flip_staging_bytes=None if cfg.flip_staging_mib is None else int(cfg.flip_staging_mib * 2**20))

@@ -52,6 +52,7 @@ class EngineConfig:
     rank_memory_gib: tuple[float, ...] | None = None  # memory budget per rank for the ledger (CPU);
                                                       # None = RAM / world_size (CPU), the device (CUDA)
     compile: str | None = None          # auto | on | off; None = $PHASEFLIP_COMPILE, else auto
+    remeasure: bool = False             # measure the boot's choices though an earlier boot recorded them
     policy: str = "throughput"          # which layout runs next: throughput | latency | drain
     ttft_budget_s: float | None = None  # policy="latency": the time-to-first-token budget
     def __post_init__(self):
@@ -88,6 +89,8 @@ class EngineConfig:
         require((self.policy == "latency") == (self.ttft_budget_s is not None),
                 f"ttft_budget_s={self.ttft_budget_s!r} is invalid with policy={self.policy!r}: "
                 f"policy='latency' needs a ttft_budget_s > 0, the others take none")
+        require(isinstance(self.remeasure, bool),
+                f"remeasure={self.remeasure!r} is invalid: must be True or False")
         require(self.compile in (None, "auto", "on", "off"),
                 f"compile={self.compile!r} is invalid: allowed are auto, on, off (or None)")
         for name in ("pp_split", "tp_kv_split", "rank_budgets", "rank_memory_gib"):

@@ -6,7 +6,8 @@ one, oneDNN padded to its ladder or the few-rows kernel), `choose_wide_forms` (m
 wide form or the ladder's product), `choose_gemv` (a compiled step's one-row products: inductor's
 reductions or the eager product, over a pass of the layers), `choose_ladder_form` (bfloat16 on the
 ladder: the library's bf16 product or float32 on oneDNN) and `_measured`, every report of this process
-by (what, dtype, model). Each choice writes the report linear.py's products of the dtype then follow
+by (what, dtype, model); each takes `recorded`, the report an earlier boot measured, in place of
+measuring (layouts/boot_record.py). Each choice writes the report linear.py's products of the dtype then follow
 (linear._small_reports, _wide_reports, _gemv_reports, _ladder_reports): the last model measured.
 """
 from __future__ import annotations
@@ -29,7 +30,8 @@ LADDER_PROBE_ROWS = 128   # the rows (a prefill chunk) bfloat16's two ladder for
 _measured: dict[tuple, dict] = {}
 
 
-def choose_gemv(layers: list[tuple[torch.Tensor, ...]], repeats: int = 3, model=None) -> dict:
+def choose_gemv(layers: list[tuple[torch.Tensor, ...]], repeats: int = 3, model=None,
+                recorded: dict | None = None) -> dict:
     """Measure once per process, dtype and model (_once) whether a compiled step's one-row products are
     faster as inductor's reductions or as the eager product (the measured small-rows form, as the step
     calls it),
@@ -39,7 +41,8 @@ def choose_gemv(layers: list[tuple[torch.Tensor, ...]], repeats: int = 3, model=
     over the layers tells them apart. Call before any step is traced (the choice is read then).
     bfloat16 where the kernel serves takes it without a pass (BF16_KERNEL). Returns the report."""
     dtype, weights = layers[0][0].dtype, [w for layer in layers for w in layer]
-    return _once(lin._gemv_reports, "gemv", dtype, model, weights, partial(_gemv_passes, layers, repeats))
+    return _once(lin._gemv_reports, "gemv", dtype, model, weights, partial(_gemv_passes, layers, repeats),
+                 recorded)
 
 
 def _gemv_passes(layers: list[tuple[torch.Tensor, ...]], repeats: int) -> dict:
@@ -99,17 +102,22 @@ def _alternating_ms(runs: dict, rounds: int) -> dict[str, float]:
     return ms
 
 
-def _once(reports: dict, what: str, dtype: torch.dtype, model, weights: list[torch.Tensor], measure) -> dict:
-    """`what`'s report for (dtype, model), measure() on the first call for them; it becomes the one dtype's
-    products follow. model: any hashable naming the model (None: the shapes of `weights`)."""
+def _once(reports: dict, what: str, dtype: torch.dtype, model, weights: list[torch.Tensor], measure,
+          recorded: dict | None = None) -> dict:
+    """`what`'s report for (dtype, model), measure() on the first call for them (or `recorded`, a report an
+    earlier boot measured: layouts/boot_record.py); it becomes the one dtype's products follow. model: any
+    hashable naming the model (None: the shapes of `weights`)."""
     key = (what, dtype, model if model is not None else tuple(sorted({tuple(w.shape) for w in weights})))
-    if key not in _measured:
+    if recorded is not None:
+        _measured[key] = recorded
+    elif key not in _measured:
         _measured[key] = measure()
     reports[dtype] = _measured[key]
     return reports[dtype]
 
 
-def choose_ladder_form(weights: list[torch.Tensor], passes: int = 2, model=None) -> dict:
+def choose_ladder_form(weights: list[torch.Tensor], passes: int = 2, model=None,
+                       recorded: dict | None = None) -> dict:
     """Measure once per process and model (_once) whether bfloat16 products on the ladder run faster as the
     library's bf16 product or widened to float32 on oneDNN's ladder: LADDER_PROBE_ROWS rows times each of
     `weights` (one layer's projections: GEMM-bound, one layer tells), alternating, best of `passes`. On a
@@ -127,10 +135,11 @@ def choose_ladder_form(weights: list[torch.Tensor], passes: int = 2, model=None)
         ms = _alternating_ms({name: lambda p=product: [p(xs[w.shape[1]], w) for w in weights]
                               for name, product in forms.items()}, passes)
         return {"choice": min(ms, key=ms.get), "ms": ms, "rows": LADDER_PROBE_ROWS, "weights": len(weights)}
-    return _once(lin._ladder_reports, "ladder", torch.bfloat16, model, weights, measure)
+    return _once(lin._ladder_reports, "ladder", torch.bfloat16, model, weights, measure, recorded)
 
 
-def choose_small_forms(weights: list[torch.Tensor], passes: int = 2, model=None) -> dict:
+def choose_small_forms(weights: list[torch.Tensor], passes: int = 2, model=None,
+                       recorded: dict | None = None) -> dict:
     """Measure once per process, dtype and model (_once) which form multiplies 1, 2 and SMALL_BATCH rows fastest:
     each form runs over every weight in turn (a step's projections, read as a step reads them), the best of
     `passes` passes. Returns the report: the ms of each form per row count, the choice and what it was
@@ -144,7 +153,7 @@ def choose_small_forms(weights: list[torch.Tensor], passes: int = 2, model=None)
     def measure() -> dict:
         return _forms_report({m: {f: _best_pass_ms(f, _rows(m, weights), weights, passes) for f in forms}
                               for m in lin.MEASURED_ROWS}, weights)
-    return _once(lin._small_reports, "small", dtype, model, weights, measure)
+    return _once(lin._small_reports, "small", dtype, model, weights, measure, recorded)
 
 
 def _rows(m: int, weights: list[torch.Tensor]) -> dict[int, torch.Tensor]:
@@ -168,7 +177,8 @@ def _best_pass_ms(form: str, xs: dict[int, torch.Tensor], weights: list[torch.Te
     return _best_ms(one_pass, passes)
 
 
-def choose_wide_forms(weights: list[torch.Tensor], passes: int = 2, model=None) -> dict:
+def choose_wide_forms(weights: list[torch.Tensor], passes: int = 2, model=None,
+                      recorded: dict | None = None) -> dict:
     """Measure once per process, dtype and model (_once) whether products of more than SMALL_BATCH rows
     run faster on the few-rows kernel (x transposed, each weight value broadcast over 16 rows of x) or on the
     ladder's product (oneDNN in float32, the library's in bfloat16): at each of lin.WIDE_ROWS, the two
@@ -190,4 +200,4 @@ def choose_wide_forms(weights: list[torch.Tensor], passes: int = 2, model=None) 
             table[m] = _alternating_ms({name: lambda p=product: [p(xs[w.shape[1]], w, None) for w in timed]
                                         for name, product in products.items()}, passes)
         return {**_forms_report(table, weights), "one_layer_above_rows": WIDE_LAYER_ROWS}
-    return _once(lin._wide_reports, "wide", dtype, model, weights, measure)
+    return _once(lin._wide_reports, "wide", dtype, model, weights, measure, recorded)

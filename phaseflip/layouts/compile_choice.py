@@ -6,98 +6,166 @@ one-row head in `_prepare_head`); on CUDA with compile="auto" by capturing both 
 timing their replays (`_choose_by_replay`, from `capture_all`). It fills the runner's `choices`
 ((role, bucket) -> "compiled" | "eager"), `compiled_steps`, `compiled_head` and `compile_report` (every
 choice with the numbers it was made from), and reads the runner's step function, buffers and shapes.
+A boot with a record of these choices for its key (layouts/boot_record.py) takes them and measures
+nothing; a compiled step is kept only where it was measured at least MIN_GAIN faster than eager.
 """
 from __future__ import annotations
 
 import functools
 import time
+from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
+from phaseflip.graphs import saved_steps
 from phaseflip.graphs.capture import StepKey, capture_cuda
 from phaseflip.graphs.compile import compile_region, compile_whole_step, time_alternating, time_replays
+from phaseflip.graphs.saved_steps import SavedSteps, wrapper_options
 from phaseflip.kernels.linear import GEMV_ROWS, gemv_reduces
-from phaseflip.layouts.forward import compute_logits, decoder_layer
+from phaseflip.layouts.comm import NoComm
+from phaseflip.layouts.forward import compute_logits, decoder_layer, forward
+from phaseflip.layouts.kvcache import KVView
+from phaseflip.layouts.model_config import ModelConfig
+from phaseflip.layouts.shard import RankShard
+from phaseflip.layouts.weights import RankWeights
+from phaseflip.layouts.boot_record import BootRecord
 from phaseflip.layouts.messages import Phase
+
+MIN_GAIN = 0.05   # compile="auto" keeps a compiled step only this much faster than eager (compile costs boot)
 
 
 class CompileChoice:
     """Mixed into LayoutRunner (which sets choices, compiled_steps, compiled_head, compile_report,
     measure_graphs and provides step_fn, _phase_sizes, _sizes, _views, buffers, weights, shard)."""
 
-    def _compiled_steps(self, cuda: bool) -> dict[Phase, object]:
+    def _compiled_steps(self, cuda: bool, saved_dir: Path | None) -> dict[Phase, object]:
         """The compiled step of each role. Prefill (and every role on CUDA, where a CUDA graph replays
         the step and host overhead is gone anyway): the decoder layer compiled once, reused by every
         layer and bucket. CPU decode: the whole step, every layer in ONE graph: per layer, graph entry,
         guard checks and wrapper calls would be a sizeable share of a batch-1 token; with inductor's
-        wrapper in C++ (compile_whole_step) the step is faster still. Its graphs (batch 1, 2, and one
-        dynamic graph for the larger buckets) take tens of seconds each to compile cold, seconds to load
-        warm."""
+        wrapper in C++ the step is faster still. Where its layers reduce nothing between ranks (one
+        graph, no break at a collective) and this torch saves compiled functions, its graphs are kept
+        under saved_dir and a later boot loads them (graphs/saved_steps.py); else torch.compile traces
+        it at every boot (inductor's caches keep its code), a DirectStep at capture."""
         layer_step = functools.partial(self.step_fn, layer_fn=compile_region(decoder_layer))
-        return {Phase.PREFILL: layer_step, Phase.DECODE: layer_step if cuda else compile_whole_step(self.step_fn)}
+        if cuda:
+            return {Phase.PREFILL: layer_step, Phase.DECODE: layer_step}
+        whole = (SavedSteps(_whole_step, self._step_state(), saved_dir / "decode", wrapper_options())
+                 if saved_dir is not None and self.shard.tp_size == 1 and saved_steps.available()
+                 else compile_whole_step(self.step_fn))
+        return {Phase.PREFILL: layer_step, Phase.DECODE: whole}
 
-    def prepare_compiled(self, mode: str, cuda: bool) -> None:
+    def prepare_compiled(self, mode: str, cuda: bool, record: BootRecord | None = None) -> None:
         """Compile each role's step (boot only; see _compiled_steps). compile="on", and CUDA: every step
         runs compiled. "auto" on the CPU: the decode step at 1 and 2 rows and at its largest bucket, and
-        the prefill role at its smallest bucket, keep the compiled step only where it is measured
-        faster than eager; a bucket between takes the choice of the largest (they share its dynamic
-        graph). At 1 row the eager step runs the fused layers where they serve (kernels/fused_layer.py),
-        so there this sets inductor's step against the hand-written one. "auto" on CUDA: every bucket is
-        measured as CUDA graphs at capture (_choose_by_replay). Every choice is reported with the
-        numbers it was made from."""
+        the prefill role at its smallest bucket, keep the compiled step only where it is measured at
+        least MIN_GAIN faster than eager; a bucket between takes the choice of the largest (they share
+        its dynamic graph). At 1 row the eager step runs the fused layers where they serve
+        (kernels/fused_layer.py), so there this sets inductor's step against the hand-written one.
+        "auto" on CUDA: every bucket is measured as CUDA graphs at capture (_choose_by_replay). Where
+        `record` holds an earlier boot's choices for this key (layouts/boot_record.py), they are taken
+        and nothing is measured: only the buckets chosen compiled are compiled (or loaded). Every
+        choice is reported with the numbers it was made from."""
         if mode == "off":
             for phase in Phase:
                 self.compile_report[phase.value] = {"choice": "eager", "reason": "compile='off'"}
             return
-        self.compiled_steps = self._compiled_steps(cuda)
-        measure = mode == "auto" and not cuda
-        self.measure_graphs = mode == "auto" and cuda
+        self.compiled_steps = self._compiled_steps(cuda, None if record is None else record.steps_dir)
+        recorded = {phase: record.get(phase.value) for phase in Phase} if record is not None else {}
+        use_record = all(r is not None and "choices" in r for r in recorded.values()) and bool(recorded)
+        measure = mode == "auto" and not cuda and not use_record
+        self.measure_graphs = mode == "auto" and cuda and not use_record
         if not cuda and self.shard.has_head:
-            self._prepare_head(measure)
+            self._prepare_head(measure, record.get("head") if use_record else None)
         for phase in Phase:
             t0 = time.perf_counter()
-            sizes = self._phase_sizes(phase)
-            # the buckets timed at boot: decode at 1 row (its own graph: 0/1 specialisation), 2 rows
-            # (the dynamic graph's first size) and the largest, since from 4 rows up the two measure
-            # within a few % at every bucket and timing each bucket costs seconds of boot; prefill at its
-            # smallest bucket (its dynamic graph serves the others; larger chunks are GEMM-bound)
-            probed = (sizes[:2] + sizes[2:][-1:]) if phase is Phase.DECODE else sizes[:1]
-            compiled = self.compiled_steps[phase]
-            report = {b: self._measure(compiled, self._views(sz), measure) for b, sz in probed}
-            for b, _ in sizes:
-                self.choices[(phase.value, b)] = report.get(b, report[probed[-1][0]])["choice"]
-            unprobed = [sz for b, sz in sizes if b not in report and self.choices[(phase.value, b)] == "compiled"]
-            if unprobed:  # a second size makes the token dimension dynamic: that graph, which serves
-                compiled(self._views(unprobed[0]))  # every larger bucket, compiles now, not mid-serving
-            picked = {self.choices[(phase.value, b)] for b, _ in sizes}
-            self.compile_report[phase.value] = {
-                "choice": picked.pop() if len(picked) == 1 else "per bucket",
-                "boot_ms": (time.perf_counter() - t0) * 1e3, "buckets": report,
-                "rule": ("measured: decode at 1, 2 and its largest bucket (those between take the largest's "
-                         "choice); prefill at its smallest bucket, for all" if measure
-                         else f"compile={mode!r}{' on cuda' if cuda else ''}: compiled everywhere")}
+            if use_record:
+                self._adopt(phase, recorded[phase])
+            else:
+                self._choose(phase, mode, measure)
+            self.compile_report[phase.value]["boot_ms"] = (time.perf_counter() - t0) * 1e3
+            step = self.compiled_steps[phase]
+            if isinstance(step, SavedSteps):   # which saved graphs it loaded, which it compiled and saved
+                self.compile_report[phase.value]["saved_steps"] = step.report
 
-    def _prepare_head(self, measure: bool) -> None:
+    def _choose(self, phase: Phase, mode: str, measure: bool) -> None:
+        """One role's choice per bucket by measurement (compile="auto" on the CPU), or compiled everywhere."""
+        sizes = self._phase_sizes(phase)
+        # the buckets timed at boot: decode at 1 row (its own graph: 0/1 specialisation), 2 rows
+        # (the dynamic graph's first size) and the largest, since from 4 rows up the two measure
+        # within a few % at every bucket and timing each bucket costs seconds of boot; prefill at its
+        # smallest bucket (its dynamic graph serves the others; larger chunks are GEMM-bound)
+        probed = (sizes[:2] + sizes[2:][-1:]) if phase is Phase.DECODE else sizes[:1]
+        compiled = self.compiled_steps[phase]
+        report = {b: self._measure(compiled, self._views(sz), measure) for b, sz in probed}
+        for b, _ in sizes:
+            self.choices[(phase.value, b)] = report.get(b, report[probed[-1][0]])["choice"]
+        unprobed = [sz for b, sz in sizes if b not in report and self.choices[(phase.value, b)] == "compiled"]
+        if unprobed:  # a second size makes the token dimension dynamic: that graph, which serves
+            compiled(self._views(unprobed[0]))  # every larger bucket, compiles now, not mid-serving
+        self.compile_report[phase.value] = {
+            "choice": self._picked(phase), "buckets": report, "choices": self._role_choices(phase),
+            "rule": (f"measured: decode at 1, 2 and its largest bucket (those between take the largest's "
+                     f"choice); prefill at its smallest bucket, for all; compiled where >= {MIN_GAIN:.0%} "
+                     f"faster than eager" if measure
+                     else f"compile={mode!r}{' on cuda' if self.measure_graphs else ''}: compiled everywhere")}
+
+    def _adopt(self, phase: Phase, recorded: dict) -> None:
+        """One role's choices from the record; the buckets chosen compiled are compiled (or their saved
+        graphs loaded) now, not mid-serving."""
+        chosen = recorded["choices"]
+        for b, sizes in self._phase_sizes(phase):
+            self.choices[(phase.value, b)] = chosen[b]
+            if chosen[b] == "compiled":
+                self.compiled_steps[phase](self._views(sizes))
+        self.compile_report[phase.value] = {**recorded, "choice": self._picked(phase)}
+
+    def _picked(self, phase: Phase) -> str:
+        picked = {self.choices[(phase.value, b)] for b, _ in self._phase_sizes(phase)}
+        return picked.pop() if len(picked) == 1 else "per bucket"
+
+    def _role_choices(self, phase: Phase) -> dict[int, str]:
+        return {b: self.choices[(phase.value, b)] for b, _ in self._phase_sizes(phase)}
+
+    def _prepare_head(self, measure: bool, recorded: dict | None) -> None:
         """The LM head for a decode that samples up to GEMV_ROWS rows (CPU): inductor's one pass over
-        the head where it is measured faster (or compile="on"), else the eager product. Where one-row
-        products were measured faster eager (linear_forms.choose_gemv) a compiled head is the same call: none."""
+        the head where it is measured faster (or compile="on"; or so recorded), else the eager product.
+        Where one-row products were measured faster eager (linear_forms.choose_gemv) a compiled head is
+        the same call: none."""
         if not gemv_reduces(self.weights.lm_head.dtype):
             self.compile_report["head"] = {"choice": "eager",
                                            "reason": "one-row products run eager (measured)"}
             return
-        compiled = compile_region(compute_logits)
+        compiled = self._compiled_head()
         rows = {"hidden_in": self.buffers.tensors["hidden_in"][:GEMV_ROWS]}
-        head = self.weights.lm_head
-        report = self._measure(lambda v: compiled(head, v["hidden_in"]), rows, measure,
-                               lambda v: compute_logits(head, v["hidden_in"]))
-        self.compiled_head = compiled if report["choice"] == "compiled" else None
+        if recorded is not None:
+            report = recorded
+            if report["choice"] == "compiled":
+                compiled(rows)
+        else:
+            report = self._measure(compiled, rows, measure, lambda v: compute_logits(self.weights.lm_head, v["hidden_in"]))
+        self.compiled_head = ((lambda head, hidden: compiled({"hidden_in": hidden}))
+                              if report["choice"] == "compiled" else None)
         self.compile_report["head"] = report
+
+    def _compiled_head(self):
+        """The LM head's logits of views["hidden_in"], compiled: saved beside the decode step's graphs
+        where those are (_compiled_steps), else traced."""
+        decode = self.compiled_steps[Phase.DECODE]
+        if isinstance(decode, SavedSteps):
+            return SavedSteps(_head_logits, decode.owner, decode.dir.parent / "head")
+        compiled = compile_region(compute_logits)
+        return lambda v: compiled(self.weights.lm_head, v["hidden_in"])
+
+    def _step_state(self) -> "StepState":
+        return StepState(self.weights, self.cfg, self.shard, self.kv, self.rope_table, self.tp_comm)
 
     def _measure(self, compiled, views: dict[str, torch.Tensor], measure: bool, eager=None) -> dict:
         """One bucket: the first compiled call (it compiles when no earlier bucket had these guards),
         then, when measuring, the best of a few calls of each, compiled and eager timed in turn (timed
         one after the other, a cold boot's compile work can make the faster step time as the slower,
-        and the boot then serves the slower)."""
+        and the boot then serves the slower); compiled where it is at least MIN_GAIN faster."""
         t0 = time.perf_counter()
         compiled(views)
         first_ms = (time.perf_counter() - t0) * 1e3
@@ -105,8 +173,8 @@ class CompileChoice:
             return {"choice": "compiled", "first_call_ms": first_ms, "compiled_ms": None, "eager_ms": None}
         ms = time_alternating({"compiled": compiled, "eager": eager or self.step_fn}, views)
         compiled_ms, eager_ms = ms["compiled"], ms["eager"]
-        return {"choice": "compiled" if compiled_ms < eager_ms else "eager", "first_call_ms": first_ms,
-                "compiled_ms": compiled_ms, "eager_ms": eager_ms}
+        return {"choice": "compiled" if compiled_ms <= (1 - MIN_GAIN) * eager_ms else "eager",
+                "first_call_ms": first_ms, "compiled_ms": compiled_ms, "eager_ms": eager_ms}
 
     def _choose_by_replay(self, pool, stream) -> None:
         """compile="auto" on CUDA: each bucket's compiled and uncompiled step captured as CUDA graphs and
@@ -126,7 +194,29 @@ class CompileChoice:
                 buckets = report.setdefault("buckets", {})
                 buckets[bucket] = {**buckets.get(bucket, {}), "choice": choice, "compiled_ms": ms["compiled"],
                                    "eager_ms": ms["eager"]}
-            picked = {self.choices[(phase.value, b)] for b, _ in self._phase_sizes(phase)}
-            report["choice"] = picked.pop() if len(picked) == 1 else "per bucket"
+            report["choice"], report["choices"] = self._picked(phase), self._role_choices(phase)
             report["rule"] = ("measured on CUDA: every bucket's compiled and uncompiled step as CUDA graphs, "
                               "replayed (ms per replay); the faster kept")
+
+
+@dataclass(frozen=True)
+class StepState:
+    """What a saved whole step reads besides its views (the owner graphs/saved_steps.py hands it): the
+    runner's maths inputs alone, not the runner, whose compiled objects dynamo cannot save."""
+    weights: RankWeights
+    cfg: ModelConfig
+    shard: RankShard
+    kv: KVView
+    rope_table: torch.Tensor
+    comm: NoComm
+
+
+def _whole_step(state: StepState, meta: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The runner's step_fn, as a function of its state."""
+    return forward(state.weights, state.cfg, state.shard, meta, state.kv, state.rope_table, state.comm,
+                   hidden_in=meta.get("hidden_in"))
+
+
+def _head_logits(state: StepState, views: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The LM head's logits of views["hidden_in"] (the step a compiled head runs)."""
+    return compute_logits(state.weights.lm_head, views["hidden_in"])

@@ -109,6 +109,7 @@ class RankBoot:
     flip_staging_bytes: int | None = None                # the flip's send + receive buffers; None: default
     faults: tuple["ArmFault", ...] = ()                  # test hook: faults armed before boot starts
     kv_utilization: float | None = None                  # gpu_memory_utilization, when num_kv_blocks is None
+    remeasure: bool = False                              # measure the boot's choices though a record has them
 
 
 @dataclass(frozen=True)

@@ -19,6 +19,7 @@ from phaseflip.graphs.buffers import StaticBuffers
 from phaseflip.graphs.capture import StepKey, capture_cuda, capture_eager
 from phaseflip.graphs.compile import DirectStep
 from phaseflip.graphs.registry import GraphRegistry
+from phaseflip.graphs.saved_steps import SavedSteps
 from phaseflip.kernels.linear import GEMV_ROWS
 from phaseflip.layouts.comm import NoComm, RankComm
 from phaseflip.layouts.compile_choice import CompileChoice
@@ -145,7 +146,7 @@ class LayoutRunner(CompileChoice):
                 key = StepKey(self.layout, phase.value, bucket)
                 backend = self.choices.get((phase.value, bucket), "eager")
                 fn = self.compiled_steps[phase] if backend == "compiled" else self.step_fn
-                if pool is None and backend == "compiled" and phase is Phase.DECODE:
+                if pool is None and backend == "compiled" and phase is Phase.DECODE and not isinstance(fn, SavedSteps):
                     fn = DirectStep(fn)   # the whole compiled step, replayed without dynamo once bound
                 fn = self._decode_fns(fn) if phase is Phase.DECODE else fn
                 if pool is not None:

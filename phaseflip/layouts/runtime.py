@@ -20,6 +20,7 @@ from phaseflip.graphs.compile import use_cache_dir
 from phaseflip.graphs.registry import GraphRegistry
 from phaseflip.kernels import fused_layer, linear, linear_forms
 from phaseflip.kernels.rotary import cos_sin_table
+from phaseflip.layouts.boot_record import BootRecord, kernels_build, record_key
 from phaseflip.layouts.arena import WeightArena, allocate_arena, arena_bases, image_slots, pack_image
 from phaseflip.layouts.comm import break_graphs_at_collectives
 from phaseflip.layouts.flip import (DEFAULT_STAGING_BYTES, DEFAULT_STAGING_FRACTION, InjectedFault,
@@ -198,40 +199,54 @@ class RankRuntime:
             break_graphs_at_collectives()
             if boot.compile_cache_dir is not None:
                 self.compile_caches = use_cache_dir(boot.compile_cache_dir)
+        kernels = kernels_build(self.device)
         for name in boot.layouts:
             self.arena.refill(name)
             runner = self.runners[name]
+            record = BootRecord.load(record_key(runner, self.device, boot.compile, kernels), boot.remeasure)
             with self._timed(f"gemm_warm:{name}"), _rss_growth() as grown:
                 if not cuda and runner.weights.layers:   # bf16's ladder form decides what `warm` builds
                     runner.compile_report["ladder"] = linear_forms.choose_ladder_form(
-                        list(runner.layer_projections()[0]), model=runner.cfg)
+                        list(runner.layer_projections()[0]), model=runner.cfg, recorded=record.get("ladder"))
                 gemms = linear.warm(runner.projections())
             self.gemm_bytes = _add(self.gemm_bytes, grown)
             if not cuda:
                 with self._timed(f"forms:{name}"):  # once per process, dtype and model: later layouts reuse
-                    weights = [w for w, _, _ in runner.projections()]
-                    runner.compile_report["small_rows"] = linear_forms.choose_small_forms(weights, model=runner.cfg)
-                    runner.compile_report["wide_rows"] = linear_forms.choose_wide_forms(weights, model=runner.cfg)
-                    if boot.compile != "off" and runner.weights.layers:
-                        runner.compile_report["gemv"] = linear_forms.choose_gemv(runner.layer_projections(),
-                                                                                 model=runner.cfg)
-                    if runner.weights.layers:
-                        runner.compile_report["fused_layers"] = fused_layer.report(
-                            runner.weights.layers[0].qkv_proj.dtype, runner.shard.tp_size)
+                    self._choose_forms(runner, boot, record)
             with self._timed(f"compile:{name}"), _rss_growth() as grown:
-                runner.prepare_compiled(boot.compile, cuda)
+                runner.prepare_compiled(boot.compile, cuda, record)
             self.compile_bytes = _add(self.compile_bytes, grown)
             with self._timed(f"capture:{name}"):
                 self.faults.check("capture")
                 if boot.capture:
                     runner.capture_all(self.pool, stream)
+            used = bool(record.reports)
+            if not used:
+                record.save(runner.compile_report)
+            runner.compile_report["record"] = record.summary(used)
             log.info("rank %d: layout %s: %d GEMMs warmed, compiled (%s), captured %d steps in %.0f ms",
                      self.rank, name, gemms,
-                     ", ".join(f"{k}: {v['choice']}" for k, v in runner.compile_report.items()),
+                     ", ".join(f"{k}: {v['choice']}" for k, v in runner.compile_report.items() if "choice" in v),
                      sum(1 for st in self.registry.steps() if st.key.layout == name),
                      self.boot_ms[f"capture:{name}"])
         if self.pool is not None:
             self.graph_pool_bytes = graph_pool_bytes(self.pool)
+
+    @staticmethod
+    def _choose_forms(runner: LayoutRunner, boot: RankBoot, record: BootRecord) -> None:
+        """The product forms of this layout's weights (CPU): measured, or taken from the record."""
+        weights = [w for w, _, _ in runner.projections()]
+        report = runner.compile_report
+        report["small_rows"] = linear_forms.choose_small_forms(weights, model=runner.cfg,
+                                                               recorded=record.get("small_rows"))
+        report["wide_rows"] = linear_forms.choose_wide_forms(weights, model=runner.cfg,
+                                                             recorded=record.get("wide_rows"))
+        if boot.compile != "off" and runner.weights.layers:
+            report["gemv"] = linear_forms.choose_gemv(runner.layer_projections(), model=runner.cfg,
+                                                      recorded=record.get("gemv"))
+        if runner.weights.layers:
+            report["fused_layers"] = fused_layer.report(runner.weights.layers[0].qkv_proj.dtype,
+                                                        runner.shard.tp_size)
 
     # -- commands ------------------------------------------------------------------------------
     def run_step(self, cmd: RunStep) -> StepReply:

@@ -67,6 +67,9 @@ def _add_engine_options(f, budget: int):
         click.option("--compile", "compile_mode", type=click.Choice(["auto", "on", "off"]), default=None,
                      help="torch.compile: auto (keep it where measured faster at boot) | on | off "
                           "(default: $PHASEFLIP_COMPILE, else auto)."),
+        click.option("--remeasure", is_flag=True, default=False,
+                     help="Measure the boot's choices (product forms, compile per bucket) again, though the "
+                          "record of an earlier boot with the same machine, model and settings has them."),
         click.option("--policy", type=click.Choice(["throughput", "latency", "drain"]), default="throughput",
                      show_default=True, help="Which layout runs next (world size > 1)."),
         click.option("--ttft-budget-s", type=float, default=None,
@@ -77,8 +80,8 @@ def _add_engine_options(f, budget: int):
 
 
 def _engine_kwargs(model, dtype, max_model_len, max_num_seqs, max_num_batched_tokens, seed, kv_cache_memory_gib,
-                   gpu_memory_utilization, world_size, layouts, park, flip_every_steps, compile_mode, policy,
-                   ttft_budget_s) -> dict:
+                   gpu_memory_utilization, world_size, layouts, park, flip_every_steps, compile_mode, remeasure,
+                   policy, ttft_budget_s) -> dict:
     """The engine options of the command line as LLM(...) keyword arguments."""
     from phaseflip.layouts.comm import env_rank
     if world_size is None:
@@ -87,7 +90,8 @@ def _engine_kwargs(model, dtype, max_model_len, max_num_seqs, max_num_batched_to
                 max_num_batched_tokens=max_num_batched_tokens, seed=seed, kv_cache_memory_gib=kv_cache_memory_gib,
                 gpu_memory_utilization=gpu_memory_utilization, world_size=world_size,
                 layouts=tuple(layouts.split(",")) if layouts else None, park=park,
-                flip_every_steps=flip_every_steps, compile=compile_mode, policy=policy, ttft_budget_s=ttft_budget_s)
+                flip_every_steps=flip_every_steps, compile=compile_mode, remeasure=remeasure, policy=policy,
+                ttft_budget_s=ttft_budget_s)
 
 
 def _llm(**engine):

@@ -65,11 +65,25 @@ def boot_table(m: dict) -> list[str]:
         lines.append(f"  rank {r['rank']}: " + ", ".join(f"{k} {v:.0f}" for k, v in r["boot_ms"].items()))
         for lay, roles in r["compile"].items():
             for role, c in roles.items():
+                if role == "record":
+                    lines.append(f"    {lay} choices: {_record_line(c)}")
+                    continue
                 extra = ", ".join(f"{k} {v:.1f}" for k, v in c.items() if isinstance(v, float))
                 lines.append(f"    {lay} {role}: {c['choice']}" + (f" ({extra})" if extra else "")
                              + (f" — {c['reason']}" if "reason" in c else ""))
                 lines += [f"      bucket {b}: {_timed_choice(t)}" for b, t in c.get("buckets", {}).items()]
+                if "saved_steps" in c:
+                    st = c["saved_steps"]
+                    lines.append(f"      saved graphs: {len(st['loaded'])} loaded in {st['load_ms']:.0f} ms, "
+                                 f"{len(st['compiled'])} compiled in {st['compile_ms']:.0f} ms ({st['dir']})")
     return lines
+
+
+def _record_line(c: dict) -> str:
+    """Where a layout's boot took its choices from: the record of an earlier boot, or measurement."""
+    if c["used"]:
+        return f"from the record made {c['made_at']} (nothing measured): {c['path']}"
+    return f"measured at this boot, recorded in {c['path']}"
 
 
 def _timed_choice(t: dict) -> str:

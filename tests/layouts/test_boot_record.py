@@ -1,0 +1,100 @@
+"""The boot record (layouts/boot_record.py) and the saved compiled steps (graphs/saved_steps.py): a
+second boot with the same key takes its choices from the record, measures nothing and compiles nothing;
+a changed key (another dtype, another model) or remeasure=True measures again."""
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+from phaseflip import LLM, SamplingParams
+from phaseflip.graphs import saved_steps
+from phaseflip.kernels import linear_forms
+from phaseflip.layouts import compile_choice
+from phaseflip.layouts.boot_record import BootRecord, key_digest
+
+SHAPES = dict(max_num_seqs=4, max_num_batched_tokens=128, decode_buckets=(1, 2, 4), prefill_buckets=(64, 128))
+GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+
+
+def _stand_in_timer(calls: list):
+    """time_alternating with fixed times: compiled faster at decode rows 2 and 4 alone, so the choices do not
+    depend on this machine's noise; every call is logged."""
+    def timer(fns, views, rounds=5):
+        rows = views["input_ids"].shape[0] if "input_ids" in views else 0
+        calls.append(rows)
+        fast = rows in (2, 4)
+        return {"compiled": 1.0 if fast else 2.0, "eager": 2.0 if fast else 1.0}
+    return timer
+
+
+def _boot(d, **kwargs):
+    counters.clear()
+    return LLM(model=str(d), dtype=kwargs.pop("dtype", "float32"), **SHAPES, **kwargs)
+
+
+def _forget_measurements(monkeypatch):
+    """A fresh process as far as the measured forms go (they are kept per process, dtype and model)."""
+    monkeypatch.setattr(linear_forms, "_measured", {})
+
+
+@pytest.mark.skipif(not saved_steps.available(), reason="this torch cannot save compiled functions "
+                    "(torch.compiler.load_compiled_function)")
+def test_a_warm_boot_takes_the_record_and_compiles_nothing(tiny_model_dir, tmp_path, monkeypatch):
+    monkeypatch.setenv("PHASEFLIP_CACHE", str(tmp_path))
+    calls: list = []
+    monkeypatch.setattr(compile_choice, "time_alternating", _stand_in_timer(calls))
+    d = tiny_model_dir("llama", num_layers=2)
+    prompts = ["one two three", "four five", "six", "seven eight nine ten"]
+    with _boot(d, compile="auto") as llm:
+        cold = llm.inspect()["ranks"][0]["compile"]["pp"]
+        cold_out = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+    assert calls and not cold["record"]["used"]
+    assert cold["decode"]["choices"] == {1: "eager", 2: "compiled", 4: "compiled"}
+    assert cold["decode"]["saved_steps"]["compiled"], "the cold boot saved no compiled step"
+
+    calls.clear()
+    _forget_measurements(monkeypatch)
+    torch._dynamo.reset()   # nothing this process traced serves the warm boot
+    with _boot(d, compile="auto") as llm:
+        warm = llm.inspect()["ranks"][0]["compile"]["pp"]
+        warm_out = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+        steps = {(s["phase"], s["bucket"]): s["backend"] for s in llm.inspect()["steps"]}
+    assert warm["record"]["used"] and warm["record"]["made_at"] == cold["record"]["made_at"]
+    assert calls == [], "the warm boot measured"
+    assert counters["stats"]["unique_graphs"] == 0, "the warm boot traced a graph"
+    assert warm["decode"]["saved_steps"]["compiled"] == [] and warm["decode"]["saved_steps"]["loaded"]
+    for what in ("small_rows", "wide_rows", "gemv", "prefill", "decode"):
+        assert warm[what]["choice"] == cold[what]["choice"], what
+    assert steps[("decode", 1)] == "eager" and steps[("decode", 2)] == steps[("decode", 4)] == "compiled"
+    assert warm_out == cold_out
+
+
+def test_the_record_is_used_by_its_key_alone(tiny_model_dir, tmp_path, monkeypatch):
+    """compile="off" (the forms alone are measured): a second boot takes them from the record; another
+    dtype, another model, or remeasure=True measures them again."""
+    monkeypatch.setenv("PHASEFLIP_CACHE", str(tmp_path))
+
+    def boot(d, **kwargs):
+        _forget_measurements(monkeypatch)
+        with _boot(d, compile="off", **kwargs) as llm:
+            return llm.inspect()["ranks"][0]["compile"]["pp"]
+
+    llama, qwen = tiny_model_dir("llama"), tiny_model_dir("qwen2")
+    first = boot(llama)
+    assert not first["record"]["used"] and first["small_rows"]["ms"]
+    again = boot(llama)
+    assert again["record"]["used"] and again["small_rows"] == first["small_rows"]
+    for other in (boot(llama, dtype="bfloat16"), boot(qwen), boot(llama, remeasure=True)):
+        assert not other["record"]["used"] and other["small_rows"]["ms"]
+    assert boot(llama)["record"]["used"]
+
+
+def test_a_record_of_another_key_is_not_read(tmp_path):
+    key = {"model": "a", "dtype": "torch.float32"}
+    BootRecord.load(key, root=tmp_path).save({"small_rows": {"choice": "x", "forms": {1: "kernel"}}})
+    loaded = BootRecord.load(key, root=tmp_path)
+    assert loaded.get("small_rows") == {"choice": "x", "forms": {1: "kernel"}}   # int row counts come back
+    assert BootRecord.load({**key, "dtype": "torch.bfloat16"}, root=tmp_path).reports == {}
+    assert BootRecord.load(key, remeasure=True, root=tmp_path).reports == {}
+    # a file whose key does not match its name's (a digest collision, or edited) is not trusted
+    (tmp_path / f"{key_digest(key)}.json").write_text('{"key": {"model": "b"}, "reports": {"x": {}}}')
+    assert BootRecord.load(key, root=tmp_path).reports == {}
