@@ -9,12 +9,14 @@ and loading inductor's cache cost ~10 s); where none does, the step is compiled 
 their row dimension marked dynamic (dynamo specialises it where the step branches on it, as
 automatic dynamic shapes would), and saved beside the others. Once bound, a bucket's calls skip the
 guards (its views keep their shapes; the owner's attributes do not change after boot): no frame
-evaluation, no guards. `available()` says whether this torch has the API (graphs/compile.py's
+evaluation, no guards. A step that cannot be saved (a graph break, a value dynamo cannot pickle) is
+reported and traced by torch.compile at every boot instead. `available()` says whether this torch has the API (graphs/compile.py's
 compile_whole_step and DirectStep serve where it does not). The directory's name is the caller's key:
 whatever the graphs depend on (the model, the shard, phaseflip's own source, torch) must be in it.
 """
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import time
@@ -49,15 +51,27 @@ class SavedSteps:
         self.fn, self.owner, self.dir, self.options = fn, owner, Path(directory), options or {}
         self._loaded: list[tuple[str, object]] | None = None   # (file name, artifact)
         self._bound: dict[tuple, Callable] = {}                # views' signature -> the step, unguarded
+        self._fallback = None                                  # torch.compile's step where saving failed
         self.report = {"dir": str(self.dir), "loaded": [], "compiled": [], "load_ms": 0.0, "compile_ms": 0.0}
 
     def __call__(self, views: dict[str, torch.Tensor]):
-        signature = _signature(views)
-        run = self._bound.get(signature)
-        if run is None:
-            artifact = self._find(views) or self._compile(views)
-            run = self._bound[signature] = artifact.fn   # the step without its guard check
+        run = self._bound.get(_signature(views)) or self.prepare(views)
         return run(self.owner, views)
+
+    def prepare(self, views: dict[str, torch.Tensor]) -> Callable:
+        """Bind views' shapes to a saved compiled form (compiled and saved where none serves), without
+        running the step; returns the bound step (fn(owner, views), unguarded)."""
+        signature = _signature(views)
+        if signature not in self._bound:
+            artifact = None if "not_saved" in self.report else self._find(views) or self._compile(views)
+            self._bound[signature] = self._traced if artifact is None else artifact.fn   # unguarded
+        return self._bound[signature]
+
+    def _traced(self, owner, views):
+        """Where this step cannot be saved: torch.compile's own path, traced at every boot."""
+        if self._fallback is None:
+            self._fallback = torch.compile(functools.partial(self.fn, owner), dynamic=None, options=self.options)
+        return self._fallback(views)
 
     def _artifacts(self) -> list[tuple[str, object]]:
         if self._loaded is None:
@@ -81,15 +95,24 @@ class SavedSteps:
         return None
 
     def _compile(self, views):
+        """fn compiled at views and saved; None where it cannot be (a graph break, a value dynamo cannot
+        save): the reason is reported and the step is traced at every boot instead."""
         t0 = time.perf_counter()
-        for v in views.values():
+        marked = {}   # views of the same tensors, their rows marked dynamic (a marked tensor fails the
+        for name, v in views.items():   # saved guards later: the caller's stay unmarked)
+            marked[name] = v[...]
             if v.dim() > 0 and v.shape[0] > 1:
-                torch._dynamo.maybe_mark_dynamic(v, 0)
+                torch._dynamo.maybe_mark_dynamic(marked[name], 0)
         compiled = torch.compile(self.fn, fullgraph=True, dynamic=None, options=self.options)
-        artifact = compiled.aot_compile(((self.owner, views), {}))
-        self.dir.mkdir(parents=True, exist_ok=True)
         name = f"{len(self._artifacts()):03d}-{os.getpid()}.pt"
-        artifact.save_compiled_function(str(self.dir / name))   # written whole, then renamed
+        try:
+            artifact = compiled.aot_compile(((self.owner, marked), {}))
+            self.dir.mkdir(parents=True, exist_ok=True)
+            artifact.save_compiled_function(str(self.dir / name))   # written whole, then renamed
+        except Exception as e:   # torch raises many kinds here (Unsupported, TypeError from pickling, ...)
+            self.report["not_saved"] = f"{type(e).__name__}: {str(e).strip()[:300]}"
+            log.warning("compiled step not saved, traced at every boot instead (%s)", self.report["not_saved"])
+            return None
         self._loaded.append((name, artifact))
         self.report["compiled"].append(name)
         self.report["compile_ms"] += (time.perf_counter() - t0) * 1e3

@@ -112,13 +112,16 @@ class CompileChoice:
                      else f"compile={mode!r}{' on cuda' if self.measure_graphs else ''}: compiled everywhere")}
 
     def _adopt(self, phase: Phase, recorded: dict) -> None:
-        """One role's choices from the record; the buckets chosen compiled are compiled (or their saved
-        graphs loaded) now, not mid-serving."""
-        chosen = recorded["choices"]
-        for b, sizes in self._phase_sizes(phase):
+        """One role's choices from the record. The buckets chosen compiled are made ready now, not
+        mid-serving: saved steps bound to each bucket (loaded, or compiled where none serves); a traced
+        step called at its first two such buckets (the second makes the token dimension dynamic, the
+        graph every larger bucket shares)."""
+        chosen, step = recorded["choices"], self.compiled_steps[phase]
+        compiled = [sizes for b, sizes in self._phase_sizes(phase) if chosen[b] == "compiled"]
+        for b, _ in self._phase_sizes(phase):
             self.choices[(phase.value, b)] = chosen[b]
-            if chosen[b] == "compiled":
-                self.compiled_steps[phase](self._views(sizes))
+        for sizes in compiled if isinstance(step, SavedSteps) else compiled[:2]:
+            (step.prepare if isinstance(step, SavedSteps) else step)(self._views(sizes))
         self.compile_report[phase.value] = {**recorded, "choice": self._picked(phase)}
 
     def _picked(self, phase: Phase) -> str:

@@ -259,6 +259,8 @@ def _print_summary(llm, results, boot_s: float, gen_s: float) -> None:
     click.echo("\n== summary ==")
     click.echo("boot: " + ", ".join(f"{k} {v:.0f} ms" for k, v in stats["boot_ms"].items())
                + f" (total {boot_s * 1e3:.0f} ms)")
+    for rank, phases in enumerate(stats["rank_boot_ms"]):   # where the ranks phase went
+        click.echo(f"  rank {rank}: " + ", ".join(f"{k} {v:.0f}" for k, v in phases.items() if v >= 100) + " ms")
     click.echo(f"ranks: {stats['world_size']}, layouts {','.join(stats['layouts'])}; captured steps: "
                f"{stats['captures_at_boot']} at boot, {stats['captures_after_boot']} after")
     click.echo(f"kv: {stats['num_kv_blocks']} blocks = {stats['num_kv_blocks'] * llm.plan.shapes.block_size} "
