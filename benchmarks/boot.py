@@ -1,7 +1,8 @@
 """Boot benchmark (not a test): first and second boot with compiled steps.
 
 The first boot runs with an empty inductor cache (a fresh TORCHINDUCTOR_CACHE_DIR); the second reuses
-it, so it should compile nothing. Usage: python benchmarks/boot.py [--model DIR] [--world-size 1]
+it. Steps saved and choices recorded under the phaseflip cache (~/.cache/phaseflip/steps, records) by
+an earlier boot of the same key serve both: empty those for a cold first boot. Usage: python benchmarks/boot.py [--model DIR] [--world-size 1]
 """
 from __future__ import annotations
 
@@ -40,6 +41,9 @@ def main() -> None:
         print(f"{label}: total {r['total_ms']:.0f} ms; rank 0: {phases}")
         for layout, roles in r["compile"].items():
             for role, c in roles.items():
+                if "choice" not in c:   # the record's summary: where the choices came from
+                    print(f"    {layout} {role}: {c}")
+                    continue
                 print(f"    {layout} {role}: {c['choice']} (compile {c.get('compile_ms', 0):.0f} ms, "
                       f"compiled {c.get('compiled_ms', 0):.1f} ms vs eager {c.get('eager_ms', 0):.1f} ms)")
 

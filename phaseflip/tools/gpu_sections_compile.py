@@ -106,7 +106,8 @@ def _boot(ctx: Context, spec: dict, cache: Path) -> dict:
     left = ctx.deadline + GRACE_S - time.monotonic()
     if left <= 0:
         return {"finished": False, "reason": "time budget spent"}
-    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(cache / "inductor"), TRITON_CACHE_DIR=str(cache / "triton"))
+    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(cache / "inductor"), TRITON_CACHE_DIR=str(cache / "triton"),
+               PHASEFLIP_CACHE=str(cache / "phaseflip"))   # no record of an earlier boot: cold is cold
     try:
         proc = subprocess.run([sys.executable, "-m", __name__, json.dumps(spec)], env=env, capture_output=True,
                               text=True, timeout=left)
