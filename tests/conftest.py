@@ -64,6 +64,14 @@ def _eager_by_default():
 
 
 @pytest.fixture(scope="session")
+def compiled_cache(tmp_path_factory):
+    """A phaseflip cache for the tests of the compiled path, cold at the first: later boots of the same
+    model and step widths load the steps it compiled (graphs/saved_steps.py), as a second boot would;
+    their records (by their own buckets) stay apart."""
+    return tmp_path_factory.mktemp("compiled-cache")
+
+
+@pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory):
     """Factory: tiny_model_dir("qwen2", tie=True, sharded=True) -> Path, built once per argument set.
 

@@ -104,7 +104,8 @@ class RankRuntime:
         self.registry = GraphRegistry()
         self.runners = self._make_runners(boot, self.kv, self.registry)
         self.host_image_bytes = sum(img.num_bytes for img in images.values() if not img.in_arena)
-        # RSS the CPU GEMM warm-up and compiling added; the CUDA graph pool's segments
+        # RSS the CPU GEMM warm-up (and the product forms' measurement) and compiling added; the CUDA
+        # graph pool's segments
         self.gemm_bytes = self.compile_bytes = 0
         self.graph_pool_bytes: int | None = None
         self._capture(boot)
@@ -199,20 +200,21 @@ class RankRuntime:
             break_graphs_at_collectives()
             if boot.compile_cache_dir is not None:
                 self.compile_caches = use_cache_dir(boot.compile_cache_dir)
-        kernels = kernels_build(self.device)
         for name in boot.layouts:
             self.arena.refill(name)
             runner = self.runners[name]
-            record = BootRecord.load(record_key(runner, self.device, boot.compile, kernels), boot.remeasure)
             with self._timed(f"gemm_warm:{name}"), _rss_growth() as grown:
+                kernels = kernels_build(self.device)   # loads the CPU kernels (once) the products call
+                record = BootRecord.load(record_key(runner, self.device, boot.compile, kernels), boot.remeasure)
                 if not cuda and runner.weights.layers:   # bf16's ladder form decides what `warm` builds
                     runner.compile_report["ladder"] = linear_forms.choose_ladder_form(
                         list(runner.layer_projections()[0]), model=runner.cfg, recorded=record.get("ladder"))
                 gemms = linear.warm(runner.projections())
             self.gemm_bytes = _add(self.gemm_bytes, grown)
-            if not cuda:
-                with self._timed(f"forms:{name}"):  # once per process, dtype and model: later layouts reuse
+            if not cuda:   # once per process, dtype and model: later layouts reuse
+                with self._timed(f"forms:{name}"), _rss_growth() as grown:
                     self._choose_forms(runner, boot, record)
+                self.gemm_bytes = _add(self.gemm_bytes, grown)   # the products' scratch, as the warm-up's
             with self._timed(f"compile:{name}"), _rss_growth() as grown:
                 runner.prepare_compiled(boot.compile, cuda, record)
             self.compile_bytes = _add(self.compile_bytes, grown)

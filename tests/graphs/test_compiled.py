@@ -25,13 +25,6 @@ from tests.models import compare_greedy, hf_greedy
 ROLES = ("prefill", "decode")
 
 
-@pytest.fixture(scope="module")
-def module_cache(tmp_path_factory):
-    """A phaseflip cache of this module's own, cold at its first test: the next test loads the steps
-    the first compiled (graphs/saved_steps.py), as a second boot would."""
-    return tmp_path_factory.mktemp("compiled-cache")
-
-
 def _boot(d, compile_mode, tmp_path, monkeypatch, decode_buckets=(1, 2, 4)):
     monkeypatch.setenv("PHASEFLIP_CACHE", str(tmp_path))
     for name in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR"):
@@ -56,14 +49,14 @@ def test_compile_caches_go_below_the_phaseflip_cache_in_a_fresh_process(tmp_path
     assert run(env={**env, "TORCHINDUCTOR_CACHE_DIR": mine}).stdout.strip() == mine
 
 
-def test_auto_measures_each_bucket_matches_hf_and_writes_no_kv(tiny_model_dir, module_cache, monkeypatch):
+def test_auto_measures_each_bucket_matches_hf_and_writes_no_kv(tiny_model_dir, compiled_cache, monkeypatch):
     """compile="auto", the default: each probed bucket timed compiled against eager, the faster kept
     and replayed, HF's tokens. The model is the next test's (its graphs, compiled in this process,
     serve both: one cold compile for the two)."""
     d = tiny_model_dir("llama", num_layers=6)
     prompts = parity_prompts(384)[:4]
     expected = hf_greedy(d, prompts, 16)
-    with _boot(d, "auto", module_cache, monkeypatch) as llm:
+    with _boot(d, "auto", compiled_cache, monkeypatch) as llm:
         kv = llm.ranks.runtime.kv.buffer
         assert torch.count_nonzero(kv) == 0, "compiling and capturing wrote into the KV region"
         outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True), use_tqdm=False)
@@ -83,7 +76,7 @@ def test_auto_measures_each_bucket_matches_hf_and_writes_no_kv(tiny_model_dir, m
     assert {backends[("prefill", b)] for b in (64, 128)} == {report["prefill"]["buckets"][64]["choice"]}
 
 
-def test_one_layer_compiles_once_for_every_layer_and_nothing_compiles_after_boot(tiny_model_dir, module_cache,
+def test_one_layer_compiles_once_for_every_layer_and_nothing_compiles_after_boot(tiny_model_dir, compiled_cache,
                                                                                   monkeypatch):
     d = tiny_model_dir("llama", num_layers=6)
     prompts = parity_prompts(384)[:3] + parity_prompts(384)[5:6]  # 1+5+17+100 tokens: the 128-token prefill bucket too
@@ -93,7 +86,7 @@ def test_one_layer_compiles_once_for_every_layer_and_nothing_compiles_after_boot
     monkeypatch.setattr(LayoutRunner, "CHUNKED_BACKENDS", ("cuda", "compiled"))
     # and the inputs staged through one host mirror and one copy per step, as on CUDA
     monkeypatch.setattr(runtime_module, "StaticBuffers", functools.partial(StaticBuffers, staged=True))
-    with _boot(d, "on", module_cache, monkeypatch, decode_buckets=(1, 2)) as llm:
+    with _boot(d, "on", compiled_cache, monkeypatch, decode_buckets=(1, 2)) as llm:
         graphs_at_boot = counters["stats"]["unique_graphs"]
         outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
         # seeded sampling inside the recorded (compiled, padded, chunked) decode step, against the host
@@ -125,7 +118,7 @@ def test_one_layer_compiles_once_for_every_layer_and_nothing_compiles_after_boot
     assert counters["stats"]["unique_graphs"] == graphs_at_boot, "a step compiled after boot"
     assert {s["backend"] for s in m["steps"]} == {"compiled"}
     caches = llm.ranks.runtime.compile_caches
-    assert all(path.startswith(str(module_cache / "compile")) for path in caches.values()), caches
+    assert all(path.startswith(str(compiled_cache / "compile")) for path in caches.values()), caches
 
 
 @pytest.mark.slow

@@ -11,7 +11,9 @@ from phaseflip.kernels import linear_forms
 from phaseflip.layouts import compile_choice
 from phaseflip.layouts.boot_record import BootRecord, key_digest
 
-SHAPES = dict(max_num_seqs=4, max_num_batched_tokens=128, decode_buckets=(1, 2, 4), prefill_buckets=(64, 128))
+# tests/graphs/test_compiled.py's model and step widths (its saved steps serve these boots) with buckets
+# of their own (a record of their own)
+SHAPES = dict(max_num_seqs=4, max_num_batched_tokens=128, decode_buckets=(1, 2, 4), prefill_buckets=(64,))
 GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
 
 
@@ -38,18 +40,19 @@ def _forget_measurements(monkeypatch):
 
 @pytest.mark.skipif(not saved_steps.available(), reason="this torch cannot save compiled functions "
                     "(torch.compiler.load_compiled_function)")
-def test_a_warm_boot_takes_the_record_and_compiles_nothing(tiny_model_dir, tmp_path, monkeypatch):
-    monkeypatch.setenv("PHASEFLIP_CACHE", str(tmp_path))
+def test_a_warm_boot_takes_the_record_and_compiles_nothing(tiny_model_dir, compiled_cache, monkeypatch):
+    monkeypatch.setenv("PHASEFLIP_CACHE", str(compiled_cache))
     calls: list = []
     monkeypatch.setattr(compile_choice, "time_alternating", _stand_in_timer(calls))
-    d = tiny_model_dir("llama", num_layers=2)
+    d = tiny_model_dir("llama", num_layers=6)
     prompts = ["one two three", "four five", "six", "seven eight nine ten"]
     with _boot(d, compile="auto") as llm:
         cold = llm.inspect()["ranks"][0]["compile"]["pp"]
         cold_out = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
     assert calls and not cold["record"]["used"]
     assert cold["decode"]["choices"] == {1: "eager", 2: "compiled", 4: "compiled"}
-    assert cold["decode"]["saved_steps"]["compiled"], "the cold boot saved no compiled step"
+    cold_steps = cold["decode"]["saved_steps"]
+    assert cold_steps["compiled"] or cold_steps["loaded"], "the cold boot neither saved nor loaded a compiled step"
 
     calls.clear()
     _forget_measurements(monkeypatch)
