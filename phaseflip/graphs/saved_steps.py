@@ -2,15 +2,16 @@
 trace and no inductor run.
 
 Owns: `SavedSteps`, a step `fn(owner, views)` (a whole decode step, or the LM head) called as
-`step(views)`, compiled, its compiled forms kept under one directory: each is a `torch.compile(fullgraph=True).aot_compile` artifact (its
-guards, its bytecode and inductor's code, C++ wrapper included) saved with `save_compiled_function`.
-A bucket's views take the first saved artifact whose guards pass (loading one costs ~2 s where tracing
-and loading inductor's cache cost ~10 s); where none does, the step is compiled at those views, with
-their row dimension marked dynamic (dynamo specialises it where the step branches on it, as
-automatic dynamic shapes would), and saved beside the others. Once bound, a bucket's calls skip the
-guards (its views keep their shapes; the owner's attributes do not change after boot): no frame
-evaluation, no guards. A step that cannot be saved (a graph break, a value dynamo cannot pickle) is
-reported and traced by torch.compile at every boot instead. `available()` says whether this torch has the API (graphs/compile.py's
+`step(views)`, compiled, its compiled forms kept under one directory: each a
+`torch.compile(fullgraph=True).aot_compile` artifact (its guards, its bytecode and inductor's code, C++
+wrapper included) saved with `save_compiled_function`. A bucket's views take the first saved artifact
+whose guards pass (loading one skips dynamo's trace, the larger part of a warm torch.compile:
+docs/performance.md); where none does, the step is compiled at those views, their row dimension marked
+dynamic (dynamo specialises it where the step branches on it, as automatic dynamic shapes would), and
+saved beside the others. Once bound, a bucket's calls skip the guards (its views keep their shapes; the
+owner's attributes do not change after boot): no frame evaluation, no guards. A step that cannot be
+saved (a graph break, a value dynamo cannot pickle) is reported and traced by torch.compile at every
+boot instead. `available()` says whether this torch has the API (graphs/compile.py's
 compile_whole_step and DirectStep serve where it does not). The directory's name is the caller's key:
 whatever the graphs depend on (the model, the shard, phaseflip's own source, torch) must be in it.
 """

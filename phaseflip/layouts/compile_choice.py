@@ -83,13 +83,13 @@ class CompileChoice:
             if use_record:
                 self._adopt(phase, recorded[phase])
             else:
-                self._choose(phase, mode, measure)
+                self._choose(phase, mode, measure, cuda)
             self.compile_report[phase.value]["boot_ms"] = (time.perf_counter() - t0) * 1e3
             step = self.compiled_steps[phase]
             if isinstance(step, SavedSteps):   # which saved graphs it loaded, which it compiled and saved
                 self.compile_report[phase.value]["saved_steps"] = step.report
 
-    def _choose(self, phase: Phase, mode: str, measure: bool) -> None:
+    def _choose(self, phase: Phase, mode: str, measure: bool, cuda: bool) -> None:
         """One role's choice per bucket by measurement (compile="auto" on the CPU), or compiled everywhere."""
         sizes = self._phase_sizes(phase)
         # the buckets timed at boot: decode at 1 row (its own graph: 0/1 specialisation), 2 rows
@@ -109,7 +109,7 @@ class CompileChoice:
             "rule": (f"measured: decode at 1, 2 and its largest bucket (those between take the largest's "
                      f"choice); prefill at its smallest bucket, for all; compiled where >= {MIN_GAIN:.0%} "
                      f"faster than eager" if measure
-                     else f"compile={mode!r}{' on cuda' if self.measure_graphs else ''}: compiled everywhere")}
+                     else f"compile={mode!r}{' on cuda' if cuda else ''}: compiled everywhere")}
 
     def _adopt(self, phase: Phase, recorded: dict) -> None:
         """One role's choices from the record. The buckets chosen compiled are made ready now, not
