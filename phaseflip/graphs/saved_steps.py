@@ -106,6 +106,8 @@ class SavedSteps:
                 torch._dynamo.maybe_mark_dynamic(marked[name], 0)
         compiled = torch.compile(self.fn, fullgraph=True, dynamic=None, options=self.options)
         name = f"{len(self._artifacts()):03d}-{os.getpid()}.pt"
+        rows = next(iter(views.values())).shape[0]
+        log.info("compiling %s at %d rows (saved for the next boots in %s)", self.fn.__name__, rows, self.dir)
         try:
             artifact = compiled.aot_compile(((self.owner, marked), {}))
             self.dir.mkdir(parents=True, exist_ok=True)
@@ -117,6 +119,7 @@ class SavedSteps:
         self._loaded.append((name, artifact))
         self.report["compiled"].append(name)
         self.report["compile_ms"] += (time.perf_counter() - t0) * 1e3
+        log.info("compiled %s at %d rows in %.1f s", self.fn.__name__, rows, time.perf_counter() - t0)
         return artifact
 
 
