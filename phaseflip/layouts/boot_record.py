@@ -133,8 +133,7 @@ class BootRecord:
 
     def summary(self, used: bool) -> dict:
         """What the manifest (and `phaseflip inspect`) says about the record."""
-        return {"path": str(self.path), "made_at": self.made_at, "used": used,
-                "source": ("the record (no measurement)" if used else "measured at this boot; recorded")}
+        return {"path": str(self.path), "made_at": self.made_at, "used": used}
 
 
 def _int_keys(obj: dict) -> dict:
