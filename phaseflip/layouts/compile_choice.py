@@ -22,6 +22,7 @@ from phaseflip.graphs import saved_steps
 from phaseflip.graphs.capture import StepKey, capture_cuda
 from phaseflip.graphs.compile import compile_region, compile_whole_step, time_alternating, time_replays
 from phaseflip.graphs.saved_steps import SavedSteps, wrapper_options
+from phaseflip.kernels import fused_layer
 from phaseflip.kernels.linear import GEMV_ROWS, gemv_reduces
 from phaseflip.layouts.comm import NoComm
 from phaseflip.layouts.forward import compute_logits, decoder_layer, forward
@@ -33,6 +34,14 @@ from phaseflip.layouts.boot_record import BootRecord
 from phaseflip.layouts.messages import Phase
 
 MIN_GAIN = 0.05   # compile="auto" keeps a compiled step only this much faster than eager (compile costs boot)
+# compile="auto" on the CPU does not compile the 1-row decode where the fused layers run it: inductor's
+# step of that bucket, which traces the layers as operators, was never measured MIN_GAIN faster than the
+# fused call (docs/performance.md), and compiling it costs a whole-step compile at a cold boot
+FUSED_ONE_ROW = "the fused layers run 1 row (kernels/fused_layer.py): inductor's step not compiled against them"
+# nor a tensor-parallel step: it breaks at each all-reduce, so its graphs cannot be saved and every boot
+# traces them again (~20 s of a warm boot for one decode bucket), and its measured gain at the same
+# bucket ranged from 27% slower to 16% faster between cold boots (docs/performance.md)
+TP_ON_CPU = "tensor-parallel on the CPU: its graphs break at each all-reduce (not saved, traced at every boot)"
 
 
 class CompileChoice:
@@ -61,15 +70,17 @@ class CompileChoice:
         runs compiled. "auto" on the CPU: the decode step at 1 and 2 rows and at its largest bucket, and
         the prefill role at its smallest bucket, keep the compiled step only where it is measured at
         least MIN_GAIN faster than eager; a bucket between takes the choice of the largest (they share
-        its dynamic graph). At 1 row the eager step runs the fused layers where they serve
-        (kernels/fused_layer.py), so there this sets inductor's step against the hand-written one.
+        its dynamic graph). Never compiled by "auto" on the CPU: the 1-row decode where the eager step
+        runs the fused layers (FUSED_ONE_ROW), and a tensor-parallel layout's steps (TP_ON_CPU).
         "auto" on CUDA: every bucket is measured as CUDA graphs at capture (_choose_by_replay). Where
         `record` holds an earlier boot's choices for this key (layouts/boot_record.py), they are taken
         and nothing is measured: only the buckets chosen compiled are compiled (or loaded). Every
         choice is reported with the numbers it was made from."""
-        if mode == "off":
+        eager_reason = ("compile='off'" if mode == "off" else
+                        TP_ON_CPU if mode == "auto" and not cuda and self.shard.tp_size > 1 else None)
+        if eager_reason is not None:
             for phase in Phase:
-                self.compile_report[phase.value] = {"choice": "eager", "reason": "compile='off'"}
+                self.compile_report[phase.value] = {"choice": "eager", "reason": eager_reason}
             return
         self.compiled_steps = self._compiled_steps(cuda, None if record is None else record.steps_dir)
         recorded = {phase: record.get(phase.value) for phase in Phase} if record is not None else {}
@@ -92,13 +103,19 @@ class CompileChoice:
     def _choose(self, phase: Phase, mode: str, measure: bool, cuda: bool) -> None:
         """One role's choice per bucket by measurement (compile="auto" on the CPU), or compiled everywhere."""
         sizes = self._phase_sizes(phase)
-        # the buckets timed at boot: decode at 1 row (its own graph: 0/1 specialisation), 2 rows
-        # (the dynamic graph's first size) and the largest, since from 4 rows up the two measure
-        # within a few % at every bucket and timing each bucket costs seconds of boot; prefill at its
-        # smallest bucket (its dynamic graph serves the others; larger chunks are GEMM-bound)
+        # the buckets timed at boot: decode at 1 row (its own graph: 0/1 specialisation; not where
+        # the fused layers run it, FUSED_ONE_ROW), 2 rows (the dynamic graph's first size) and the
+        # largest, since from 4 rows up the two measure within a few % at every bucket and timing each
+        # bucket costs seconds of boot; prefill at its smallest bucket (its dynamic graph serves the
+        # others; larger chunks are GEMM-bound)
         probed = (sizes[:2] + sizes[2:][-1:]) if phase is Phase.DECODE else sizes[:1]
+        report = {}
+        if (phase is Phase.DECODE and measure and len(probed) > 1 and probed[0][0] == 1
+                and self._fused_one_row()):
+            report[1] = {"choice": "eager", "reason": FUSED_ONE_ROW}
+            probed = probed[1:]
         compiled = self.compiled_steps[phase]
-        report = {b: self._measure(compiled, self._views(sz), measure) for b, sz in probed}
+        report.update({b: self._measure(compiled, self._views(sz), measure) for b, sz in probed})
         for b, _ in sizes:
             self.choices[(phase.value, b)] = report.get(b, report[probed[-1][0]])["choice"]
         unprobed = [sz for b, sz in sizes if b not in report and self.choices[(phase.value, b)] == "compiled"]
@@ -106,9 +123,9 @@ class CompileChoice:
             compiled(self._views(unprobed[0]))  # every larger bucket, compiles now, not mid-serving
         self.compile_report[phase.value] = {
             "choice": self._picked(phase), "buckets": report, "choices": self._role_choices(phase),
-            "rule": (f"measured: decode at 1, 2 and its largest bucket (those between take the largest's "
-                     f"choice); prefill at its smallest bucket, for all; compiled where >= {MIN_GAIN:.0%} "
-                     f"faster than eager" if measure
+            "rule": (f"measured: decode at 1 (unless the fused layers run it), 2 and its largest bucket "
+                     f"(those between take the largest's choice); prefill at its smallest bucket, for all; "
+                     f"compiled where >= {MIN_GAIN:.0%} faster than eager" if measure
                      else f"compile={mode!r}{' on cuda' if cuda else ''}: compiled everywhere")}
 
     def _adopt(self, phase: Phase, recorded: dict) -> None:
@@ -123,6 +140,11 @@ class CompileChoice:
         for sizes in compiled if isinstance(step, SavedSteps) else compiled[:2]:
             (step.prepare if isinstance(step, SavedSteps) else step)(self._views(sizes))
         self.compile_report[phase.value] = {**recorded, "choice": self._picked(phase)}
+
+    def _fused_one_row(self) -> bool:
+        """Whether this rank's eager 1-row decode runs the fused layers (kernels/fused_layer.py)."""
+        layers = self.weights.layers
+        return bool(layers) and fused_layer.report(layers[0].qkv_proj.dtype, self.shard.tp_size)["reason"] is None
 
     def _picked(self, phase: Phase) -> str:
         picked = {self.choices[(phase.value, b)] for b, _ in self._phase_sizes(phase)}

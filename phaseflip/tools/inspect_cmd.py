@@ -89,6 +89,8 @@ def _record_line(c: dict) -> str:
 def _timed_choice(t: dict) -> str:
     def ms(v):
         return "n/a" if v is None else f"{v:.1f}"
+    if "reason" in t:   # chosen by a rule, not timed
+        return f"{t['choice']} ({t['reason']})"
     return f"{t['choice']} (compiled {ms(t['compiled_ms'])} ms, eager {ms(t['eager_ms'])} ms)"
 
 

@@ -3,6 +3,7 @@ decode: the whole step as one graph): the
 measured choice per bucket is recorded and used, outputs match HF, compiling and capturing write nothing
 into the KV region, the layer compiles once whatever the number of layers, and no step compiles after
 boot. Slow-marked where inductor compiles cold for tens of seconds on 2 cores."""
+import dataclasses
 import functools
 import os
 import subprocess
@@ -50,8 +51,8 @@ def test_compile_caches_go_below_the_phaseflip_cache_in_a_fresh_process(tmp_path
 
 
 def test_auto_measures_each_bucket_matches_hf_and_writes_no_kv(tiny_model_dir, compiled_cache, monkeypatch):
-    """compile="auto", the default: each probed bucket timed compiled against eager, the faster kept
-    and replayed, HF's tokens. The model is the next test's (its graphs, compiled in this process,
+    """compile="auto", the default: each probed bucket timed compiled against eager (but the 1-row decode
+    where the fused layers run it), the faster kept and replayed, HF's tokens. The model is the next test's (its graphs, compiled in this process,
     serve both: one cold compile for the two)."""
     d = tiny_model_dir("llama", num_layers=6)
     prompts = parity_prompts(384)[:4]
@@ -65,8 +66,13 @@ def test_auto_measures_each_bucket_matches_hf_and_writes_no_kv(tiny_model_dir, c
     assert ok, msg
     report = m["ranks"][0]["compile"]["pp"]
     assert set(report["decode"]["buckets"]) == {1, 2, 4} and set(report["prefill"]["buckets"]) == {64}
+    fused = report["fused_layers"]["choice"] == "fused layers"
+    if fused:   # they run 1 row: inductor's step is neither compiled nor timed there
+        assert report["decode"]["buckets"][1] == {"choice": "eager", "reason": choice_module.FUSED_ONE_ROW}
     for role in ROLES:
         for bucket, r in report[role]["buckets"].items():
+            if fused and (role, bucket) == ("decode", 1):
+                continue
             assert r["compiled_ms"] > 0 and r["eager_ms"] > 0 and r["first_call_ms"] > 0, (role, bucket)
             gain = 1 - r["compiled_ms"] / r["eager_ms"]
             assert r["choice"] == ("compiled" if gain >= choice_module.MIN_GAIN else "eager"), (role, bucket, r)
@@ -124,12 +130,13 @@ def test_one_layer_compiles_once_for_every_layer_and_nothing_compiles_after_boot
 @pytest.mark.slow
 def test_two_ranks_compile_both_layouts_and_flip_with_hf_tokens(tiny_model_dir, tmp_path, monkeypatch):
     """A later PP stage's layer reads hidden states of the bucket's size, and TP's layer breaks its graph
-    at each all-reduce: both layouts compile at boot and give HF's tokens across forced flips."""
+    at each all-reduce: with compile="on" both layouts compile at boot and give HF's tokens across
+    forced flips."""
     d = tiny_model_dir("llama")
     prompts = parity_prompts(384)[:4]
     expected = hf_greedy(d, prompts, 12)
     monkeypatch.setenv("PHASEFLIP_CACHE", str(tmp_path))
-    with LLM(model=str(d), dtype="float32", compile="auto", world_size=2, max_num_seqs=4,
+    with LLM(model=str(d), dtype="float32", compile="on", world_size=2, max_num_seqs=4,
              max_num_batched_tokens=128, decode_buckets=(1, 2, 4), prefill_buckets=(64, 128),
              flip_every_steps=2) as llm:
         outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False)
@@ -138,7 +145,21 @@ def test_two_ranks_compile_both_layouts_and_flip_with_hf_tokens(tiny_model_dir, 
     assert ok, msg
     for rank in m["ranks"]:
         assert set(rank["compile"]) == {"pp", "tp"} and all(
-            "buckets" in rank["compile"][lay]["decode"] for lay in ("pp", "tp")), rank["compile"]
+            rank["compile"][lay][role]["choice"] == "compiled" for lay in ("pp", "tp") for role in ROLES), \
+            rank["compile"]
+
+
+def test_auto_on_the_cpu_compiles_no_tensor_parallel_step(tiny_model_dir):
+    """compile="auto" on the CPU leaves a tensor-parallel layout's roles eager, saying why, and compiles
+    none of them (their graphs would break at each all-reduce and be traced again at every boot)."""
+    with LLM(model=str(tiny_model_dir("llama")), dtype="float32", compile="off", max_num_seqs=4,
+             max_num_batched_tokens=128, decode_buckets=(1, 2, 4), prefill_buckets=(64, 128)) as llm:
+        runner = next(iter(llm.ranks.runtime.runners.values()))
+    runner.shard = dataclasses.replace(runner.shard, tp_size=2)
+    runner.compile_report, runner.compiled_steps = {}, {}
+    runner.prepare_compiled("auto", cuda=False)
+    assert runner.compiled_steps == {} and runner.compile_report == {
+        role: {"choice": "eager", "reason": choice_module.TP_ON_CPU} for role in ROLES}
 
 
 def test_auto_on_cuda_keeps_per_bucket_the_faster_graph(tiny_model_dir, monkeypatch):
