@@ -22,6 +22,7 @@ import sys
 import time
 from pathlib import Path
 
+from phaseflip.cache import cache_dir
 from phaseflip.tools.gpu_context import GRACE_S, Context
 
 BIG_NEEDS_S = 150.0   # decode_8b on an H200: writing 16 GB of weights, boot, 128 tokens (estimated)
@@ -108,6 +109,7 @@ def _boot(ctx: Context, spec: dict, cache: Path) -> dict:
         return {"finished": False, "reason": "time budget spent"}
     env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(cache / "inductor"), TRITON_CACHE_DIR=str(cache / "triton"),
                PHASEFLIP_CACHE=str(cache / "phaseflip"))   # no record of an earlier boot: cold is cold
+    _share_kernels(cache / "phaseflip")
     try:
         proc = subprocess.run([sys.executable, "-m", __name__, json.dumps(spec)], env=env, capture_output=True,
                               text=True, timeout=left)
@@ -120,6 +122,14 @@ def _boot(ctx: Context, spec: dict, cache: Path) -> dict:
     result = json.loads(lines[-1][len(CHILD_MARK):])
     result["tokens_per_s"] = {int(b): v for b, v in result["tokens_per_s"].items()}
     return {"finished": True, **result}
+
+
+def _share_kernels(phaseflip_cache: Path) -> None:
+    """The CPU kernels' build (not what this section times) taken from the user's phaseflip cache."""
+    built, here = cache_dir() / "kernels", phaseflip_cache / "kernels"
+    if built.is_dir() and not here.exists():
+        phaseflip_cache.mkdir(parents=True, exist_ok=True)
+        here.symlink_to(built, target_is_directory=True)
 
 
 def _child(spec: dict) -> dict:
