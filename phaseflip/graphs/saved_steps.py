@@ -2,7 +2,8 @@
 trace and no inductor run.
 
 Owns: `SavedSteps`, a step `fn(owner, views)` (a whole decode step, or the LM head) called as
-`step(views)`, compiled, its compiled forms kept under one directory: each a
+`step(views)`, and `SavedLayer`, one decoder layer called as forward calls its layer_fn; each compiled,
+its compiled forms kept under one directory: each a
 `torch.compile(fullgraph=True).aot_compile` artifact (its guards, its bytecode and inductor's code, C++
 wrapper included) saved with `save_compiled_function`. A bucket's views take the first saved artifact
 whose guards pass (loading one skips dynamo's trace, the larger part of a warm torch.compile:
@@ -17,7 +18,7 @@ whatever the graphs depend on (the model, the shard, phaseflip's own source, tor
 """
 from __future__ import annotations
 
-import functools
+import contextlib
 import logging
 import os
 import time
@@ -48,11 +49,13 @@ class SavedSteps:
     """fn(owner, views), compiled: the saved compiled forms of fn under `directory`, one bound per shape
     of views (the first call at a shape finds or compiles it)."""
 
+    dynamic_sources = ""   # dynamo's names of int arguments compiled as symbols (SavedLayer's layer index)
+
     def __init__(self, fn: Callable, owner, directory: Path, options: dict | None = None):
         self.fn, self.owner, self.dir, self.options = fn, owner, Path(directory), options or {}
         self._loaded: list[tuple[str, object]] | None = None   # (file name, artifact)
-        self._bound: dict[tuple, Callable] = {}                # views' signature -> the step, unguarded
-        self._fallback = None                                  # torch.compile's step where saving failed
+        self._bound: dict[tuple, Callable] = {}                # the arguments' signature -> fn, unguarded
+        self._fallback = None                                  # torch.compile's fn where saving failed
         self.report = {"dir": str(self.dir), "loaded": [], "compiled": [], "load_ms": 0.0, "compile_ms": 0.0}
 
     def __call__(self, views: dict[str, torch.Tensor]):
@@ -62,17 +65,19 @@ class SavedSteps:
     def prepare(self, views: dict[str, torch.Tensor]) -> Callable:
         """Bind views' shapes to a saved compiled form (compiled and saved where none serves), without
         running the step; returns the bound step (fn(owner, views), unguarded)."""
-        signature = _signature(views)
+        return self._bind(_signature(views), (self.owner, views))
+
+    def _bind(self, signature: tuple, args: tuple) -> Callable:
         if signature not in self._bound:
-            artifact = None if "not_saved" in self.report else self._find(views) or self._compile(views)
+            artifact = None if "not_saved" in self.report else self._find(args) or self._compile(args)
             self._bound[signature] = self._traced if artifact is None else artifact.fn   # unguarded
         return self._bound[signature]
 
-    def _traced(self, owner, views):
-        """Where this step cannot be saved: torch.compile's own path, traced at every boot."""
+    def _traced(self, *args):
+        """Where fn cannot be saved: torch.compile's own path, traced at every boot."""
         if self._fallback is None:
-            self._fallback = torch.compile(functools.partial(self.fn, owner), dynamic=None, options=self.options)
-        return self._fallback(views)
+            self._fallback = torch.compile(self.fn, dynamic=None, options=self.options)
+        return self._fallback(*args)
 
     def _artifacts(self) -> list[tuple[str, object]]:
         if self._loaded is None:
@@ -87,29 +92,27 @@ class SavedSteps:
             self.report["load_ms"] += (time.perf_counter() - t0) * 1e3
         return self._loaded
 
-    def _find(self, views):
+    def _find(self, args: tuple):
         for name, artifact in self._artifacts():
-            if artifact.guard_check(self.owner, views):
+            if artifact.guard_check(*args):
                 if name not in self.report["loaded"]:
                     self.report["loaded"].append(name)
                 return artifact
         return None
 
-    def _compile(self, views):
-        """fn compiled at views and saved; None where it cannot be (a graph break, a value dynamo cannot
-        save): the reason is reported and the step is traced at every boot instead."""
+    def _compile(self, args: tuple):
+        """fn compiled at args and saved; None where it cannot be (a graph break, a value dynamo cannot
+        save): the reason is reported and fn is traced at every boot instead."""
         t0 = time.perf_counter()
-        marked = {}   # views of the same tensors, their rows marked dynamic (a marked tensor fails the
-        for name, v in views.items():   # saved guards later: the caller's stay unmarked)
-            marked[name] = v[...]
-            if v.dim() > 0 and v.shape[0] > 1:
-                torch._dynamo.maybe_mark_dynamic(marked[name], 0)
-        compiled = torch.compile(self.fn, fullgraph=True, dynamic=None, options=self.options)
+        rows = _rows(args)
         name = f"{len(self._artifacts()):03d}-{os.getpid()}.pt"
-        rows = next(iter(views.values())).shape[0]
         log.info("compiling %s at %d rows (saved for the next boots in %s)", self.fn.__name__, rows, self.dir)
+        compiled = torch.compile(self.fn, fullgraph=True, dynamic=None, options=self.options)
         try:
-            artifact = compiled.aot_compile(((self.owner, marked), {}))
+            symbols = (torch.compiler.config.patch(dynamic_sources=self.dynamic_sources) if self.dynamic_sources
+                       else contextlib.nullcontext())
+            with symbols:
+                artifact = compiled.aot_compile((tuple(_marked(a) for a in args), {}))
             self.dir.mkdir(parents=True, exist_ok=True)
             artifact.save_compiled_function(str(self.dir / name))   # written whole, then renamed
         except Exception as e:   # torch raises many kinds here (Unsupported, TypeError from pickling, ...)
@@ -121,6 +124,49 @@ class SavedSteps:
         self.report["compile_ms"] += (time.perf_counter() - t0) * 1e3
         log.info("compiled %s at %d rows in %.1f s", self.fn.__name__, rows, time.perf_counter() - t0)
         return artifact
+
+
+class SavedLayer(SavedSteps):
+    """One decoder layer, called as the step calls its layer_fn (lw, cfg, shard, delta, residual, meta,
+    kv, layer, cos_sin, comm), compiled and saved as SavedSteps does: its layer index compiled as a
+    symbol (one graph serves every layer; a Python int would be specialised, a graph per layer), a
+    first layer (no delta yet) and the others bound apart. Bound per shape of its tensors; every layer
+    of a shard has the same weight shapes, so a bound form serves them all unguarded."""
+
+    dynamic_sources = "L['layer']"
+
+    def __init__(self, fn: Callable, directory: Path, options: dict | None = None):
+        super().__init__(fn, None, directory, options)
+
+    def __call__(self, lw, cfg, shard, delta, residual, meta, kv, layer, cos_sin, comm):
+        args = (lw, cfg, shard, delta, residual, meta, kv, layer, cos_sin, comm)
+        signature = (delta is None, _signature({"residual": residual, "cos_sin": cos_sin, **meta}))
+        run = self._bound.get(signature) or self._bind(signature, args)
+        return run(*args)
+
+
+def _marked(value):
+    """A value as aot_compile is handed it: tensors (in dicts too) as new tensors of the same kind, their
+    rows marked dynamic (the caller's stay unmarked: a marked tensor fails the saved guards later). A
+    view stays a view of its base and a tensor that owns its storage becomes a copy that owns its own:
+    the saved guards read a view's base (`_base`), which a tensor that is no view does not have."""
+    if isinstance(value, dict):
+        return {k: _marked(v) for k, v in value.items()}
+    if not isinstance(value, torch.Tensor):
+        return value
+    twin = value[...] if value._base is not None else value.clone()
+    if twin.dim() > 0 and twin.shape[0] > 1:
+        torch._dynamo.maybe_mark_dynamic(twin, 0)
+    return twin
+
+
+def _rows(args: tuple) -> int:
+    """The first tensor's rows among args (dicts searched too), for the log."""
+    for a in args:
+        for v in (a.values() if isinstance(a, dict) else (a,)):
+            if isinstance(v, torch.Tensor):
+                return v.shape[0] if v.dim() else 1
+    return 0
 
 
 def _signature(views: dict[str, torch.Tensor]) -> tuple:

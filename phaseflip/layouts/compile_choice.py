@@ -21,7 +21,7 @@ import torch
 from phaseflip.graphs import saved_steps
 from phaseflip.graphs.capture import StepKey, capture_cuda
 from phaseflip.graphs.compile import compile_region, compile_whole_step, time_alternating, time_replays
-from phaseflip.graphs.saved_steps import SavedSteps, wrapper_options
+from phaseflip.graphs.saved_steps import SavedLayer, SavedSteps, wrapper_options
 from phaseflip.kernels import fused_layer
 from phaseflip.kernels.linear import GEMV_ROWS, gemv_reduces
 from phaseflip.layouts.comm import NoComm
@@ -53,17 +53,21 @@ class CompileChoice:
         the step and host overhead is gone anyway): the decoder layer compiled once, reused by every
         layer and bucket. CPU decode: the whole step, every layer in ONE graph: per layer, graph entry,
         guard checks and wrapper calls would be a sizeable share of a batch-1 token; with inductor's
-        wrapper in C++ the step is faster still. Where its layers reduce nothing between ranks (one
-        graph, no break at a collective) and this torch saves compiled functions, its graphs are kept
-        under saved_dir and a later boot loads them (graphs/saved_steps.py); else torch.compile traces
-        it at every boot (inductor's caches keep its code), a DirectStep at capture."""
+        wrapper in C++ the step is faster still. Where the layers reduce nothing between ranks (one
+        graph, no break at a collective) and this torch saves compiled functions, both roles' graphs
+        (the prefill layer's, the whole decode step's) are kept under saved_dir and a later boot loads
+        them (graphs/saved_steps.py; `saved_steps`); else torch.compile traces them at every boot
+        (inductor's caches keep their code), the decode step a DirectStep at capture."""
         layer_step = functools.partial(self.step_fn, layer_fn=compile_region(decoder_layer))
         if cuda:
             return {Phase.PREFILL: layer_step, Phase.DECODE: layer_step}
-        whole = (SavedSteps(_whole_step, self._step_state(), saved_dir / "decode", wrapper_options())
-                 if saved_dir is not None and self.shard.tp_size == 1 and saved_steps.available()
-                 else compile_whole_step(self.step_fn))
-        return {Phase.PREFILL: layer_step, Phase.DECODE: whole}
+        if saved_dir is None or self.shard.tp_size > 1 or not saved_steps.available():
+            return {Phase.PREFILL: layer_step, Phase.DECODE: compile_whole_step(self.step_fn)}
+        self.saved_steps = {Phase.PREFILL: SavedLayer(decoder_layer, saved_dir / "prefill"),
+                            Phase.DECODE: SavedSteps(_whole_step, self._step_state(), saved_dir / "decode",
+                                                     wrapper_options())}
+        return {Phase.PREFILL: functools.partial(self.step_fn, layer_fn=self.saved_steps[Phase.PREFILL]),
+                Phase.DECODE: self.saved_steps[Phase.DECODE]}
 
     def prepare_compiled(self, mode: str, cuda: bool, record: BootRecord | None = None) -> None:
         """Compile each role's step (boot only; see _compiled_steps). compile="on", and CUDA: every step
@@ -96,9 +100,8 @@ class CompileChoice:
             else:
                 self._choose(phase, mode, measure, cuda)
             self.compile_report[phase.value]["boot_ms"] = (time.perf_counter() - t0) * 1e3
-            step = self.compiled_steps[phase]
-            if isinstance(step, SavedSteps):   # which saved graphs it loaded, which it compiled and saved
-                self.compile_report[phase.value]["saved_steps"] = step.report
+            if phase in self.saved_steps:   # which saved graphs it loaded, which it compiled and saved
+                self.compile_report[phase.value]["saved_steps"] = self.saved_steps[phase].report
 
     def _choose(self, phase: Phase, mode: str, measure: bool, cuda: bool) -> None:
         """One role's choice per bucket by measurement (compile="auto" on the CPU), or compiled everywhere."""

@@ -86,6 +86,7 @@ class LayoutRunner(CompileChoice):
         # The maths reduces partial sums over the ranks sharing a layer: nobody in PP.
         self.tp_comm = self.comm if self.shard.tp_size > 1 else NoComm()
         self.compiled_steps: dict[Phase, object] = {}              # role -> its compiled step
+        self.saved_steps: dict[Phase, object] = {}                 # role -> its SavedSteps, where saved
         self.choices: dict[tuple[str, int], str] = {}              # (role, bucket) -> "compiled" | "eager"
         self.compile_report: dict[str, dict] = {}
         self.compiled_head = None    # the LM head compiled for a GEMV_ROWS-row decode (CPU), if any

@@ -1,6 +1,7 @@
 """SavedSteps (graphs/saved_steps.py): a step compiled by one owner is loaded by the next from its
 directory, without tracing; shapes its guards do not cover compile a form of their own; a step that
-cannot be saved runs traced, with the reason reported."""
+cannot be saved runs traced, with the reason reported. SavedLayer: one decoder layer's graphs serve every
+layer index, saved and loaded alike."""
 from dataclasses import dataclass
 
 import pytest
@@ -8,7 +9,7 @@ import torch
 from torch._dynamo.utils import counters
 
 from phaseflip.graphs import saved_steps
-from phaseflip.graphs.saved_steps import SavedSteps
+from phaseflip.graphs.saved_steps import SavedLayer, SavedSteps
 
 pytestmark = pytest.mark.skipif(not saved_steps.available(),
                                 reason="this torch cannot save compiled functions (torch.compiler.load_compiled_function)")
@@ -60,3 +61,42 @@ def test_a_step_that_cannot_be_saved_runs_traced_and_says_why(tmp_path):
     torch.testing.assert_close(saved(v), broken(owner, v))
     assert "not_saved" in saved.report and saved.report["compiled"] == []
     assert not list(tmp_path.glob("*.pt"))
+
+
+def toy_layer(lw, cfg, shard, delta, residual, meta, kv, layer, cos_sin, comm):
+    """decoder_layer's signature: the residual stream updated, and a value read from this layer's slot."""
+    h = residual if delta is None else residual + delta
+    return torch.relu(h @ lw) + kv[layer] + cos_sin.sum(-1, keepdim=True) + meta["bias"], h
+
+
+def _layers(layer_fn, lws, kv, rows: int, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    residual, cos_sin = torch.randn(rows, 8, generator=g), torch.randn(rows, 4, generator=g)
+    meta, delta = {"bias": torch.randn(rows, 1, generator=g)}, None
+    for i, lw in enumerate(lws):
+        delta, residual = layer_fn(lw, None, None, delta, residual, meta, kv, i, cos_sin, None)
+    return delta, residual
+
+
+def test_one_layer_graph_serves_every_layer_index_saved_and_loaded(tmp_path):
+    lws, kv = [torch.randn(8, 8) for _ in range(6)], torch.randn(6, 8)
+    torch._dynamo.reset()   # a later layer compiled first, with no earlier trace of the frame to learn from
+    alone = SavedLayer(toy_layer, tmp_path / "alone")
+    delta, residual, cos_sin = torch.randn(4, 8), torch.randn(4, 8), torch.randn(4, 4)
+    meta = {"bias": torch.randn(4, 1)}
+    for i in (1, 3):
+        torch.testing.assert_close(alone(lws[i], None, None, delta, residual, meta, kv, i, cos_sin, None),
+                                   toy_layer(lws[i], None, None, delta, residual, meta, kv, i, cos_sin, None))
+
+    first = SavedLayer(toy_layer, tmp_path)
+    for rows, seed in ((4, 0), (8, 1)):
+        torch.testing.assert_close(_layers(first, lws, kv, rows, seed), _layers(toy_layer, lws, kv, rows, seed))
+    assert len(first.report["compiled"]) == 2   # the first layer (no delta yet) and every other one
+
+    torch._dynamo.reset()
+    counters.clear()
+    second = SavedLayer(toy_layer, tmp_path)
+    for rows, seed in ((8, 2), (16, 3)):
+        torch.testing.assert_close(_layers(second, lws, kv, rows, seed), _layers(toy_layer, lws, kv, rows, seed))
+    assert second.report["compiled"] == [] and len(second.report["loaded"]) == 2
+    assert counters["stats"]["unique_graphs"] == 0
