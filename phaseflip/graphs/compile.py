@@ -1,6 +1,7 @@
 """Compiling a step's repeated unit with inductor, and measuring whether it pays (CPU).
 
-Owns: `compile_region` (torch.compile with a dynamic token dimension, applied to one decoder layer so
+Owns: `import_compiler` (dynamo's and inductor's imports started in a thread, for a boot to overlap
+with its first phases), `compile_region` (torch.compile with a dynamic token dimension, applied to one decoder layer so
 that identical layers and every bucket share one compiled graph), `compile_whole_step` (the same for a
 CPU decode step as a whole, its wrapper in C++) and `DirectStep` (such a step bound to a bucket's
 views and replayed without dynamo), `use_cache_dir` and `cache_dirs` (inductor's and
@@ -13,9 +14,23 @@ from __future__ import annotations
 
 import os
 import statistics
+import threading
 import time
 
 import torch
+
+
+def import_compiler() -> threading.Thread:
+    """Import dynamo and inductor's compiler (what loading or compiling a step imports first: about 2 s
+    on the CPU) in a thread, started now; the caller joins it before it compiles. The imports run
+    Python while the caller's first phases (packing weights, filling the arena) run torch ops, which
+    leave the interpreter to it."""
+    def imports():
+        import torch._dynamo  # noqa: F401
+        import torch._inductor.compile_fx  # noqa: F401
+    thread = threading.Thread(target=imports, name="phaseflip-import-compiler", daemon=True)
+    thread.start()
+    return thread
 
 
 def compile_region(fn):
