@@ -133,9 +133,10 @@ class CompileChoice:
 
     def _adopt(self, phase: Phase, recorded: dict) -> None:
         """One role's choices from the record. The buckets chosen compiled are made ready now, not
-        mid-serving: saved steps bound to each bucket (loaded, or compiled where none serves); a traced
-        step called at its first two such buckets (the second makes the token dimension dynamic, the
-        graph every larger bucket shares)."""
+        mid-serving: saved steps bound to each bucket (loaded, or compiled where none serves); a step
+        that compiles as it is called (traced, or the prefill around its saved layer) called at its
+        first two such buckets (the second makes the token dimension dynamic, the graph every larger
+        bucket shares; the saved layer's larger buckets bind at their first call, a guard check)."""
         chosen, step = recorded["choices"], self.compiled_steps[phase]
         compiled = [sizes for b, sizes in self._phase_sizes(phase) if chosen[b] == "compiled"]
         for b, _ in self._phase_sizes(phase):
@@ -172,7 +173,8 @@ class CompileChoice:
             if report["choice"] == "compiled":
                 compiled(rows)
         else:
-            report = self._measure(compiled, rows, measure, lambda v: compute_logits(self.weights.lm_head, v["hidden_in"]))
+            report = self._measure(compiled, rows, measure,
+                                   lambda v: compute_logits(self.weights.lm_head, v["hidden_in"]))
         self.compiled_head = ((lambda head, hidden: compiled({"hidden_in": hidden}))
                               if report["choice"] == "compiled" else None)
         self.compile_report["head"] = report
