@@ -1,7 +1,8 @@
 """Boot progress: a progress bar over every rank's boot phases on a terminal, log lines elsewhere.
 
 Owns: BootProgress, fed with RankProgress messages (or a rank's in-process callback). The phases a rank
-goes through are known in advance: load, pack, arena, kv_alloc, then compile and capture per layout.
+goes through are known in advance (`rank_phases`): load, pack, arena, kv_alloc, then per layout the GEMM
+warm-up, the product forms (CPU), compile and capture.
 """
 from __future__ import annotations
 
@@ -15,15 +16,19 @@ from phaseflip.layouts.messages import RankProgress
 log = logging.getLogger("phaseflip")
 
 
-def rank_phases(layouts) -> list[str]:
-    return ["load", "pack", "arena", "kv_alloc"] + [f"{p}:{name}" for name in layouts for p in ("compile", "capture")]
+def rank_phases(boot) -> list[str]:
+    """The phases each rank of this boot reports, in order (layouts/runtime.py's timed phases)."""
+    first = ["load", "pack", "arena"] + (["kv_profile"] if boot.num_kv_blocks is None else []) + ["kv_alloc"]
+    first += ["compiler_import"] if boot.compile != "off" else []
+    per_layout = ["gemm_warm"] + (["forms"] if boot.device == "cpu" else []) + ["compile", "capture"]
+    return first + [f"{p}:{name}" for name in boot.layouts for p in per_layout]
 
 
 class BootProgress:
     def __init__(self, boot, world_size: int):
         self.bar = None
         if sys.stderr.isatty():
-            self.bar = tqdm(total=len(rank_phases(boot.layouts)) * world_size, desc="boot", unit="phase",
+            self.bar = tqdm(total=len(rank_phases(boot)) * world_size, desc="boot", unit="phase",
                             leave=False)
 
     def update(self, msg: RankProgress) -> None:
