@@ -1,8 +1,8 @@
 """Compiling a step's repeated unit with inductor, and measuring whether it pays (CPU).
 
 Owns: `import_compiler` (dynamo's and inductor's imports started in a thread, for a boot to overlap
-with its first phases), `compile_region` (torch.compile with a dynamic token dimension, applied to one decoder layer so
-that identical layers and every bucket share one compiled graph), `compile_whole_step` (the same for a
+with its first phases), `compile_region` (torch.compile with a dynamic token dimension, applied to one
+decoder layer so that identical layers and every bucket share one compiled graph), `compile_whole_step` (the same for a
 CPU decode step as a whole, its wrapper in C++) and `DirectStep` (such a step bound to a bucket's
 views and replayed without dynamo), `use_cache_dir` and `cache_dirs` (inductor's and
 Triton's on-disk caches under a directory the caller names, so a second boot loads what the first

@@ -7,8 +7,8 @@ wide form or the ladder's product), `choose_gemv` (a compiled step's one-row pro
 reductions or the eager product, over a pass of the layers), `choose_ladder_form` (bfloat16 on the
 ladder: the library's bf16 product or float32 on oneDNN) and `_measured`, every report of this process
 by (what, dtype, model); each takes `recorded`, the report an earlier boot measured, in place of
-measuring (layouts/boot_record.py). Each choice writes the report linear.py's products of the dtype then follow
-(linear._small_reports, _wide_reports, _gemv_reports, _ladder_reports): the last model measured.
+measuring (layouts/boot_record.py). Each choice writes the report linear.py's products of the dtype
+then follow (linear._small_reports, _wide_reports, _gemv_reports, _ladder_reports): the last model measured.
 """
 from __future__ import annotations
 

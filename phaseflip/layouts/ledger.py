@@ -5,8 +5,8 @@ Owns: `measure_memory` (what the process or device holds: RSS on the CPU; the dr
 the caching allocator's reserved bytes on CUDA), `graph_pool_bytes` (a CUDA graph pool's segments, read
 from the allocator's own snapshot) and `rank_ledger`. Every term is measured on its own, never derived
 as a remainder: arena, KV region (usable and unusable blocks of each view), graph pool (CPU: the RSS
-the boot's GEMM warm-up and product-form measurements added), compiled code (CPU: the RSS compiling added), static buffers, staging
-reserve, host images (CPU: those outside the arena), allocator cache (CUDA: reserved bytes no listed
+the boot's GEMM warm-up and product-form measurements added), compiled code (CPU: the RSS compiling
+added), static buffers, staging reserve, host images (CPU: those outside the arena), allocator cache (CUDA: reserved bytes no listed
 tensor holds), framework overhead (what the process or device used before the rank's first
 allocation). The identity is then checked against the measured use: `unexplained` is the difference,
 shown as it is (signed) and never folded into another term; `free` is the budget less both. A term
