@@ -120,6 +120,33 @@ def test_bad_config_names_file_and_field(tiny_model_dir, tmp_path, changes, part
     _raises(["config.json", *parts], load_model_config, model_dir)
 
 
+@pytest.mark.parametrize("field, spec, method", [
+    ("quantization_config", {"quant_method": "gptq", "bits": 4, "group_size": 128}, "'gptq'"),
+    ("quantization_config", {"quant_method": "awq", "bits": 4, "version": "gemm"}, "'awq'"),
+    ("quantization_config", {"quant_method": "fp8", "activation_scheme": "dynamic"}, "'fp8'"),
+    ("quantization_config", {"quant_method": "compressed-tensors", "format": "float-quantized"},
+     "'compressed-tensors'"),
+    ("quantization_config", {"quant_method": "bitsandbytes", "load_in_4bit": True}, "'bitsandbytes'"),
+    ("compression_config", {"format": "pack-quantized"}, "'pack-quantized'"),
+    ("quantization_config", "int8", "'unnamed'"),
+])
+def test_quantized_checkpoint_is_refused_with_its_method(tiny_model_dir, tmp_path, field, spec, method):
+    model_dir = _edit_config(_copy(tiny_model_dir("llama"), tmp_path), **{field: spec})
+    _raises(["config.json", field, method, "not served"], load_model_config, model_dir)
+
+
+def test_quantized_checkpoint_is_refused_before_any_weight_is_read(tiny_model_dir, tmp_path):
+    """LLM() reads config.json before it starts a rank or opens a safetensors file: a corrupt weights file
+    behind an FP8 config still yields the quantization error."""
+    from phaseflip import LLM
+    model_dir = _edit_config(_copy(tiny_model_dir("llama"), tmp_path),
+                             quantization_config={"quant_method": "fp8", "weight_block_size": [128, 128]})
+    for f in model_dir.glob("*.safetensors"):
+        f.write_bytes(b"not a safetensors file")
+    with pytest.raises(CheckpointError, match="'fp8'"):
+        LLM(model=str(model_dir), device="cpu")
+
+
 def test_missing_or_invalid_config_json(tiny_model_dir, tmp_path):
     model_dir = _copy(tiny_model_dir("llama"), tmp_path)
     (model_dir / "config.json").write_text("{not json")

@@ -94,12 +94,25 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
 
 def _check_unsupported(raw: dict, arch: str, path: Path) -> None:
     """Options that change the maths in ways ModelConfig cannot describe are refused, never ignored."""
+    _check_not_quantized(raw, path)
     if raw.get("hidden_act", "silu") != "silu":
         raise CheckpointError(f"{path}: field 'hidden_act'={raw['hidden_act']!r} is not supported (only 'silu')")
     # Llama/Qwen3 attention_bias puts a bias on o_proj as well as q/k/v; Llama mlp_bias on the MLP.
     for name in ("attention_bias", "mlp_bias"):
         if arch in ("LlamaForCausalLM", "Qwen3ForCausalLM") and raw.get(name):
             raise CheckpointError(f"{path}: field {name!r}=true is not supported for {arch}")
+
+
+def _check_not_quantized(raw: dict, path: Path) -> None:
+    """A quantized HF checkpoint (GPTQ, AWQ, FP8, compressed-tensors, bitsandbytes...) stores packed integers
+    and scales the loader would read as plain weights or drop: refuse it before any tensor is read."""
+    for field in ("quantization_config", "compression_config"):
+        if field not in raw:
+            continue
+        spec = raw[field] if isinstance(raw[field], dict) else {}
+        method = spec.get("quant_method") or spec.get("format") or "unnamed"
+        raise CheckpointError(f"{path}: field {field!r} declares a quantized checkpoint (method {method!r}), which "
+                              "is not served; allowed: unquantized safetensors (float32, bfloat16, float16)")
 
 
 def read_json(path: Path) -> dict:
