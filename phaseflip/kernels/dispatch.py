@@ -1,8 +1,10 @@
 """Which implementation a kernel call runs: the Triton kernels on CUDA tensors, the torch references
-everywhere else (the CPU path, and the oracle the kernels are tested against).
+everywhere else (the CPU path, and the oracle the kernels are tested against); for products, the
+library's on CUDA and the CPU's measured forms (kernels/cpu/linear.py) elsewhere.
 
-Owns: the entry points the model maths calls for the pointwise kernels (`rms_norm`, `add_rms_norm`,
-`apply_rotary`, `silu_and_mul`), and the torch.library custom ops that wrap their Triton launches so
+Owns: the entry points the model maths calls for the projections (`linear`) and the pointwise kernels
+(`rms_norm`, `add_rms_norm`, `apply_rotary`, `silu_and_mul`), and the ops (`phaseflip::<name>`, defined
+with kernels/op_registry.py like every Python-bodied op of ours) that wrap the pointwise Triton launches so
 torch.compile treats each as one opaque call and a CUDA graph captures it. Attention and the KV store
 dispatch inside `phaseflip::paged_attention` itself (kernels/attention.py).
 
@@ -15,8 +17,11 @@ from __future__ import annotations
 import importlib.util
 
 import torch
+import torch.nn.functional as F
 
-from phaseflip.kernels import activation, norm, rotary
+from phaseflip.kernels.cpu import linear as cpu_linear
+from phaseflip.kernels.op_registry import define_op
+from phaseflip.kernels.reference import activation, norm, rotary
 
 _triton_available: bool | None = None
 
@@ -50,63 +55,61 @@ def apply_rotary(x: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
     return rotary.apply_rotary(x, cos_sin)
 
 
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] @ weight [N, K]^T (+ bias): the library's product on CUDA, the CPU's forms elsewhere."""
+    if x.is_cuda:
+        return F.linear(x, weight, bias)
+    return cpu_linear.linear(x, weight, bias)
+
+
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     if gate_up.is_cuda:
         return torch.ops.phaseflip.silu_and_mul(gate_up)
     return activation.silu_and_mul(gate_up)
 
 
-# -- the custom ops (CUDA bodies; registered at import like phaseflip::paged_attention) --------------
-@torch.library.custom_op("phaseflip::rms_norm", mutates_args=())
-def _rms_norm_op(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+# -- the ops (CUDA bodies), defined like every op of ours (kernels/op_registry.py) -----------------------
+def _rms_norm_body(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     if not triton_available():
         return norm.rms_norm(x, weight, eps)
-    from phaseflip.kernels.triton_norm import rms_norm_triton
+    from phaseflip.kernels.triton.norm import rms_norm_triton
     return rms_norm_triton(x, weight, eps)
 
 
-@_rms_norm_op.register_fake
-def _(x, weight, eps):
-    return torch.empty(x.shape, dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device)
-
-
-@torch.library.custom_op("phaseflip::add_rms_norm", mutates_args=())
-def _add_rms_norm_op(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+def _add_rms_norm_body(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                       eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     if not triton_available():
         return norm.add_rms_norm(x, residual, weight, eps)
-    from phaseflip.kernels.triton_norm import add_rms_norm_triton
+    from phaseflip.kernels.triton.norm import add_rms_norm_triton
     return add_rms_norm_triton(x, residual, weight, eps)
 
 
-@_add_rms_norm_op.register_fake
-def _(x, residual, weight, eps):
+def _apply_rotary_body(x: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
+    if not triton_available():
+        return rotary.apply_rotary(x, cos_sin)
+    from phaseflip.kernels.triton.rotary import apply_rotary_triton
+    return apply_rotary_triton(x, cos_sin)
+
+
+def _silu_and_mul_body(gate_up: torch.Tensor) -> torch.Tensor:
+    if not triton_available():
+        return activation.silu_and_mul(gate_up)
+    from phaseflip.kernels.triton.activation import silu_and_mul_triton
+    return silu_and_mul_triton(gate_up)
+
+
+def _add_rms_norm_fake(x, residual, weight, eps):
     res_dtype = torch.promote_types(x.dtype, residual.dtype)
     return (torch.empty(x.shape, dtype=torch.promote_types(weight.dtype, res_dtype), device=x.device),
             torch.empty(x.shape, dtype=res_dtype, device=x.device))
 
 
-@torch.library.custom_op("phaseflip::apply_rotary", mutates_args=())
-def _apply_rotary_op(x: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
-    if not triton_available():
-        return rotary.apply_rotary(x, cos_sin)
-    from phaseflip.kernels.triton_rotary import apply_rotary_triton
-    return apply_rotary_triton(x, cos_sin)
-
-
-@_apply_rotary_op.register_fake
-def _(x, cos_sin):
-    return torch.empty(x.shape, dtype=x.dtype, device=x.device)
-
-
-@torch.library.custom_op("phaseflip::silu_and_mul", mutates_args=())
-def _silu_and_mul_op(gate_up: torch.Tensor) -> torch.Tensor:
-    if not triton_available():
-        return activation.silu_and_mul(gate_up)
-    from phaseflip.kernels.triton_activation import silu_and_mul_triton
-    return silu_and_mul_triton(gate_up)
-
-
-@_silu_and_mul_op.register_fake
-def _(gate_up):
-    return gate_up.new_empty((*gate_up.shape[:-1], gate_up.shape[-1] // 2))
+define_op("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor", _rms_norm_body,
+          lambda x, weight, eps: torch.empty(x.shape, dtype=torch.promote_types(weight.dtype, x.dtype),
+                                             device=x.device))
+define_op("add_rms_norm(Tensor x, Tensor residual, Tensor weight, float eps) -> (Tensor, Tensor)",
+          _add_rms_norm_body, _add_rms_norm_fake)
+define_op("apply_rotary(Tensor x, Tensor cos_sin) -> Tensor", _apply_rotary_body,
+          lambda x, cos_sin: torch.empty(x.shape, dtype=x.dtype, device=x.device))
+define_op("silu_and_mul(Tensor gate_up) -> Tensor", _silu_and_mul_body,
+          lambda gate_up: gate_up.new_empty((*gate_up.shape[:-1], gate_up.shape[-1] // 2)))

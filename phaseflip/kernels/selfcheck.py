@@ -18,8 +18,8 @@ from typing import Callable
 
 import torch
 
-from phaseflip.kernels import activation, norm, rotary
-from phaseflip.kernels.attention import paged_attention_ref, store_kv
+from phaseflip.kernels.reference import activation, norm, rotary
+from phaseflip.kernels.reference.attention import paged_attention_ref, store_kv
 
 TOL = {torch.float32: (1e-5, 1e-5), torch.bfloat16: (2e-2, 2e-2)}   # (atol, rtol) vs a float32 reference
 
@@ -108,8 +108,8 @@ def _call_op(args: dict) -> torch.Tensor:
 def _attention_check(seqs, group: int, d: int, page: int, *, entry: str = "op", num_splits=None,
                      dtype=torch.float32, pad=(0, 0), hkv: int = 2, tile_n: int = 32) -> Callable[[str], float]:
     def check(device: str) -> float:
-        from phaseflip.kernels import triton_attention as ta
-        from phaseflip.kernels.triton_kv_store import store_kv_triton
+        from phaseflip.kernels.triton import attention as ta
+        from phaseflip.kernels.triton.kv_store import store_kv_triton
         args = build_paged(seqs, group * hkv, hkv, d, page, pad_tokens=pad[0], pad_seqs=pad[1], dtype=dtype,
                            device=device, seed=len(seqs) * 131 + group * 7 + d + page)
         ref_out, _, _ = _reference_attention(args)
@@ -129,7 +129,7 @@ def _attention_check(seqs, group: int, d: int, page: int, *, entry: str = "op", 
 
 def _kv_store_check(page: int, num_tokens: int, pad_tokens: int, dtype=torch.float32) -> Callable[[str], float]:
     def check(device: str) -> float:
-        from phaseflip.kernels.triton_kv_store import store_kv_triton
+        from phaseflip.kernels.triton.kv_store import store_kv_triton
         g = torch.Generator().manual_seed(page + num_tokens)
         hkv, d, num_blocks = 3, 32, 6
         # a per-layer view of a [blocks, layers, 2, page, heads, dim] region: strided, like the engine's
@@ -150,7 +150,7 @@ def _kv_store_check(page: int, num_tokens: int, pad_tokens: int, dtype=torch.flo
 
 def _rms_norm_check(shape, dtype, fused: bool, scale: float = 1.0, strided: bool = False) -> Callable[[str], float]:
     def check(device: str) -> float:
-        from phaseflip.kernels.triton_norm import add_rms_norm_triton, rms_norm_triton
+        from phaseflip.kernels.triton.norm import add_rms_norm_triton, rms_norm_triton
         g = torch.Generator().manual_seed(sum(shape) + fused)
         h = shape[-1]
         x = torch.randn(*shape[:-1], 2 * h if strided else h, generator=g) * scale
@@ -171,7 +171,7 @@ def _rms_norm_check(shape, dtype, fused: bool, scale: float = 1.0, strided: bool
 
 def _rotary_check(num_tokens: int, heads: int, d: int, dtype, llama3: bool) -> Callable[[str], float]:
     def check(device: str) -> float:
-        from phaseflip.kernels.triton_rotary import apply_rotary_triton
+        from phaseflip.kernels.triton.rotary import apply_rotary_triton
         g = torch.Generator().manual_seed(num_tokens * 31 + d + llama3)
         table = rotary.cos_sin_table(d, 256, 500000.0 if llama3 else 10000.0, Llama3Scaling() if llama3 else None)
         positions = torch.randint(0, 256, (num_tokens,), generator=g)
@@ -184,7 +184,7 @@ def _rotary_check(num_tokens: int, heads: int, d: int, dtype, llama3: bool) -> C
 
 def _silu_check(num_tokens: int, inter: int, dtype) -> Callable[[str], float]:
     def check(device: str) -> float:
-        from phaseflip.kernels.triton_activation import silu_and_mul_triton
+        from phaseflip.kernels.triton.activation import silu_and_mul_triton
         g = torch.Generator().manual_seed(num_tokens + inter)
         x = torch.randn(num_tokens, 2 * inter, generator=g) * 3
         return _compare(silu_and_mul_triton(x.to(device, dtype)), activation.silu_and_mul(x.to(dtype)), dtype)
@@ -241,7 +241,7 @@ def graph_replay_check(device: str, steps: int = 3) -> dict:
     """The attention op (store + attend) captured ONCE as a CUDA graph and replayed for `steps` decode
     steps whose metadata changes in place (new lengths, slots, queries): proves the launch sizes do not
     depend on values and nothing syncs with the host. On the CPU it runs uncaptured (wiring only)."""
-    from phaseflip.kernels.triton_attention import store_and_attend
+    from phaseflip.kernels.triton.attention import store_and_attend
     page, captured = 16, device.startswith("cuda")
     static = build_paged([(60, 1), (40, 1), (17, 1), (0, 1)], 8, 2, 64, page, device=device, seed=5,
                          dtype=torch.bfloat16 if captured else torch.float32)

@@ -23,7 +23,7 @@ import torch
 
 import phaseflip
 from phaseflip.cache import cache_dir
-from phaseflip.kernels import cpu_kernels
+from phaseflip.kernels.cpu import library
 
 RECORD_VERSION = 1
 # the reports a record keeps: the forms measured in layouts/runtime.py, the compile choices of
@@ -62,8 +62,8 @@ def kernels_build(device: str) -> str | None:
     """The CPU kernels' library (its name carries its build's digest) on the CPU, where it loads."""
     if device != "cpu":
         return None
-    cpu_kernels.few_rows_op()   # builds (once per machine) and loads them, as the boot's products will
-    return cpu_kernels.kernel_report().get("path")
+    library.few_rows_op()   # builds (once per machine) and loads them, as the boot's products will
+    return library.kernel_report().get("path")
 
 
 def record_key(runner, device: str, compile_mode: str, kernels: str | None) -> dict:

@@ -22,8 +22,8 @@ from phaseflip.graphs import saved_steps
 from phaseflip.graphs.capture import StepKey, capture_cuda
 from phaseflip.graphs.compile import compile_region, compile_whole_step, time_alternating, time_replays
 from phaseflip.graphs.saved_steps import SavedLayer, SavedSteps, wrapper_options
-from phaseflip.kernels import fused_layer
-from phaseflip.kernels.linear import GEMV_ROWS, gemv_reduces
+from phaseflip.kernels.cpu import fused_layer
+from phaseflip.kernels.cpu.linear import GEMV_ROWS, gemv_reduces
 from phaseflip.layouts.comm import NoComm
 from phaseflip.layouts.forward import compute_logits, decoder_layer, forward
 from phaseflip.layouts.kvcache import KVView
@@ -37,7 +37,7 @@ MIN_GAIN = 0.05   # compile="auto" keeps a compiled step only this much faster t
 # compile="auto" on the CPU does not compile the 1-row decode where the fused layers run it: inductor's
 # step of that bucket, which traces the layers as operators, was never measured MIN_GAIN faster than the
 # fused call (docs/performance.md), and compiling it costs a whole-step compile at a cold boot
-FUSED_ONE_ROW = "the fused layers run 1 row (kernels/fused_layer.py): inductor's step not compiled against them"
+FUSED_ONE_ROW = "the fused layers run 1 row (kernels/cpu/fused_layer.py): inductor's step not compiled against them"
 # nor a tensor-parallel step: it breaks at each all-reduce, so its graphs cannot be saved and every boot
 # traces them again (~20 s of a warm boot for one decode bucket), and its measured gain at the same
 # bucket ranged from 27% slower to 16% faster between cold boots (docs/performance.md)
@@ -146,7 +146,7 @@ class CompileChoice:
         self.compile_report[phase.value] = {**recorded, "choice": self._picked(phase)}
 
     def _fused_one_row(self) -> bool:
-        """Whether this rank's eager 1-row decode runs the fused layers (kernels/fused_layer.py)."""
+        """Whether this rank's eager 1-row decode runs the fused layers (kernels/cpu/fused_layer.py)."""
         layers = self.weights.layers
         return bool(layers) and fused_layer.report(layers[0].qkv_proj.dtype, self.shard.tp_size)["reason"] is None
 
@@ -160,7 +160,7 @@ class CompileChoice:
     def _prepare_head(self, measure: bool, recorded: dict | None) -> None:
         """The LM head for a decode that samples up to GEMV_ROWS rows (CPU): inductor's one pass over
         the head where it is measured faster (or compile="on"; or so recorded), else the eager product.
-        Where one-row products were measured faster eager (linear_forms.choose_gemv) a compiled head is
+        Where one-row products were measured faster eager (forms.choose_gemv) a compiled head is
         the same call: none."""
         if not gemv_reduces(self.weights.lm_head.dtype):
             self.compile_report["head"] = {"choice": "eager",

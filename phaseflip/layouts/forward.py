@@ -13,10 +13,9 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
-from phaseflip.kernels import fused_layer
 from phaseflip.kernels.attention import attend
-from phaseflip.kernels.dispatch import add_rms_norm, apply_rotary, rms_norm, silu_and_mul
-from phaseflip.kernels.linear import linear
+from phaseflip.kernels.cpu import fused_layer
+from phaseflip.kernels.dispatch import add_rms_norm, apply_rotary, linear, rms_norm, silu_and_mul
 from phaseflip.layouts.kvcache import KVView
 from phaseflip.layouts.model_config import ModelConfig
 from phaseflip.layouts.weights import LayerWeights, RankWeights

@@ -20,7 +20,7 @@ from phaseflip.graphs.capture import StepKey, capture_cuda, capture_eager
 from phaseflip.graphs.compile import DirectStep
 from phaseflip.graphs.registry import GraphRegistry
 from phaseflip.graphs.saved_steps import SavedSteps
-from phaseflip.kernels.linear import GEMV_ROWS
+from phaseflip.kernels.cpu.linear import GEMV_ROWS
 from phaseflip.layouts.comm import NoComm, RankComm
 from phaseflip.layouts.compile_choice import CompileChoice
 from phaseflip.layouts.forward import compute_logits, decoder_layer, forward

@@ -18,8 +18,8 @@ import torch
 from phaseflip.graphs.buffers import BufferSpec, StaticBuffers
 from phaseflip.graphs.compile import import_compiler, use_cache_dir
 from phaseflip.graphs.registry import GraphRegistry
-from phaseflip.kernels import fused_layer, linear, linear_forms
-from phaseflip.kernels.rotary import cos_sin_table
+from phaseflip.kernels.cpu import forms, fused_layer, linear
+from phaseflip.kernels.reference.rotary import cos_sin_table
 from phaseflip.layouts.boot_record import BootRecord, kernels_build, record_key
 from phaseflip.layouts.arena import WeightArena, allocate_arena, arena_bases, image_slots, pack_image
 from phaseflip.layouts.comm import break_graphs_at_collectives
@@ -210,7 +210,7 @@ class RankRuntime:
                 kernels = kernels_build(self.device)   # loads the CPU kernels (once) the products call
                 record = BootRecord.load(record_key(runner, self.device, boot.compile, kernels), boot.remeasure)
                 if not cuda and runner.weights.layers:   # bf16's ladder form decides what `warm` builds
-                    runner.compile_report["ladder"] = linear_forms.choose_ladder_form(
+                    runner.compile_report["ladder"] = forms.choose_ladder_form(
                         list(runner.layer_projections()[0]), model=runner.cfg, recorded=record.get("ladder"))
                 gemms = linear.warm(runner.projections())
             self.gemm_bytes = _add(self.gemm_bytes, grown)
@@ -242,12 +242,12 @@ class RankRuntime:
         """The product forms of this layout's weights (CPU): measured, or taken from the record."""
         weights = [w for w, _, _ in runner.projections()]
         report = runner.compile_report
-        report["small_rows"] = linear_forms.choose_small_forms(weights, model=runner.cfg,
+        report["small_rows"] = forms.choose_small_forms(weights, model=runner.cfg,
                                                                recorded=record.get("small_rows"))
-        report["wide_rows"] = linear_forms.choose_wide_forms(weights, model=runner.cfg,
+        report["wide_rows"] = forms.choose_wide_forms(weights, model=runner.cfg,
                                                              recorded=record.get("wide_rows"))
         if boot.compile != "off" and runner.weights.layers:
-            report["gemv"] = linear_forms.choose_gemv(runner.layer_projections(), model=runner.cfg,
+            report["gemv"] = forms.choose_gemv(runner.layer_projections(), model=runner.cfg,
                                                       recorded=record.get("gemv"))
         if runner.weights.layers:
             report["fused_layers"] = fused_layer.report(runner.weights.layers[0].qkv_proj.dtype,

@@ -10,7 +10,7 @@ import random
 import pytest
 
 from phaseflip import LLM, SamplingParams
-from phaseflip.kernels import cpu_kernels, fused_layer
+from phaseflip.kernels.cpu import fused_layer, library
 from tests.models import compare_greedy, hf_greedy
 
 NEW_TOKENS = 32
@@ -80,10 +80,10 @@ def test_smollm2_matches_hf(smollm_reference, variant):
 
 @pytest.fixture
 def fused_forced(monkeypatch) -> list:
-    """Batch-1 steps through the fused layers (kernels/fused_layer.py) whatever the boot measured (a tiny
+    """Batch-1 steps through the fused layers (kernels/cpu/fused_layer.py) whatever the boot measured (a tiny
     model's one-row products may measure faster in another form); the list counts the fused calls."""
-    if cpu_kernels.decode_layers_op() is None:
-        pytest.skip(f"no CPU kernels here: {cpu_kernels.kernel_report()['reason']}")
+    if library.decode_layers_op() is None:
+        pytest.skip(f"no CPU kernels here: {library.kernel_report()['reason']}")
     calls, run = [], fused_layer.decoder_layers
     monkeypatch.setattr(fused_layer, "_why_not", lambda dtype, tp_size: None)
     monkeypatch.setattr(fused_layer, "decoder_layers", lambda *a: calls.append(1) or run(*a))

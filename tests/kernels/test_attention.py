@@ -1,12 +1,12 @@
-"""paged_attention (the custom op, whose CPU body is kernels/cpu_attention.py) and the plain torch
+"""paged_attention (the custom op, whose CPU body is kernels/cpu/attention.py) and the plain torch
 reference, both against a naive per-token attention written independently."""
 import math
 
 import pytest
 import torch
 
-from phaseflip.kernels import cpu_attention, cpu_kernels
-from phaseflip.kernels.attention import paged_attention_ref
+from phaseflip.kernels.cpu import attention as cpu_attention, library
+from phaseflip.kernels.reference.attention import paged_attention_ref
 
 
 def run_ref(kv_cache, layer, **args):
@@ -14,23 +14,23 @@ def run_ref(kv_cache, layer, **args):
 
 
 def run_general(**args):
-    """The op with the C++ decode kernel switched off: kernels/cpu_attention.py's gathers path alone."""
+    """The op with the C++ decode kernel switched off: kernels/cpu/attention.py's gathers path alone."""
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(cpu_kernels, "decode_attention_op", lambda: None)
+        mp.setattr(library, "decode_attention_op", lambda: None)
         return torch.ops.phaseflip.paged_attention(**args)
 
 
 def run_cpp_op(**args):
-    """phaseflip_cpu::paged_attention, what compiled CPU steps call: the decode kernel in C++, any other
+    """phaseflip::cpu_paged_attention, what compiled CPU steps call: the decode kernel in C++, any other
     step handed on to the op above."""
-    op = cpu_kernels.paged_attention_op()
+    op = library.paged_attention_op()
     if op is None:
-        pytest.skip(f"no C++ kernels here: {cpu_kernels.kernel_report()['reason']}")
+        pytest.skip(f"no C++ kernels here: {library.kernel_report()['reason']}")
     return op(**args)
 
 
 # "op": what the engine runs eagerly (decode-only steps in the C++ kernel where it is built,
-# kernels/cpu_kernels.py); "cpp_op": what its compiled CPU steps run
+# kernels/cpu/library.py); "cpp_op": what its compiled CPU steps run
 IMPLS = {"op": lambda **a: torch.ops.phaseflip.paged_attention(**a), "cpp_op": run_cpp_op,
          "general": run_general, "ref": run_ref}
 
@@ -165,9 +165,9 @@ def test_a_reused_buffer_with_new_contents_gets_a_new_plan(impl):
 
 
 def _kernel_or_skip():
-    op = cpu_kernels.decode_attention_op()
+    op = library.decode_attention_op()
     if op is None:
-        pytest.skip(f"no C++ decode kernel here: {cpu_kernels.kernel_report()['reason']}")
+        pytest.skip(f"no C++ decode kernel here: {library.kernel_report()['reason']}")
     return op
 
 
@@ -200,10 +200,10 @@ def test_decodes_with_scores_past_exp_range_match_naive():
     [(0, 2), (5, 3)],                      # chunks shorter than a row group
 ])
 def test_prompt_chunks_at_model_head_sizes_match_naive(hq, hkv, d, seqs):
-    """Head sizes a multiple of two vectors take the kernel's chunk tiles (kernels/cpu_prefill.cpp)
+    """Head sizes a multiple of two vectors take the kernel's chunk tiles (kernels/cpu/prefill.cpp)
     where it is built; the kernel writes every row itself (the general path is switched off)."""
     args, hist = build(seqs, num_blocks=200, pad_tokens=2, pad_seqs=1, hq=hq, hkv=hkv, d=d, block_size=16)
-    served = cpu_kernels.decode_attention_op() is not None and d % 32 == 0   # 16 or 32 lanes x 2
+    served = library.decode_attention_op() is not None and d % 32 == 0   # 16 or 32 lanes x 2
     with pytest.MonkeyPatch.context() as mp:
         if served:
             mp.setattr(cpu_attention, "_gathers", None)   # any use of the general path would raise

@@ -1,4 +1,4 @@
-"""The CPU kernels (kernels/cpu_kernels.py): built on this machine, the few-rows product against F.linear,
+"""The CPU kernels (kernels/cpu/library.py): built on this machine, the few-rows product against F.linear,
 its refusals, the build reused (the decode attention kernel: tests/kernels/test_attention.py)."""
 from __future__ import annotations
 
@@ -10,25 +10,25 @@ import torch
 import torch.nn.functional as F
 
 from phaseflip.cache import cache_dir
-from phaseflip.kernels import cpu_kernels
+from phaseflip.kernels.cpu import library
 
 
 @pytest.fixture(scope="module")
 def op():
-    op = cpu_kernels.few_rows_op()
+    op = library.few_rows_op()
     if op is None and (platform.system() != "Linux" or shutil.which("g++") is None):
-        pytest.skip(f"no few-rows kernel here: {cpu_kernels.kernel_report()['reason']}")
-    assert op is not None, cpu_kernels.kernel_report()   # Linux with g++: it must build
+        pytest.skip(f"no few-rows kernel here: {library.kernel_report()['reason']}")
+    assert op is not None, library.kernel_report()   # Linux with g++: it must build
     return op
 
 
-@pytest.mark.parametrize("dtype", cpu_kernels.DTYPES)
+@pytest.mark.parametrize("dtype", library.DTYPES)
 @pytest.mark.parametrize("k", [64, 576, 83])           # whole lanes, SmolLM2's width, a tail
 def test_kernel_gives_f_linear_answer(op, dtype, k):
     g = torch.Generator().manual_seed(k)
     wide = torch.randn(300, k + 24, generator=g).to(dtype)
     for w in (wide[:, :k].contiguous(), wide[:, :k]):    # rows packed, and a view whose rows lie apart
-        for m in cpu_kernels.CHECK_ROWS:
+        for m in library.CHECK_ROWS:
             packed = torch.randn(m, k, generator=g).to(dtype)
             apart = torch.randn(m, k + 5, generator=g).to(dtype)[:, 3:k + 3]   # x's rows a stride apart
             across = torch.randn(k, m, generator=g).to(dtype).t()              # x's values a stride apart
@@ -61,17 +61,17 @@ def test_kernel_runs_inside_a_compiled_graph(op):
 
 
 def test_a_second_load_reuses_the_build(op, monkeypatch):
-    first = cpu_kernels.kernel_report()
+    first = library.kernel_report()
     assert first["path"].startswith(str(cache_dir()))
-    monkeypatch.setattr(cpu_kernels, "_report", {})
-    monkeypatch.setattr(cpu_kernels, "_build", lambda *a: pytest.fail("rebuilt an existing kernel"))
-    assert cpu_kernels.few_rows_op() is not None
-    again = cpu_kernels.kernel_report()
+    monkeypatch.setattr(library, "_report", {})
+    monkeypatch.setattr(library, "_build", lambda *a: pytest.fail("rebuilt an existing kernel"))
+    assert library.few_rows_op() is not None
+    again = library.kernel_report()
     assert again["path"] == first["path"] and again["build_s"] is None
 
 
 def test_no_compiler_means_no_kernel_and_says_why(monkeypatch):
-    monkeypatch.setattr(cpu_kernels, "_report", {})
+    monkeypatch.setattr(library, "_report", {})
     monkeypatch.setenv("CXX", "no-such-compiler-here")
-    assert cpu_kernels.few_rows_op() is None
-    assert "no-such-compiler-here" in cpu_kernels.kernel_report()["reason"]
+    assert library.few_rows_op() is None
+    assert "no-such-compiler-here" in library.kernel_report()["reason"]

@@ -1,4 +1,4 @@
-"""The fused one-token decoder layers (kernels/fused_layer.py, cpu_layer.cpp): forward's answer and KV
+"""The fused one-token decoder layers (kernels/cpu/fused_layer.py, layer.cpp): forward's answer and KV
 writes against its operator-by-operator path, when a step takes them, and the op's refusals (HF parity
 of a whole engine on them: tests/engine/test_parity.py)."""
 from __future__ import annotations
@@ -10,8 +10,8 @@ from unittest import mock
 import pytest
 import torch
 
-from phaseflip.kernels import cpu_kernels, fused_layer, linear
-from phaseflip.kernels.rotary import cos_sin_table
+from phaseflip.kernels.cpu import fused_layer, library, linear
+from phaseflip.kernels.reference.rotary import cos_sin_table
 from phaseflip.layouts import forward
 from phaseflip.layouts.kvcache import KVShape, KVView
 from phaseflip.layouts.model_config import ModelConfig
@@ -24,9 +24,9 @@ TABLE = [5, 2, 7, 0, 1, 3]   # the sequence's blocks, out of order
 
 @pytest.fixture(scope="module", autouse=True)
 def _kernels():
-    if cpu_kernels.decode_layers_op() is None and (platform.system() != "Linux" or shutil.which("g++") is None):
-        pytest.skip(f"no CPU kernels here: {cpu_kernels.kernel_report()['reason']}")
-    assert cpu_kernels.decode_layers_op() is not None, cpu_kernels.kernel_report()   # Linux with g++: it builds
+    if library.decode_layers_op() is None and (platform.system() != "Linux" or shutil.which("g++") is None):
+        pytest.skip(f"no CPU kernels here: {library.kernel_report()['reason']}")
+    assert library.decode_layers_op() is not None, library.kernel_report()   # Linux with g++: it builds
 
 
 class NoComm:

@@ -1,4 +1,4 @@
-"""kernels/linear.py: every path (weight-stationary, oneDNN on the row ladder, F.linear) equals F.linear,
+"""kernels/cpu/linear.py: every path (weight-stationary, oneDNN on the row ladder, F.linear) equals F.linear,
 the ladder pads little and boundedly, and an engine builds no GEMM after boot (warm covered every row
 count its steps hand to oneDNN)."""
 import pytest
@@ -7,8 +7,8 @@ import torch.nn.functional as F
 
 from phaseflip.engine.llm import LLM
 from phaseflip.engine.sampling_params import SamplingParams
-from phaseflip.kernels import linear as lin
-from phaseflip.kernels import linear_forms as forms
+from phaseflip.kernels.cpu import linear as lin
+from phaseflip.kernels.cpu import forms
 
 HAS_ONEDNN = (getattr(torch.ops.mkldnn, "_linear_pointwise", None) is not None
               and torch.backends.mkldnn.is_available())

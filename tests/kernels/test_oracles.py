@@ -13,8 +13,8 @@ import math
 import pytest
 import torch
 
-from phaseflip.kernels import activation, norm, rotary
-from phaseflip.kernels.attention import paged_attention_ref
+from phaseflip.kernels.reference import activation, norm, rotary
+from phaseflip.kernels.reference.attention import paged_attention_ref
 from phaseflip.kernels.selfcheck import Llama3Scaling, build_paged
 
 F64 = torch.float64

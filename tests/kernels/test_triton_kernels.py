@@ -7,7 +7,8 @@ import sys
 import pytest
 import torch
 
-from phaseflip.kernels import activation, dispatch, norm, rotary, selfcheck
+from phaseflip.kernels import dispatch, selfcheck
+from phaseflip.kernels.reference import activation, norm, rotary
 
 
 @pytest.mark.parametrize("name", list(selfcheck.CASES))
@@ -35,7 +36,7 @@ def test_run_cases_records_failures_and_goes_on(monkeypatch):
 
 
 def test_split_count_comes_from_shapes_only():
-    from phaseflip.kernels.triton_attention import choose_num_splits
+    from phaseflip.kernels.triton.attention import choose_num_splits
     assert choose_num_splits(num_programs=1000, max_context=131072, num_sms=132) == 1  # device already full
     assert choose_num_splits(num_programs=8, max_context=200, num_sms=132) == 1      # context too short
     assert choose_num_splits(num_programs=8, max_context=131072, num_sms=132) == 16  # long decode at batch 1

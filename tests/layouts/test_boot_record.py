@@ -7,7 +7,7 @@ from torch._dynamo.utils import counters
 
 from phaseflip import LLM, SamplingParams
 from phaseflip.graphs import saved_steps
-from phaseflip.kernels import linear_forms
+from phaseflip.kernels.cpu import forms
 from phaseflip.layouts import compile_choice
 from phaseflip.layouts.boot_record import BootRecord, key_digest
 
@@ -35,7 +35,7 @@ def _boot(d, **kwargs):
 
 def _forget_measurements(monkeypatch):
     """A fresh process as far as the measured forms go (they are kept per process, dtype and model)."""
-    monkeypatch.setattr(linear_forms, "_measured", {})
+    monkeypatch.setattr(forms, "_measured", {})
 
 
 @pytest.mark.skipif(not saved_steps.available(), reason="this torch cannot save compiled functions "

@@ -1,4 +1,4 @@
-"""The decoder layers of a one-token step as one C++ call on the CPU (cpu_layer.cpp), and when a step
+"""The decoder layers of a one-token step as one C++ call on the CPU (layer.cpp), and when a step
 takes it.
 
 Owns: `serves` (whether forward's layers run as that call), `decoder_layers` (the call in forward.py's
@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from phaseflip.kernels import cpu_kernels, linear
+from phaseflip.kernels.cpu import library, linear
 
 DTYPES = (torch.float32, torch.bfloat16)
 
@@ -40,7 +40,7 @@ def decoder_layers(layers: list, eps: float, scale: float, residual: torch.Tenso
     list in layer i of kv_cache)."""
     def each(name: str) -> list[torch.Tensor]:
         return [t for t in (getattr(lw, name) for lw in layers) if t is not None]
-    return cpu_kernels.decode_layers_op()(
+    return library.decode_layers_op()(
         residual, each("input_layernorm"), each("qkv_proj"), each("qkv_bias"), each("q_norm"), each("k_norm"),
         each("o_proj"), each("post_attention_layernorm"), each("gate_up_proj"), each("down_proj"), kv_cache,
         meta["slot_mapping"], meta["block_tables"], meta["seq_lens"], cos_sin, eps, scale)
@@ -58,8 +58,8 @@ def _why_not(dtype: torch.dtype, tp_size: int) -> str | None:
         return f"layers split over {tp_size} ranks (partial sums reduced between phases)"
     if dtype not in DTYPES:
         return f"{dtype} (float32 and bfloat16 only)"
-    if cpu_kernels.decode_layers_op() is None:
-        return f"no kernels: {cpu_kernels.kernel_report()['reason']}"
+    if library.decode_layers_op() is None:
+        return f"no kernels: {library.kernel_report()['reason']}"
     if linear.small_form(1, dtype) != "kernel":   # the fused products are the kernel's row dot
         return (f"one-row products take {linear.small_form(1, dtype)!r}, not the few-rows kernel (the boot's "
                 "measurement; unmeasured: 'stationary')")

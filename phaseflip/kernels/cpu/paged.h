@@ -1,5 +1,5 @@
-// One layer's paged KV cache as the CPU attention kernels read it (cpu_decode.cpp: one query token a
-// sequence; cpu_prefill.cpp: prompt chunks; cpu_layer.cpp: a whole one-token decoder layer), and what
+// One layer's paged KV cache as the CPU attention kernels read it (decode.cpp: one query token a
+// sequence; prefill.cpp: prompt chunks; layer.cpp: a whole one-token decoder layer), and what
 // they share: a row's address, a row-wise softmax, the table check and the kernels' entry points.
 #pragma once
 #include <ATen/core/Tensor.h>
@@ -8,7 +8,7 @@
 #include <cmath>
 #include <cstdint>
 #include <vector>
-#include "cpu_simd.h"
+#include "simd.h"
 
 namespace paged {
 
@@ -61,7 +61,7 @@ inline void softmax_rows(float* scores, int64_t G, int64_t L, int64_t stride) {
 void check_table(const int64_t* table, int64_t L, int64_t width, const Cache& c);
 
 // One query token's G heads (those of kv head h) over a sequence's L cached positions, already stored:
-// scores, softmax, weighted V, sums in float32 (cpu_decode.cpp). buf: the caller's scratch.
+// scores, softmax, weighted V, sums in float32 (decode.cpp). buf: the caller's scratch.
 template <typename T>
 void attend_token(const T* q /* [G, D] */, T* out /* [G, D] */, const Cache& c, const int64_t* table, int64_t L,
                   int64_t h, int64_t G, int64_t d, float scale, std::vector<float>& buf);

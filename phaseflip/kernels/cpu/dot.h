@@ -1,11 +1,11 @@
 // The dot product of one weight row with up to a few rows of x, and a range of weight rows so dotted
-// (`gemv_range`): what the few-rows product (cpu_gemv.cpp) and the one-token decoder layer
-// (cpu_layer.cpp) stream the weights through. float32 or bfloat16 weights; x float32, or bfloat16 where
+// (`gemv_range`): what the few-rows product (gemv.cpp) and the one-token decoder layer
+// (layer.cpp) stream the weights through. float32 or bfloat16 weights; x float32, or bfloat16 where
 // the CPU's bf16 pair-dot instruction serves (Lanes<W>::X); sums in float32.
 #pragma once
 #include <c10/util/BFloat16.h>
 #include <cstdint>
-#include "cpu_simd.h"
+#include "simd.h"
 
 namespace dot {
 #ifdef PF_LANES

@@ -1,11 +1,11 @@
 // Paged attention for a step on the CPU, read in place: every decode token (a sequence's one query
 // token) reads its sequence's K and V rows straight from the paged cache (block table -> block ->
 // row), one (sequence, kv head) per task over torch's threads, with no gathered copy of any context;
-// a sequence that brings a prompt chunk (more than one token) goes to cpu_prefill.cpp's tiles. The
+// a sequence that brings a prompt chunk (more than one token) goes to prefill.cpp's tiles. The
 // contract is kernels/attention.py's (store this step's K/V at slot_mapping, then attend; padding
 // tokens give zeros). A step with a chunk at a head size the tiles do not serve (paged::chunk_served)
 // gets an empty tensor and nothing is touched (the caller runs its general path). Built and loaded by
-// phaseflip/kernels/cpu_kernels.py with cpu_gemv.cpp and cpu_prefill.cpp.
+// phaseflip/kernels/cpu/library.py with gemv.cpp and prefill.cpp.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -18,7 +18,7 @@
 #include <algorithm>
 #include <cmath>
 #include <vector>
-#include "cpu_paged.h"
+#include "paged.h"
 
 namespace {
 
@@ -288,11 +288,11 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::T
 
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(phaseflip_cpu, m) {
-  m.def("decode_attention(Tensor q, Tensor k, Tensor v, Tensor(a!) kv_layer, Tensor slot_mapping, "
+TORCH_LIBRARY_FRAGMENT(phaseflip, m) {
+  m.def("cpu_decode_attention(Tensor q, Tensor k, Tensor v, Tensor(a!) kv_layer, Tensor slot_mapping, "
         "Tensor block_tables, Tensor seq_lens, Tensor query_start_loc, float scale) -> Tensor");
-  m.impl("decode_attention", c10::DispatchKey::CPU, TORCH_FN(decode_attention));
-  m.def("paged_attention(Tensor q, Tensor k, Tensor v, Tensor(a!) kv_cache, SymInt layer, Tensor slot_mapping, "
+  m.impl("cpu_decode_attention", c10::DispatchKey::CPU, TORCH_FN(decode_attention));
+  m.def("cpu_paged_attention(Tensor q, Tensor k, Tensor v, Tensor(a!) kv_cache, SymInt layer, Tensor slot_mapping, "
         "Tensor block_tables, Tensor seq_lens, Tensor query_start_loc, float scale) -> Tensor");
-  m.impl("paged_attention", c10::DispatchKey::CPU, TORCH_FN(paged_attention));
+  m.impl("cpu_paged_attention", c10::DispatchKey::CPU, TORCH_FN(paged_attention));
 }

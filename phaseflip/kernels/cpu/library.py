@@ -1,10 +1,10 @@
-"""The CPU kernels of our own (cpu_gemv.cpp, cpu_decode.cpp, cpu_prefill.cpp, cpu_layer.cpp): built for
+"""The CPU kernels of our own (gemv.cpp, decode.cpp, prefill.cpp, layer.cpp): built for
 this machine on first use, loaded as torch ops.
 
-Owns: `few_rows_op` (`phaseflip_cpu::few_rows_linear`), `decode_attention_op`
-(`phaseflip_cpu::decode_attention`), `paged_attention_op` (`phaseflip_cpu::paged_attention`: the decode
+Owns: `few_rows_op` (`phaseflip::cpu_few_rows_linear`), `decode_attention_op`
+(`phaseflip::cpu_decode_attention`), `paged_attention_op` (`phaseflip::cpu_paged_attention`: the decode
 kernel in front of phaseflip::paged_attention, for compiled CPU steps), `decode_layers_op`
-(`phaseflip_cpu::decode_layers`: one token through the decoder layers, kernels/fused_layer.py), each
+(`phaseflip::cpu_decode_layers`: one token through the decoder layers, kernels/cpu/fused_layer.py), each
 None where the kernels cannot be built or give a wrong answer, and `kernel_report` (whether they are
 there, why not, where they live, what the build cost).
 
@@ -16,19 +16,19 @@ GEMM template reaches this speed only on frozen weights, repacked into a copy th
 refill; this kernel reads the arena as it lies. From 5 to MAX_ROWS rows it transposes x and broadcasts
 each weight value over 16 rows of x (no horizontal sums), the next weight rows fetched ahead, which beats
 oneDNN at 8 to 32 rows. Past 16 rows (AVX2) x is cut into panels of 16 rows that each group of weight
-rows meets in turn (cpu_wide.h `panel_mb`), which holds a steady share of the cores' peak at any row
+rows meets in turn (wide.h `panel_mb`), which holds a steady share of the cores' peak at any row
 count, ahead of oneDNN by less as the rows grow, so short prompt chunks take it too where the boot
-measures it faster (linear_forms.choose_wide_forms). Dotting each weight row with each x row there (the
+measures it faster (forms.choose_wide_forms). Dotting each weight row with each x row there (the
 one-pass form extended to tiles) is no faster than oneDNN.
-Both kernels are written once over cpu_simd.h's float32 vector: AVX-512 (16 lanes) or AVX2 + FMA (8
+Both kernels are written once over simd.h's float32 vector: AVX-512 (16 lanes) or AVX2 + FMA (8
 lanes), plain loops where the CPU has neither. The plain loops are the slowest product and the boot
 never chooses them, so an AVX2-only CPU has the kernel only through its AVX2 form.
-Why a decode attention of our own: per layer, the general path (kernels/cpu_attention.py) runs a plan
+Why a decode attention of our own: per layer, the general path (kernels/cpu/attention.py) runs a plan
 lookup, a store, a gather of every context into a fresh tensor and one SDPA call from Python; this one
 reads the paged cache in place, in one call, several times faster at batch 1 and at 32 sequences. With
 every layer's cache read from memory in turn (as a step reads them), its K pass fetching the next
-block's rows ahead (cpu_decode.cpp) about halves a layer's attention.
-Prompt chunks take the same op (cpu_prefill.cpp: register tiles over a float32 copy of each kv head's
+block's rows ahead (decode.cpp) about halves a layer's attention.
+Prompt chunks take the same op (prefill.cpp: register tiles over a float32 copy of each kv head's
 context), not the gathers path's gather and SDPA, at about half its time a layer, bf16 alike.
 The measurements behind these choices are in docs/performance.md.
 
@@ -55,9 +55,9 @@ from phaseflip.cache import cache_dir
 
 log = logging.getLogger(__name__)
 
-SOURCES = tuple(Path(__file__).with_name(name) for name in ("cpu_gemv.cpp", "cpu_decode.cpp", "cpu_prefill.cpp", "cpu_layer.cpp"))
-HEADERS = tuple(Path(__file__).with_name(name) for name in ("cpu_simd.h", "cpu_dot.h", "cpu_paged.h", "cpu_wide.h"))   # included by the sources (part of the build's key)
-MAX_ROWS = 256    # the kernel's rows a pass (cpu_gemv.cpp's MAX_ROWS): more take equal passes
+SOURCES = tuple(Path(__file__).with_name(name) for name in ("gemv.cpp", "decode.cpp", "prefill.cpp", "layer.cpp"))
+HEADERS = tuple(Path(__file__).with_name(name) for name in ("simd.h", "dot.h", "paged.h", "wide.h"))   # included by the sources (part of the build's key)
+MAX_ROWS = 256    # the kernel's rows a pass (gemv.cpp's MAX_ROWS): more take equal passes
 # the row counts the load-time check multiplies: every one to 64 (each one-pass form, each panel width,
 # 1-4 panels), then partial and whole panels up to a pass, and two and three passes (every count to 256
 # would cost ~0.2 s a boot)
@@ -69,25 +69,25 @@ _faked = False       # the product's fake kernel (for tracing) is registered
 
 
 def few_rows_op():
-    """torch.ops.phaseflip_cpu.few_rows_linear; None where the kernels are not here (kernel_report)."""
-    return torch.ops.phaseflip_cpu.few_rows_linear if _loaded() else None
+    """torch.ops.phaseflip.cpu_few_rows_linear; None where the kernels are not here (kernel_report)."""
+    return torch.ops.phaseflip.cpu_few_rows_linear if _loaded() else None
 
 
 def decode_attention_op():
-    """torch.ops.phaseflip_cpu.decode_attention; None where the kernels are not here (kernel_report)."""
-    return torch.ops.phaseflip_cpu.decode_attention if _loaded() else None
+    """torch.ops.phaseflip.cpu_decode_attention; None where the kernels are not here (kernel_report)."""
+    return torch.ops.phaseflip.cpu_decode_attention if _loaded() else None
 
 
 def paged_attention_op():
-    """torch.ops.phaseflip_cpu.paged_attention (phaseflip::paged_attention's schema and contract, the
+    """torch.ops.phaseflip.cpu_paged_attention (phaseflip::paged_attention's schema and contract, the
     decode kernel first); None where the kernels are not here (kernel_report)."""
-    return torch.ops.phaseflip_cpu.paged_attention if _loaded() else None
+    return torch.ops.phaseflip.cpu_paged_attention if _loaded() else None
 
 
 def decode_layers_op():
-    """torch.ops.phaseflip_cpu.decode_layers (cpu_layer.cpp: one token through a stack of decoder
+    """torch.ops.phaseflip.cpu_decode_layers (layer.cpp: one token through a stack of decoder
     layers); None where the kernels are not here (kernel_report)."""
-    return torch.ops.phaseflip_cpu.decode_layers if _loaded() else None
+    return torch.ops.phaseflip.cpu_decode_layers if _loaded() else None
 
 
 def _loaded() -> bool:
@@ -169,9 +169,9 @@ def _register_fake() -> None:
     depends on the metadata's values (empty where it declines)."""
     global _faked
     if not _faked:   # once per process (a second registration is an error)
-        torch.library.register_fake("phaseflip_cpu::few_rows_linear")(
+        torch.library.register_fake("phaseflip::cpu_few_rows_linear")(
             lambda x, weight: x.new_empty((x.shape[0], weight.shape[0])))
-        torch.library.register_fake("phaseflip_cpu::paged_attention")(lambda q, *rest: torch.empty_like(q))
+        torch.library.register_fake("phaseflip::cpu_paged_attention")(lambda q, *rest: torch.empty_like(q))
         _faked = True
 
 
@@ -183,7 +183,7 @@ def _disagreement() -> str | None:
         w = torch.randn(37, 83, generator=g).to(dtype)
         for m in CHECK_ROWS:
             x = torch.randn(m, 83, generator=g).to(dtype)
-            got = torch.ops.phaseflip_cpu.few_rows_linear(x, w).float()
+            got = torch.ops.phaseflip.cpu_few_rows_linear(x, w).float()
             want = x.float() @ w.float().t()
             tol = 1e-4 if dtype == torch.float32 else 2e-2
             if got.shape != want.shape or not torch.allclose(got, want, rtol=tol, atol=tol * 4):

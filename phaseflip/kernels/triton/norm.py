@@ -1,6 +1,6 @@
 """RMSNorm and fused residual-add + RMSNorm as one Triton kernel (one program per row).
 
-Owns: `rms_norm_triton` and `add_rms_norm_triton`, the kernel twins of kernels/norm.py (the
+Owns: `rms_norm_triton` and `add_rms_norm_triton`, the kernel twins of kernels/reference/norm.py (the
 references). The rounding follows the references step by step: the residual sum is rounded to the
 residual dtype, the normalised row is computed in float32 and rounded to the input dtype, then
 multiplied by the weight. Never launched at import.

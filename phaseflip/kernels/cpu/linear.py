@@ -3,7 +3,7 @@ and, for a few rows, the form measured fastest on this machine.
 
 Owns: `linear`, the row ladder (`row_bucket`), `warm` (builds every ladder GEMM at boot), each product
 form, and which form a product takes (`small_form`, `wide_form`, `gemv_reduces`, `ladder_widens`),
-read from the reports the boot's measurements left for the dtype (kernels/linear_forms.py: the
+read from the reports the boot's measurements left for the dtype (kernels/cpu/forms.py: the
 small-rows forms, the wide-rows form, a compiled step's one-row form and bfloat16's ladder form).
 
 Why: torch's CPU F.linear calls MKL, which on AMD CPUs runs its AVX2 code whatever the CPU offers;
@@ -14,7 +14,7 @@ steps per doubling: padding <= 12.5%) and `warm` builds all of it at boot, like 
 what the GEMMs hold is measured then. For a handful of rows (decode) the fastest product differs from
 machine to machine, so it is timed at boot: the library's product (F.linear), the weight-stationary
 W @ x^T (one row run as two, so that MKL takes its skinny GEMM rather than its GEMV), oneDNN padded
-to its ladder, or our few-rows kernel (kernels/cpu_kernels.py, where it builds); unmeasured, the
+to its ladder, or our few-rows kernel (kernels/cpu/library.py, where it builds); unmeasured, the
 stationary form is used. Above SMALL_BATCH rows (batched decode, prompt chunks, the head over a
 batch) the kernel's wide form is timed against the ladder's product (`choose_wide_forms`; on the
 machines in docs/performance.md the kernel is the faster at most row counts, near the cores' peak from
@@ -29,7 +29,7 @@ from typing import Iterable
 import torch
 import torch.nn.functional as F
 
-from phaseflip.kernels import cpu_kernels
+from phaseflip.kernels.cpu import library
 from phaseflip.kernels.op_registry import define_op
 
 GEMV_ROWS = 1     # rows a compiled CPU step may multiply with inductor's own reduction (choose_gemv)
@@ -105,7 +105,7 @@ def _traced_cpu_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
         if form == "library":  # inductor calls the library's product itself
             return F.linear(x, weight, bias)
         if form == "kernel" and _kernel_serves(weight):  # an extern call to the C++ op
-            out = cpu_kernels.few_rows_op()(x, weight)
+            out = library.few_rows_op()(x, weight)
             return out if bias is None else out + bias
     return torch.ops.phaseflip.cpu_linear(x, weight, bias)
 
@@ -160,7 +160,7 @@ def ladder_widens(dtype: torch.dtype) -> bool:
 
 
 def _kernel_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    out = cpu_kernels.few_rows_op()(x, weight)
+    out = library.few_rows_op()(x, weight)
     return out if bias is None else out.add_(bias)
 
 
@@ -179,7 +179,7 @@ def _form_serves(form: str, dtype: torch.dtype) -> bool:
     if form == "onednn":
         return dtype == torch.float32 and bool(_onednn_op())
     if form == "kernel":
-        return dtype in cpu_kernels.DTYPES and cpu_kernels.few_rows_op() is not None
+        return dtype in library.DTYPES and library.few_rows_op() is not None
     return True
 
 

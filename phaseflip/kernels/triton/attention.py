@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from phaseflip.kernels.triton_kv_store import store_kv_triton
+from phaseflip.kernels.triton.kv_store import store_kv_triton
 
 LOG2E = 1.4426950408889634
 MIN_SPLIT_KEYS = 256   # a context split shorter than this costs more in the reduce than it saves

@@ -1,4 +1,4 @@
-// The float32 vector the CPU kernels (cpu_gemv.cpp, cpu_decode.cpp) compute in, one set of names for
+// The float32 vector the CPU kernels (gemv.cpp, decode.cpp) compute in, one set of names for
 // the two instruction sets they are written for: AVX-512 (F + BW: 16 lanes, masked loads) and AVX2 + FMA
 // (8 lanes; a short tail is copied into a zeroed vector, AVX2 has no mask registers). Where the CPU has
 // neither, PF_LANES stays undefined and the kernels run their plain loops. bfloat16 values are widened

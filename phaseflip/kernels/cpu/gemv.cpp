@@ -1,11 +1,11 @@
 // Few-row products x @ W^T on the CPU (decode steps, short prompt chunks): W [N, K] read once, in
 // place, as the arena holds it (row-major, rows a stride apart); x [M, K], MAX_ROWS rows a pass; float32
 // sums. Up to ONE_PASS rows, each weight row is dotted with every row of x; beyond, x is transposed and
-// each weight value, broadcast, multiplies a vector of rows of x at once (cpu_wide.h).
+// each weight value, broadcast, multiplies a vector of rows of x at once (wide.h).
 // float32 or bfloat16 weights (x of the same dtype; the output is x's dtype). bfloat16 pairs go
 // through the CPU's bf16 dot instruction (AVX512_BF16: products exact, sums in float32) where it has
-// one, else are widened to float32. Vectors of AVX-512 or AVX2 (cpu_simd.h), plain loops on a CPU with
-// neither. Built at run time by phaseflip/kernels/cpu_kernels.py for the machine it runs on
+// one, else are widened to float32. Vectors of AVX-512 or AVX2 (simd.h), plain loops on a CPU with
+// neither. Built at run time by phaseflip/kernels/cpu/library.py for the machine it runs on
 // (-march=native); rows are split over torch's own threads (at::parallel_for).
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -15,9 +15,9 @@
 #include <algorithm>
 #include <type_traits>
 #include <vector>
-#include "cpu_dot.h"
-#include "cpu_simd.h"
-#include "cpu_wide.h"
+#include "dot.h"
+#include "simd.h"
+#include "wide.h"
 
 namespace {
 
@@ -95,7 +95,7 @@ at::Tensor few_rows_linear(const at::Tensor& x, const at::Tensor& w) {
 
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(phaseflip_cpu, m) {
-  m.def("few_rows_linear(Tensor x, Tensor weight) -> Tensor");
-  m.impl("few_rows_linear", c10::DispatchKey::CPU, TORCH_FN(few_rows_linear));
+TORCH_LIBRARY_FRAGMENT(phaseflip, m) {
+  m.def("cpu_few_rows_linear(Tensor x, Tensor weight) -> Tensor");
+  m.impl("cpu_few_rows_linear", c10::DispatchKey::CPU, TORCH_FN(few_rows_linear));
 }

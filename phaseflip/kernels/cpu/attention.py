@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from phaseflip.kernels import cpu_kernels
+from phaseflip.kernels.cpu import library
 
 PAD_WASTE = 1.25      # a decode group's padded cells may exceed its real cells by this factor
 MAX_GROUPS = 8
@@ -214,9 +214,9 @@ def paged_attention_cpu(q, k, v, kv_layer, slot_mapping, block_tables, seq_lens,
                         scale: float) -> torch.Tensor:
     """Store this step's K/V, then attend; the contract of kernels/attention.py, with the layer's caches
     as one [num_blocks, 2, block_size, Hkv, D] view. Returns [T, Hq, D]. The C++ kernel takes the step
-    where it is built (kernels/cpu_kernels.py), reading the cache in place: decodes, and prompt chunks
+    where it is built (kernels/cpu/library.py), reading the cache in place: decodes, and prompt chunks
     at head sizes its tiles divide; it declines (an empty result) any other step, which runs here."""
-    kernel = cpu_kernels.decode_attention_op() if q.dtype in cpu_kernels.DTYPES else None
+    kernel = library.decode_attention_op() if q.dtype in library.DTYPES else None
     if kernel is not None:
         out = kernel(q, k, v, kv_layer, slot_mapping, block_tables, seq_lens, query_start_loc, scale)
         if out.numel():

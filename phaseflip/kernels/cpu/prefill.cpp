@@ -1,17 +1,17 @@
-// Causal attention for prompt chunks on the CPU, read from the paged cache (cpu_paged.h's
-// attend_chunk; cpu_decode.cpp calls it for every sequence of a step that brings more than one token).
+// Causal attention for prompt chunks on the CPU, read from the paged cache (paged.h's
+// attend_chunk; decode.cpp calls it for every sequence of a step that brings more than one token).
 // A chunk's scores and weighted sums are small matrix products, computed in register tiles: each
 // query (or probability) value broadcast against two vectors of K's positions (or V's columns), the
 // MR x NC sums of a tile held in registers over the whole inner dimension, no horizontal sums.
 // First each kv head's context is laid out once as float32: K in tiles of NC positions ([tile][D][NC],
 // a tile's values contiguous), V as [L][D]; then tasks of QB query tokens (x the kv head's G query
 // heads) each run scores -> softmax -> weighted V for their rows, every group of MR rows only over the
-// positions its last token sees. The library's SDPA with the gathers path around it (kernels/cpu_attention.py)
+// positions its last token sees. The library's SDPA with the gathers path around it (kernels/cpu/attention.py)
 // takes about twice as long a layer.
 #include <ATen/Parallel.h>
 #include <c10/util/Exception.h>
 #include <vector>
-#include "cpu_paged.h"
+#include "paged.h"
 
 namespace paged {
 

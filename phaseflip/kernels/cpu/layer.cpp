@@ -3,16 +3,16 @@
 // barrier between them instead of an operator (and a fork and join of torch's threads) each. A layer's
 // phases: residual add + RMSNorm; the qkv product (rows split over the threads); per kv head: k norm
 // (Qwen3), rotary and the K/V store; per query head: q norm, rotary and the attention over the paged
-// cache (cpu_decode.cpp's attend_token); the o product; residual add + RMSNorm; gate and up products
+// cache (decode.cpp's attend_token); the o product; residual add + RMSNorm; gate and up products
 // with SiLU-and-mul on each thread's own rows; the down product. Each product streams its weight once
-// through cpu_dot.h's row dot. Values are rounded to the weights' dtype where the reference's operators
-// round (kernels/norm.py, rotary.py, activation.py), so bfloat16 follows eager torch's roundings (a norm's
+// through dot.h's row dot. Values are rounded to the weights' dtype where the reference's operators
+// round (kernels/reference/norm.py, rotary.py, activation.py), so bfloat16 follows eager torch's roundings (a norm's
 // sum of squares is added in another order than torch's, so a value can still land one rounding apart);
 // float32 is unaffected.
 // Why: at batch 1 the weights stream at the memory's speed, but between ~8 operators a layer the threads
 // meet at every join and the main thread's dispatch runs alone; even one call a layer leaves time outside
 // the region at every layer. Built and loaded by
-// phaseflip/kernels/cpu_kernels.py with the other kernels; kernels/fused_layer.py decides when it runs.
+// phaseflip/kernels/cpu/library.py with the other kernels; kernels/cpu/fused_layer.py decides when it runs.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -23,8 +23,8 @@
 #include <tuple>
 #include <type_traits>
 #include <vector>
-#include "cpu_dot.h"
-#include "cpu_paged.h"
+#include "dot.h"
+#include "paged.h"
 
 namespace {
 
@@ -117,7 +117,7 @@ void store_head(const Weights<W>& w, const Dims& n, const paged::Cache& c, const
 
 // Query heads [g0, g1) of the token (stored K/V): q norm (Qwen3), rotary, then each run of them that
 // shares a kv head attends the ctx cached positions in one pass over its K and V (zeros where ctx <= 0,
-// as cpu_decode.cpp gives a padding token). Split by query heads, not kv heads: SmolLM2's 3 kv heads on
+// as decode.cpp gives a padding token). Split by query heads, not kv heads: SmolLM2's 3 kv heads on
 // 2 threads left one thread with twice the other's attention
 template <typename W>
 void attend_heads(const Weights<W>& w, const Dims& n, const paged::Cache& c, const Token& tok, float eps,
@@ -287,10 +287,10 @@ std::tuple<at::Tensor, at::Tensor> decode_layers(
 
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(phaseflip_cpu, m) {
-  m.def("decode_layers(Tensor residual, Tensor[] input_norm, Tensor[] qkv, Tensor[] qkv_bias, "
+TORCH_LIBRARY_FRAGMENT(phaseflip, m) {
+  m.def("cpu_decode_layers(Tensor residual, Tensor[] input_norm, Tensor[] qkv, Tensor[] qkv_bias, "
         "Tensor[] q_norm, Tensor[] k_norm, Tensor[] o, Tensor[] post_norm, Tensor[] gate_up, Tensor[] down, "
         "Tensor(a!) kv_cache, Tensor slot_mapping, Tensor block_tables, Tensor seq_lens, Tensor cos_sin, "
         "float eps, float scale) -> (Tensor, Tensor)");
-  m.impl("decode_layers", c10::DispatchKey::CPU, TORCH_FN(decode_layers));
+  m.impl("cpu_decode_layers", c10::DispatchKey::CPU, TORCH_FN(decode_layers));
 }

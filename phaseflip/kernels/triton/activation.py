@@ -1,6 +1,6 @@
 """SiLU-and-mul as a Triton kernel: [T, 2I] (gate | up) -> silu(gate) * up, [T, I].
 
-Owns: `silu_and_mul_triton`, the kernel twin of kernels/activation.py (the reference). silu(gate) is
+Owns: `silu_and_mul_triton`, the kernel twin of kernels/reference/activation.py (the reference). silu(gate) is
 rounded to the input dtype before the product, as the reference's two torch ops do. Never launched at
 import.
 """

@@ -1,7 +1,7 @@
 """Rotary embedding as a Triton kernel: applies a gathered cos/sin row to every head of a token.
 
-Owns: `apply_rotary_triton`, the kernel twin of kernels/rotary.py's `apply_rotary` (the reference). The
-table (default or llama3-scaled frequencies) is always built by kernels/rotary.py's cos_sin_table: this
+Owns: `apply_rotary_triton`, the kernel twin of kernels/reference/rotary.py's `apply_rotary` (the reference). The
+table (default or llama3-scaled frequencies) is always built by kernels/reference/rotary.py's cos_sin_table: this
 kernel only applies it, in the neox/HF half-split layout. Every product and sum is rounded to the input
 dtype as the reference's elementwise torch ops do, so bf16 results match it bit for bit. Never launched
 at import.

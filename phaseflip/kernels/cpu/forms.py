@@ -1,5 +1,5 @@
 """Which product form serves each row count on this machine: the boot's measurements behind
-kernels/linear.py's choices, each made once per process, dtype and model.
+kernels/cpu/linear.py's choices, each made once per process, dtype and model.
 
 Owns: `choose_small_forms` (1, 2 and SMALL_BATCH rows: the library's product, the weight-stationary
 one, oneDNN padded to its ladder or the few-rows kernel), `choose_wide_forms` (more rows: the kernel's
@@ -18,8 +18,8 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 
-from phaseflip.kernels import cpu_kernels
-from phaseflip.kernels import linear as lin
+from phaseflip.kernels.cpu import library
+from phaseflip.kernels.cpu import linear as lin
 
 WIDE_LAYER_ROWS = 64   # above it, the wide forms are timed on one layer's weights (GEMM-bound: one tells)
 LADDER_PROBE_ROWS = 128   # the rows (a prefill chunk) bfloat16's two ladder forms are timed at
@@ -78,7 +78,7 @@ def _one_row_products(xs: dict[int, torch.Tensor], weights: tuple[torch.Tensor, 
         if form == "reduction":
             return lin._reduce_rows(x, w)
         if form == "kernel" and lin._kernel_serves(w):
-            return cpu_kernels.few_rows_op()(x, w)
+            return library.few_rows_op()(x, w)
         return F.linear(x, w) if form == "library" else torch.ops.phaseflip.cpu_linear(x, w, None)
     return [product(xs[w.shape[1]], w) for w in weights]
 
@@ -189,7 +189,7 @@ def choose_wide_forms(weights: list[torch.Tensor], passes: int = 2, model=None,
         return {"choice": "ladder (no CPU weights to measure on)", "forms": {}, "ms": None}
     dtype = weights[0].dtype
     if not lin._form_serves("kernel", dtype):
-        return {"choice": f"ladder (no few-rows kernel: {cpu_kernels.kernel_report().get('reason')})",
+        return {"choice": f"ladder (no few-rows kernel: {library.kernel_report().get('reason')})",
                 "forms": {}, "ms": None}
     products = {"kernel": lin._kernel_product, "ladder": lin._ladder_product}
 

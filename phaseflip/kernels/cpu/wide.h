@@ -1,8 +1,8 @@
-// Products of 5 .. MAX_ROWS rows for cpu_gemv.cpp ("wide"; its only includer): x's rows packed into
+// Products of 5 .. MAX_ROWS rows for gemv.cpp ("wide"; its only includer): x's rows packed into
 // panels, transposed (`pack`), each weight value broadcast against a vector of x's rows (`wide_rows`),
 // NR weight rows' sums for a panel's rows in registers. `wide::dispatch` picks the panel width from the
 // row count; the caller gives it at most MAX_ROWS rows and y to write. Vectors of AVX-512 or AVX2
-// (cpu_simd.h), plain loops on a CPU with neither.
+// (simd.h), plain loops on a CPU with neither.
 #pragma once
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -11,7 +11,7 @@
 #include <cstring>
 #include <type_traits>
 #include <vector>
-#include "cpu_simd.h"
+#include "simd.h"
 
 namespace wide {
 
