@@ -7,8 +7,8 @@ wide form or the ladder's product), `choose_gemv` (a compiled step's one-row pro
 reductions or the eager product, over a pass of the layers), `choose_ladder_form` (bfloat16 on the
 ladder: the library's bf16 product or float32 on oneDNN) and `_measured`, every report of this process
 by (what, dtype, model); each takes `recorded`, the report an earlier boot measured, in place of
-measuring (layouts/boot_record.py). Each choice writes the report linear.py's products of the dtype
-then follow (linear._small_reports, _wide_reports, _gemv_reports, _ladder_reports): the last model measured.
+measuring (layouts/boot_record.py). Each choice makes the dtype's products follow its report
+(linear.follow): the last model measured.
 """
 from __future__ import annotations
 
@@ -16,7 +16,6 @@ import time
 from functools import partial
 
 import torch
-import torch.nn.functional as F
 
 from phaseflip.kernels.cpu import library
 from phaseflip.kernels.cpu import linear as lin
@@ -41,19 +40,20 @@ def choose_gemv(layers: list[tuple[torch.Tensor, ...]], repeats: int = 3, model=
     over the layers tells them apart. Call before any step is traced (the choice is read then).
     bfloat16 where the kernel serves takes it without a pass (BF16_KERNEL). Returns the report."""
     dtype, weights = layers[0][0].dtype, [w for layer in layers for w in layer]
-    return _once(lin._gemv_reports, "gemv", dtype, model, weights, partial(_gemv_passes, layers, repeats),
-                 recorded)
+    report = _once("gemv", dtype, model, weights, partial(_gemv_passes, layers, repeats), recorded)
+    lin.follow(dtype, one_row=report["choice"])
+    return report
 
 
 def _gemv_passes(layers: list[tuple[torch.Tensor, ...]], repeats: int) -> dict:
     """choose_gemv's measurement."""
     dtype = layers[0][0].dtype
     pass_bytes = sum(w.numel() * w.element_size() for layer in layers for w in layer)
-    if dtype == torch.bfloat16 and lin.small_form(1, dtype) == "kernel":
+    form = lin.form(1, dtype)
+    if dtype == torch.bfloat16 and form == "kernel":
         return {"choice": "kernel", "ms": None, "first_call_ms": None, "layers": len(layers),
                 "pass_bytes": pass_bytes, "reason": BF16_KERNEL}
     xs = {w.shape[1]: torch.randn(1, w.shape[1], dtype=dtype) for layer in layers for w in layer}
-    form = lin.small_form(1, dtype)
     passes = {"reduction": torch.compile(partial(_one_row_products, form="reduction"), dynamic=False),
               form: torch.compile(partial(_one_row_products, form=form), dynamic=False)}
     t0 = time.perf_counter()
@@ -74,13 +74,8 @@ BF16_KERNEL = ("bfloat16 one-row products take the few-rows kernel unmeasured: s
 
 def _one_row_products(xs: dict[int, torch.Tensor], weights: tuple[torch.Tensor, ...], form: str) -> list:
     """One row times each weight, as a compiled step computes it in `form` (choose_gemv)."""
-    def product(x, w):
-        if form == "reduction":
-            return lin._reduce_rows(x, w)
-        if form == "kernel" and lin._kernel_serves(w):
-            return library.few_rows_op()(x, w)
-        return F.linear(x, w) if form == "library" else torch.ops.phaseflip.cpu_linear(x, w, None)
-    return [product(xs[w.shape[1]], w) for w in weights]
+    traced = form if form in ("reduction", "library", "kernel") else "opaque"   # as linear.form(traced=True)
+    return [lin.product(traced, xs[w.shape[1]], w, None) for w in weights]
 
 
 def _best_ms(fn, repeats: int) -> float:
@@ -102,18 +97,17 @@ def _alternating_ms(runs: dict, rounds: int) -> dict[str, float]:
     return ms
 
 
-def _once(reports: dict, what: str, dtype: torch.dtype, model, weights: list[torch.Tensor], measure,
+def _once(what: str, dtype: torch.dtype, model, weights: list[torch.Tensor], measure,
           recorded: dict | None = None) -> dict:
     """`what`'s report for (dtype, model), measure() on the first call for them (or `recorded`, a report an
-    earlier boot measured: layouts/boot_record.py); it becomes the one dtype's products follow. model: any
-    hashable naming the model (None: the shapes of `weights`)."""
+    earlier boot measured: layouts/boot_record.py). model: any hashable naming the model (None: the shapes
+    of `weights`)."""
     key = (what, dtype, model if model is not None else tuple(sorted({tuple(w.shape) for w in weights})))
     if recorded is not None:
         _measured[key] = recorded
     elif key not in _measured:
         _measured[key] = measure()
-    reports[dtype] = _measured[key]
-    return reports[dtype]
+    return _measured[key]
 
 
 def choose_ladder_form(weights: list[torch.Tensor], passes: int = 2, model=None,
@@ -126,16 +120,17 @@ def choose_ladder_form(weights: list[torch.Tensor], passes: int = 2, model=None,
     weights = [w for w in weights if w.device.type == "cpu" and w.dim() == 2]
     if not weights or weights[0].dtype != torch.bfloat16:
         return {"choice": "not measured (only bfloat16 has two ladder forms)", "ms": None}
-    if not lin._onednn_op():
+    if not lin.onednn_op():
         return {"choice": "library (no oneDNN in this build)", "ms": None}
 
     def measure() -> dict:
         xs = _rows(LADDER_PROBE_ROWS, weights)
-        forms = {"library": lambda x, w: F.linear(x, w), "widened": lambda x, w: lin._widened_product(x, w, None)}
-        ms = _alternating_ms({name: lambda p=product: [p(xs[w.shape[1]], w) for w in weights]
-                              for name, product in forms.items()}, passes)
+        ms = _alternating_ms({name: lambda name=name: [lin.product(name, xs[w.shape[1]], w, None) for w in weights]
+                              for name in ("library", "widened")}, passes)
         return {"choice": min(ms, key=ms.get), "ms": ms, "rows": LADDER_PROBE_ROWS, "weights": len(weights)}
-    return _once(lin._ladder_reports, "ladder", torch.bfloat16, model, weights, measure, recorded)
+    report = _once("ladder", torch.bfloat16, model, weights, measure, recorded)
+    lin.follow(torch.bfloat16, ladder=report["choice"])
+    return report
 
 
 def choose_small_forms(weights: list[torch.Tensor], passes: int = 2, model=None,
@@ -148,12 +143,14 @@ def choose_small_forms(weights: list[torch.Tensor], passes: int = 2, model=None,
     if not weights:
         return {"choice": "stationary (no CPU weights to measure on)", "ms": None}
     dtype = weights[0].dtype
-    forms = [f for f in lin.SMALL_FORMS if lin._form_serves(f, dtype)]
+    forms = [f for f in lin.SMALL_FORMS if lin.serves(f, dtype)]
 
     def measure() -> dict:
         return _forms_report({m: {f: _best_pass_ms(f, _rows(m, weights), weights, passes) for f in forms}
                               for m in lin.MEASURED_ROWS}, weights)
-    return _once(lin._small_reports, "small", dtype, model, weights, measure, recorded)
+    report = _once("small", dtype, model, weights, measure, recorded)
+    lin.follow(dtype, small=report["forms"])
+    return report
 
 
 def _rows(m: int, weights: list[torch.Tensor]) -> dict[int, torch.Tensor]:
@@ -173,7 +170,7 @@ def _forms_report(table: dict[int, dict[str, float]], weights: list[torch.Tensor
 def _best_pass_ms(form: str, xs: dict[int, torch.Tensor], weights: list[torch.Tensor], passes: int) -> float:
     def one_pass():
         for w in weights:
-            lin._small_product(form, xs[w.shape[1]], w, None)
+            lin.product(form, xs[w.shape[1]], w, None)
     return _best_ms(one_pass, passes)
 
 
@@ -184,20 +181,23 @@ def choose_wide_forms(weights: list[torch.Tensor], passes: int = 2, model=None,
     ladder's product (oneDNN in float32, the library's in bfloat16): at each of lin.WIDE_ROWS, the two
     over every weight in turn (above WIDE_LAYER_ROWS the first layer's four: a pass over every layer
     would take seconds of boot at 256 and 512 rows), alternating, best of `passes`. Returns the report."""
-    weights = [w for w in weights if w.device.type == "cpu" and w.dim() == 2 and lin._kernel_serves(w)]
+    weights = [w for w in weights if w.device.type == "cpu" and w.dim() == 2 and lin.kernel_serves(w)]
     if not weights:
         return {"choice": "ladder (no CPU weights to measure on)", "forms": {}, "ms": None}
     dtype = weights[0].dtype
-    if not lin._form_serves("kernel", dtype):
+    if not lin.serves("kernel", dtype):
         return {"choice": f"ladder (no few-rows kernel: {library.kernel_report().get('reason')})",
                 "forms": {}, "ms": None}
-    products = {"kernel": lin._kernel_product, "ladder": lin._ladder_product}
+    runs = {"kernel": "kernel", "ladder": "widened" if lin.chosen(dtype).ladder == "widened" else "ladder"}
 
     def measure() -> dict:
         table = {}
         for m in lin.WIDE_ROWS:
             xs, timed = _rows(m, weights), weights if m <= WIDE_LAYER_ROWS else weights[:4]
-            table[m] = _alternating_ms({name: lambda p=product: [p(xs[w.shape[1]], w, None) for w in timed]
-                                        for name, product in products.items()}, passes)
+            table[m] = _alternating_ms({name: lambda form=form: [lin.product(form, xs[w.shape[1]], w, None)
+                                                               for w in timed]
+                                        for name, form in runs.items()}, passes)
         return {**_forms_report(table, weights), "one_layer_above_rows": WIDE_LAYER_ROWS}
-    return _once(lin._wide_reports, "wide", dtype, model, weights, measure, recorded)
+    report = _once("wide", dtype, model, weights, measure, recorded)
+    lin.follow(dtype, wide=report["forms"])
+    return report

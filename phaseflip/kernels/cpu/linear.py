@@ -1,30 +1,34 @@
-"""Dense projections (x @ W^T) for the model maths on the CPU: oneDNN's GEMM on a ladder of row counts,
-and, for a few rows, the form measured fastest on this machine.
+"""Dense projections (x @ W^T) on the CPU: the product forms, and which one a product takes.
 
-Owns: `linear`, the row ladder (`row_bucket`), `warm` (builds every ladder GEMM at boot), each product
-form, and which form a product takes (`small_form`, `wide_form`, `gemv_reduces`, `ladder_widens`),
-read from the reports the boot's measurements left for the dtype (kernels/cpu/forms.py: the
-small-rows forms, the wide-rows form, a compiled step's one-row form and bfloat16's ladder form).
+Owns: `linear` (a CPU product), the forms (`product` runs one by name; `serves` says where it can), the
+choices among them (`Forms`, one per weight dtype, kept in one place: `follow` sets them from the boot's
+measurements in forms.py, `chosen` reads them, `form` turns them into the form of one product), the row
+ladder (`row_bucket`) and `warm` (builds every ladder GEMM at boot).
 
-Why: torch's CPU F.linear calls MKL, which on AMD CPUs runs its AVX2 code whatever the CPU offers;
-oneDNN (shipped with torch: `mkldnn::_linear_pointwise`, what inductor's CPU fusions call) picks its
-kernel by the CPU's features. But oneDNN JIT-builds and keeps one GEMM per row count, so a server fed
-every row count grows without bound: rows are padded up to a ladder (multiples of 8 to 64, then 8
-steps per doubling: padding <= 12.5%) and `warm` builds all of it at boot, like a graph capture, so
-what the GEMMs hold is measured then. For a handful of rows (decode) the fastest product differs from
-machine to machine, so it is timed at boot: the library's product (F.linear), the weight-stationary
-W @ x^T (one row run as two, so that MKL takes its skinny GEMM rather than its GEMV), oneDNN padded
-to its ladder, or our few-rows kernel (kernels/cpu/library.py, where it builds); unmeasured, the
-stationary form is used. Above SMALL_BATCH rows (batched decode, prompt chunks, the head over a
-batch) the kernel's wide form is timed against the ladder's product (`choose_wide_forms`; on the
-machines in docs/performance.md the kernel is the faster at most row counts, near the cores' peak from
-128 rows); unmeasured, the ladder. The plain
-weight is used as it lies in the arena (no packed copy: a flip refills the arena in place). CUDA
-tensors take F.linear; traced CPU code: `_traced_cpu_linear`.
+The forms:
+- "kernel": our few-rows kernel (kernels/cpu/gemv.cpp), one pass over the weight at the memory's read
+  speed for a few rows, x transposed into panels for more; where it builds.
+- "ladder": oneDNN's GEMM (`mkldnn::_linear_pointwise`, what inductor's CPU fusions call; it picks its
+  code by the CPU's features where MKL's F.linear runs AVX2 code on AMD CPUs) with rows padded up to a
+  ladder of row counts (multiples of 8 to 64, then 8 steps per doubling: padding <= 12.5%), because
+  oneDNN JIT-builds and keeps one GEMM per row count: `warm` builds the whole ladder at boot, like a
+  graph capture, so that a server fed every row count grows nothing later. float32 only; other dtypes
+  take F.linear there.
+- "widened": bfloat16 on the float32 ladder, the weight widened a bounded block of rows at a time (on a
+  CPU without bf16 arithmetic the library's bf16 GEMM runs slow code).
+- "stationary": W @ x^T (one row run as two, so that MKL takes its skinny GEMM rather than its GEMV);
+  "library": F.linear; "onednn": oneDNN padded to the ladder's first rung (float32). The few-rows forms
+  the boot times where the kernel is missing, or slower.
+- "reduction": the product written as a reduction that inductor compiles itself (a compiled step's
+  one-row products, where the boot measured it faster); "opaque": one opaque call to the eager forms
+  from a compiled step (`phaseflip::cpu_linear`).
+Unmeasured, products take "stationary" up to SMALL_BATCH rows and the ladder above. The weight is used
+as it lies in the arena (no packed copy: a flip refills the arena in place).
 """
 from __future__ import annotations
 
-from typing import Iterable
+from dataclasses import dataclass, field, replace
+from typing import Iterable, Mapping
 
 import torch
 import torch.nn.functional as F
@@ -32,26 +36,152 @@ import torch.nn.functional as F
 from phaseflip.kernels.cpu import library
 from phaseflip.kernels.op_registry import define_op
 
-GEMV_ROWS = 1     # rows a compiled CPU step may multiply with inductor's own reduction (choose_gemv)
-SMALL_BATCH = 4   # rows up to which a measured small-rows form is used on the CPU
+GEMV_ROWS = 1     # rows a compiled CPU step may multiply with inductor's own reduction
+SMALL_BATCH = 4   # rows up to which the measured few-rows form is used
 SMALL_FORMS = ("stationary", "library", "onednn", "kernel")
-MEASURED_ROWS = (1, 2, SMALL_BATCH)   # the row counts timed at boot; 3 takes SMALL_BATCH's form (small_form)
+MEASURED_ROWS = (1, 2, SMALL_BATCH)   # the row counts timed at boot; 3 takes SMALL_BATCH's form
 WIDE_ROWS = (8, 16, 32, 64, 128, 256, 512)   # timed at boot: m rows take the first >= m, else the last
 WIDEN_BYTES = 32 * 2**20  # the most float32 weight a widened ladder product holds at once
 
-# The measurements the products of each weight dtype follow: the last model measured (absent: not
-# measured yet; the defaults apply). Engines alive side by side in one process on different models of a
-# dtype share the last one's (the rank processes hold one model each).
-_small_reports: dict[torch.dtype, dict] = {}   # the small-rows forms and their timings (choose_small_forms)
-_gemv_reports: dict[torch.dtype, dict] = {}    # a compiled step's one-row form (choose_gemv)
-_wide_reports: dict[torch.dtype, dict] = {}    # the wide-rows form (choose_wide_forms)
-_ladder_reports: dict[torch.dtype, dict] = {}  # bfloat16's ladder form (choose_ladder_form)
 
+@dataclass(frozen=True)
+class Forms:
+    """The forms the products of one weight dtype take in this process (the boot's measurements of the
+    last model measured; a rank process holds one model)."""
+    small: Mapping[int, str] = field(default_factory=dict)   # MEASURED_ROWS -> one of SMALL_FORMS
+    wide: Mapping[int, str] = field(default_factory=dict)    # WIDE_ROWS -> "kernel" | "ladder"
+    one_row: str = "reduction"   # a compiled step's <= GEMV_ROWS rows: "reduction", else the small form
+    ladder: str = "library"      # bfloat16 above SMALL_BATCH rows off the kernel: "library" | "widened"
+
+
+_chosen: dict[torch.dtype, Forms] = {}
 _onednn = None    # the oneDNN op, resolved on first use (no import-time work); False: not in this build
 
 
-def _onednn_op():
-    """The op, once it has given F.linear's answer on a small product; False where it is missing or
+def chosen(dtype: torch.dtype) -> Forms:
+    """The forms dtype's products take (unmeasured: the defaults)."""
+    return _chosen.get(dtype) or Forms()
+
+
+def follow(dtype: torch.dtype, **changes) -> Forms:
+    """Make dtype's products take the forms `changes` names (Forms' fields), the others kept."""
+    _chosen[dtype] = replace(chosen(dtype), **changes)
+    return _chosen[dtype]
+
+
+def form(m: int, dtype: torch.dtype, traced: bool = False) -> str:
+    """The form a product of m rows of dtype takes, eager or (traced) inside a compiled step."""
+    forms = chosen(dtype)
+    if traced:
+        if m <= GEMV_ROWS and forms.one_row == "reduction":   # the one-row graph (its row count is static)
+            return "reduction"
+        small = _small(forms, m, dtype) if isinstance(m, int) and 1 <= m <= SMALL_BATCH else None
+        return small if small in ("library", "kernel") else "opaque"   # inductor calls those two itself
+    if 1 <= m <= SMALL_BATCH:
+        return _small(forms, m, dtype)
+    wide = forms.wide.get(next((r for r in WIDE_ROWS if r >= m), WIDE_ROWS[-1]))
+    if m > SMALL_BATCH and wide == "kernel" and serves("kernel", dtype):
+        return "kernel"
+    return "widened" if forms.ladder == "widened" else "ladder"
+
+
+def _small(forms: Forms, m: int, dtype: torch.dtype) -> str:
+    """The measured form of the row count that covers m (1, 2 or SMALL_BATCH), where it serves dtype."""
+    name = forms.small.get(1 if m <= 1 else 2 if m == 2 else SMALL_BATCH, "stationary")
+    return name if serves(name, dtype) else "stationary"
+
+
+def serves(name: str, dtype: torch.dtype) -> bool:
+    """Whether a form can run for dtype: oneDNN's few-rows form for float32 alone (its ladder is built for
+    that) where this build has the op; the kernel where it built and for the dtypes it reads."""
+    if name == "onednn":
+        return dtype == torch.float32 and bool(onednn_op())
+    if name == "kernel":
+        return dtype in library.DTYPES and library.few_rows_op() is not None
+    return True
+
+
+def kernel_serves(weight: torch.Tensor) -> bool:
+    """The kernel reads weight rows that are contiguous (the arena's are; a view may not be)."""
+    return weight.dim() == 2 and weight.stride(1) == 1 and weight.device.type == "cpu"
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] @ weight [N, K]^T (+ bias) on the CPU, in the form chosen for M rows."""
+    if x.dim() != 2:
+        return F.linear(x, weight, bias)
+    return product(form(x.shape[0], x.dtype, torch.compiler.is_compiling()), x, weight, bias)
+
+
+def product(name: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x @ weight^T + bias in the form `name` (module docstring)."""
+    return _PRODUCTS[name](x, weight, bias)
+
+
+def _with_bias(out: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return out if bias is None else out + bias
+
+
+def _reduction(x, weight, bias):
+    out = (weight[None] * x[:, None, :]).sum(-1, dtype=torch.float32).to(x.dtype)   # [M, N]
+    return _with_bias(out, bias)
+
+
+def _stationary(x, weight, bias):
+    m = x.shape[0]
+    cols = x.repeat(2, 1) if m == 1 else x                     # [M', K]
+    out = torch.mm(weight, cols.t())[:, :m].t().contiguous()   # [M, N]
+    return out if bias is None else out.add_(bias)
+
+
+def _onednn_small(x, weight, bias):
+    """oneDNN padded to the ladder's smallest size, whose GEMM `warm` built."""
+    m = x.shape[0]
+    return onednn_op()(F.pad(x, (0, 0, 0, row_bucket(m) - m)), weight, bias, "none", [], "")[:m]
+
+
+def _kernel(x, weight, bias):
+    """The few-rows kernel; a weight it cannot read takes the unmeasured form of its row count."""
+    if not kernel_serves(weight):
+        wide = "widened" if chosen(x.dtype).ladder == "widened" else "ladder"
+        return product("stationary" if x.shape[0] <= SMALL_BATCH else wide, x, weight, bias)
+    if torch.compiler.is_compiling():   # an extern call inductor makes itself
+        return _with_bias(library.few_rows_op()(x, weight), bias)
+    out = library.few_rows_op()(x, weight)
+    return out if bias is None else out.add_(bias)
+
+
+def _ladder(x, weight, bias):
+    """oneDNN on the row ladder where it runs the product (float32, > SMALL_BATCH rows, eager), else
+    F.linear."""
+    op = _onednn_for(x)
+    if op is None:
+        return F.linear(x, weight, bias)
+    m, rows = x.shape[0], row_bucket(x.shape[0])
+    if rows != m:  # zero rows up to the ladder size (F.pad copies even when it adds nothing)
+        x = F.pad(x, (0, 0, 0, rows - m))
+    return op(x.contiguous(), weight, bias, "none", [], "")[:m]
+
+
+def _widened(x, weight, bias):
+    """x @ weight^T + bias in float32 on the ladder, rounded to x's dtype: the weight widened WIDEN_BYTES
+    of rows at a time (a bounded transient: an 8B model's head widened whole would be 2.1 GB)."""
+    xf, rows = x.float(), max(1, WIDEN_BYTES // (4 * weight.shape[1]))
+    parts = [_ladder(xf, weight[n:n + rows].float(), None if bias is None else bias[n:n + rows].float())
+             for n in range(0, weight.shape[0], rows)]
+    return (parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)).to(x.dtype)
+
+
+def _opaque(x, weight, bias):
+    return torch.ops.phaseflip.cpu_linear(x, weight, bias)
+
+
+_PRODUCTS = {"kernel": _kernel, "ladder": _ladder, "widened": _widened, "stationary": _stationary,
+             "library": F.linear, "onednn": _onednn_small, "reduction": _reduction, "opaque": _opaque}
+
+
+def onednn_op():
+    """The oneDNN op, once it has given F.linear's answer on a small product; False where it is missing or
     does not (then every product takes the MKL paths)."""
     global _onednn
     if _onednn is None:
@@ -68,6 +198,13 @@ def _onednn_op():
     return _onednn
 
 
+def _onednn_for(x: torch.Tensor):
+    """The oneDNN op where it runs this product (float32, > SMALL_BATCH rows, eager), else None."""
+    if x.dim() != 2 or x.dtype != torch.float32 or x.shape[0] <= SMALL_BATCH:
+        return None
+    return None if torch.compiler.is_compiling() else (onednn_op() or None)
+
+
 def row_bucket(m: int) -> int:
     """The ladder size a GEMM of m rows runs at (m >= 1)."""
     if m <= 64:
@@ -76,151 +213,13 @@ def row_bucket(m: int) -> int:
     return -(-m // step) * step
 
 
-def _onednn_for(x: torch.Tensor):
-    """The oneDNN op where it runs this product (CPU, float32, eager, > SMALL_BATCH rows), else None."""
-    if x.is_cuda or x.dim() != 2 or x.dtype != torch.float32 or x.shape[0] <= SMALL_BATCH:
-        return None
-    return None if torch.compiler.is_compiling() else (_onednn_op() or None)
-
-
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    # x: [M, K], weight: [N, K] -> [M, N]
-    if torch.compiler.is_compiling() and not x.is_cuda:
-        return _traced_cpu_linear(x, weight, bias)
-    return _eager_linear(x, weight, bias)
-
-
-def _traced_cpu_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """What a compiled CPU step runs: up to GEMV_ROWS rows as a reduction inductor writes itself where
-    that was measured faster than the eager product (`choose_gemv`); a few (static) rows whose
-    measured small-rows form is the library's product or the few-rows kernel as that call, which
-    inductor makes itself (no Python between the projections); everything else as one opaque call to
-    the eager paths below (oneDNN's ladder is built at boot)."""
-    m = x.shape[0]
-    if m <= GEMV_ROWS and gemv_reduces(x.dtype):  # the one-row graph (its row count is static)
-        out = _reduce_rows(x, weight)
-        return out if bias is None else out + bias
-    if isinstance(m, int) and 1 <= m <= SMALL_BATCH:
-        form = small_form(m, x.dtype)
-        if form == "library":  # inductor calls the library's product itself
-            return F.linear(x, weight, bias)
-        if form == "kernel" and _kernel_serves(weight):  # an extern call to the C++ op
-            out = library.few_rows_op()(x, weight)
-            return out if bias is None else out + bias
-    return torch.ops.phaseflip.cpu_linear(x, weight, bias)
-
-
-def _reduce_rows(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    return (weight[None] * x[:, None, :]).sum(-1, dtype=torch.float32).to(x.dtype)  # [M, N]
-
-
-def gemv_reduces(dtype: torch.dtype) -> bool:
-    """Whether a compiled step's one-row products are inductor's reduction (this process's measured
-    choice for the dtype; unmeasured: yes)."""
-    report = _gemv_reports.get(dtype)
-    return report is None or report["choice"] == "reduction"
-
-
-def _eager_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    m = x.shape[0]
-    if not x.is_cuda and x.dim() == 2:
-        if 1 <= m <= SMALL_BATCH:
-            return _small_product(small_form(m, x.dtype), x, weight, bias)
-        if wide_form(m, x.dtype) == "kernel" and _kernel_serves(weight):
-            return _kernel_product(x, weight, bias)
-    return _ladder_product(x, weight, bias)
-
-
-def _ladder_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """oneDNN on the row ladder where it runs the product (float32 CPU, > SMALL_BATCH rows; bfloat16
-    widened to float32 where that was measured faster), else F.linear."""
-    if ladder_widens(x.dtype) and not x.is_cuda:
-        return _widened_product(x, weight, bias)
-    op = _onednn_for(x)
-    if op is None:
-        return F.linear(x, weight, bias)
-    m, rows = x.shape[0], row_bucket(x.shape[0])
-    if rows != m:  # zero rows up to the ladder size (F.pad copies even when it adds nothing)
-        x = F.pad(x, (0, 0, 0, rows - m))
-    return op(x.contiguous(), weight, bias, "none", [], "")[:m]
-
-
-def _widened_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """x @ weight^T + bias in float32 on the ladder, rounded to x's dtype: the weight widened WIDEN_BYTES
-    of rows at a time (a bounded transient: an 8B model's head widened whole would be 2.1 GB)."""
-    xf, rows = x.float(), max(1, WIDEN_BYTES // (4 * weight.shape[1]))
-    parts = [_ladder_product(xf, weight[n:n + rows].float(), None if bias is None else bias[n:n + rows].float())
-             for n in range(0, weight.shape[0], rows)]
-    return (parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)).to(x.dtype)
-
-
-def ladder_widens(dtype: torch.dtype) -> bool:
-    """Whether this process measured dtype's ladder products faster widened to float32 (choose_ladder_form)."""
-    return _ladder_reports.get(dtype, {}).get("choice") == "widened"
-
-
-def _kernel_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    out = library.few_rows_op()(x, weight)
-    return out if bias is None else out.add_(bias)
-
-
-def small_form(m: int, dtype: torch.dtype) -> str:
-    """The form a product of m <= SMALL_BATCH rows takes: this process's measured choice, else the
-    stationary one; oneDNN only for float32 (its ladder is built for that alone)."""
-    rows = 1 if m <= 1 else 2 if m == 2 else SMALL_BATCH     # the measured row count that covers m
-    report = _small_reports.get(dtype)
-    form = "stationary" if report is None else report["forms"][rows]
-    return form if _form_serves(form, dtype) else "stationary"
-
-
-def _form_serves(form: str, dtype: torch.dtype) -> bool:
-    """Whether a small-rows form can run for dtype: oneDNN where this build has the op and for float32
-    alone (its ladder is built for that); the kernel where it built and for the dtypes it reads."""
-    if form == "onednn":
-        return dtype == torch.float32 and bool(_onednn_op())
-    if form == "kernel":
-        return dtype in library.DTYPES and library.few_rows_op() is not None
-    return True
-
-
-def _kernel_serves(weight: torch.Tensor) -> bool:
-    """The kernel reads weight rows that are contiguous (the arena's are; a view may not be)."""
-    return weight.dim() == 2 and weight.stride(1) == 1 and weight.device.type == "cpu"
-
-
-def _small_product(form: str, x: torch.Tensor, weight: torch.Tensor,
-                   bias: torch.Tensor | None) -> torch.Tensor:
-    m = x.shape[0]
-    if form == "library":
-        return F.linear(x, weight, bias)
-    if form == "onednn":  # padded to the ladder's smallest size, whose GEMM `warm` built
-        return _onednn_op()(F.pad(x, (0, 0, 0, row_bucket(m) - m)), weight, bias, "none", [], "")[:m]
-    if form == "kernel" and _kernel_serves(weight):
-        return _kernel_product(x, weight, bias)
-    cols = x.repeat(2, 1) if m == 1 else x                   # [M', K]
-    out = torch.mm(weight, cols.t())[:, :m].t().contiguous()   # [M, N]
-    return out if bias is None else out.add_(bias)
-
-
-def wide_form(m: int, dtype: torch.dtype) -> str:
-    """The form a product of m > SMALL_BATCH rows takes: "kernel" where this process measured the kernel
-    faster at the smallest timed row count >= m (WIDE_ROWS; past them, the largest), else "ladder"."""
-    report = _wide_reports.get(dtype)
-    if report is None or m <= SMALL_BATCH or not _form_serves("kernel", dtype):
-        return "ladder"
-    return report["forms"].get(next((r for r in WIDE_ROWS if r >= m), WIDE_ROWS[-1]), "ladder")
-
-
 def _cpu_linear_body(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    return _eager_linear(x.contiguous(), weight, bias)
+    x = x.contiguous()
+    return product(form(x.shape[0], x.dtype), x, weight, bias)
 
 
-def _cpu_linear_fake(x, weight, bias):
-    return x.new_empty((x.shape[0], weight.shape[0]))
-
-
-_cpu_linear_op = define_op("cpu_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor", _cpu_linear_body,
-                           _cpu_linear_fake)
+define_op("cpu_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor", _cpu_linear_body,
+          lambda x, weight, bias: x.new_empty((x.shape[0], weight.shape[0])))
 
 
 def warm(projections: Iterable[tuple[torch.Tensor, torch.Tensor | None, int]]) -> int:
@@ -234,12 +233,17 @@ def warm(projections: Iterable[tuple[torch.Tensor, torch.Tensor | None, int]]) -
             seen[key] = (w, b, max_rows)
     runs = 0
     for w, b, max_rows in seen.values():
-        on_ladder = torch.float32 if ladder_widens(w.dtype) else w.dtype   # the dtype oneDNN would run
-        probe = torch.empty(SMALL_BATCH + 1, w.shape[1], dtype=on_ladder)
+        widened = chosen(w.dtype).ladder == "widened"
+        probe = torch.empty(SMALL_BATCH + 1, w.shape[1], dtype=torch.float32 if widened else w.dtype)
         if w.device.type != "cpu" or _onednn_for(probe) is None:
             continue
         x = torch.zeros(row_bucket(max_rows), w.shape[1], dtype=w.dtype)
         for rows in sorted({row_bucket(m) for m in range(1, max_rows + 1)}):  # 8 serves the small rows
-            _ladder_product(x[:rows], w, b)
+            product("widened" if widened else "ladder", x[:rows], w, b)
             runs += 1
     return runs
+
+
+def small_form(m: int, dtype: torch.dtype) -> str:
+    """The form a product of m <= SMALL_BATCH rows takes eager."""
+    return form(max(1, min(m, SMALL_BATCH)), dtype)
