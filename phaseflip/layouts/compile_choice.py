@@ -1,13 +1,14 @@
 """Which backend each role and bucket of a layout's step runs: compiled by inductor or eager, measured.
 
-Owns: `CompileChoice`, the part of LayoutRunner that compiles its roles at boot and chooses per bucket:
-on the CPU by timing the compiled call against the eager one (`prepare_compiled`, `_measure`, the
-one-row head in `_prepare_head`); on CUDA with compile="auto" by capturing both as CUDA graphs and
-timing their replays (`_choose_by_replay`, from `capture_all`). It fills the runner's `choices`
-((role, bucket) -> "compiled" | "eager"), `compiled_steps`, `compiled_head` and `compile_report` (every
-choice with the numbers it was made from), and reads the runner's step function, buffers and shapes.
-A boot with a record of these choices for its key (layouts/boot_record.py) takes them and measures
-nothing; a compiled step is kept only where it was measured at least MIN_GAIN faster than eager.
+Owns: `CompileChoice`, held by each LayoutRunner (`runner.compile`): it compiles the layout's roles at
+boot and chooses per bucket: on the CPU by timing the compiled call against the eager one (`prepare`,
+`_measure`, the one-row head in `_prepare_head`); on CUDA with compile="auto" by capturing both as CUDA
+graphs and timing their replays (`choose_by_replay`, from the runner's capture). It keeps `choices`
+((role, bucket) -> "compiled" | "eager"), `compiled_steps`, `head` and `report` (every choice with the
+numbers it was made from), built from what it is given: the layout's step function, its maths inputs
+(`StepState`), the static buffers and the step shapes. A boot with a record of these choices for its key
+(layouts/boot_record.py) takes them and measures nothing; a compiled step is kept only where it was
+measured at least MIN_GAIN faster than eager.
 """
 from __future__ import annotations
 
@@ -19,11 +20,13 @@ from pathlib import Path
 import torch
 
 from phaseflip.graphs import saved_steps
+from phaseflip.graphs.buffers import StaticBuffers
 from phaseflip.graphs.capture import StepKey, capture_cuda
 from phaseflip.graphs.compile import compile_region, compile_whole_step, time_alternating, time_replays
 from phaseflip.graphs.saved_steps import SavedLayer, SavedSteps, wrapper_options
 from phaseflip.kernels.cpu import fused_layer
-from phaseflip.kernels.cpu.linear import GEMV_ROWS, gemv_reduces
+from phaseflip.kernels.cpu import linear as cpu_linear
+from phaseflip.kernels.cpu.linear import GEMV_ROWS
 from phaseflip.layouts.comm import NoComm
 from phaseflip.layouts.forward import compute_logits, decoder_layer, forward
 from phaseflip.layouts.kvcache import KVView
@@ -32,6 +35,7 @@ from phaseflip.layouts.shard import RankShard
 from phaseflip.layouts.weights import RankWeights
 from phaseflip.layouts.boot_record import BootRecord
 from phaseflip.layouts.messages import Phase
+from phaseflip.layouts.step_inputs import bucket_rows, phase_buckets
 
 MIN_GAIN = 0.05   # compile="auto" keeps a compiled step only this much faster than eager (compile costs boot)
 # compile="auto" on the CPU does not compile the 1-row decode where the fused layers run it: inductor's
@@ -45,8 +49,25 @@ TP_ON_CPU = "tensor-parallel on the CPU: its graphs break at each all-reduce (no
 
 
 class CompileChoice:
-    """Mixed into LayoutRunner (which sets choices, compiled_steps, compiled_head, compile_report,
-    measure_graphs and provides step_fn, _phase_sizes, _sizes, _views, buffers, weights, shard)."""
+    """One layout's compiled steps on one rank and the backend each (role, bucket) runs."""
+
+    def __init__(self, layout: str, step_fn, state: "StepState", buffers: StaticBuffers, shapes):
+        self.layout, self.step_fn, self.state = layout, step_fn, state   # step_fn(meta, layer_fn=...)
+        self.buffers, self.shapes = buffers, shapes                        # shapes: the runner's StepShapes
+        self.choices: dict[tuple[str, int], str] = {}   # (role, bucket) -> "compiled" | "eager"
+        self.compiled_steps: dict[Phase, object] = {}   # role -> its compiled step
+        self.saved_steps: dict[Phase, object] = {}      # role -> its SavedSteps, where saved
+        self.report: dict[str, dict] = {}               # every choice with the numbers it was made from
+        self.head = None             # the LM head compiled for a GEMV_ROWS-row decode (CPU), if chosen
+        self.measure_graphs = False  # compile="auto" on CUDA: choose per bucket by graph replay
+
+    def step_for(self, phase: Phase, bucket: int) -> tuple[str, object]:
+        """The backend a bucket records and its step function."""
+        backend = self.choices.get((phase.value, bucket), "eager")
+        return backend, self.compiled_steps[phase] if backend == "compiled" else self.step_fn
+
+    def _views(self, sizes: dict[str, int]) -> dict[str, torch.Tensor]:
+        return self.buffers.views(bucket_rows(sizes))
 
     def _compiled_steps(self, cuda: bool, saved_dir: Path | None) -> dict[Phase, object]:
         """The compiled step of each role. Prefill (and every role on CUDA, where a CUDA graph replays
@@ -61,37 +82,37 @@ class CompileChoice:
         layer_step = functools.partial(self.step_fn, layer_fn=compile_region(decoder_layer))
         if cuda:
             return {Phase.PREFILL: layer_step, Phase.DECODE: layer_step}
-        if saved_dir is None or self.shard.tp_size > 1 or not saved_steps.available():
+        if saved_dir is None or self.state.shard.tp_size > 1 or not saved_steps.available():
             return {Phase.PREFILL: layer_step, Phase.DECODE: compile_whole_step(self.step_fn)}
         self.saved_steps = {Phase.PREFILL: SavedLayer(decoder_layer, saved_dir / "prefill"),
-                            Phase.DECODE: SavedSteps(_whole_step, self._step_state(), saved_dir / "decode",
+                            Phase.DECODE: SavedSteps(_whole_step, self.state, saved_dir / "decode",
                                                      wrapper_options())}
         return {Phase.PREFILL: functools.partial(self.step_fn, layer_fn=self.saved_steps[Phase.PREFILL]),
                 Phase.DECODE: self.saved_steps[Phase.DECODE]}
 
-    def prepare_compiled(self, mode: str, cuda: bool, record: BootRecord | None = None) -> None:
+    def prepare(self, mode: str, cuda: bool, record: BootRecord | None = None) -> None:
         """Compile each role's step (boot only; see _compiled_steps). compile="on", and CUDA: every step
         runs compiled. "auto" on the CPU: the decode step at 1 and 2 rows and at its largest bucket, and
         the prefill role at its smallest bucket, keep the compiled step only where it is measured at
         least MIN_GAIN faster than eager; a bucket between takes the choice of the largest (they share
         its dynamic graph). Never compiled by "auto" on the CPU: the 1-row decode where the eager step
         runs the fused layers (FUSED_ONE_ROW), and a tensor-parallel layout's steps (TP_ON_CPU).
-        "auto" on CUDA: every bucket is measured as CUDA graphs at capture (_choose_by_replay). Where
+        "auto" on CUDA: every bucket is measured as CUDA graphs at capture (choose_by_replay). Where
         `record` holds an earlier boot's choices for this key (layouts/boot_record.py), they are taken
         and nothing is measured: only the buckets chosen compiled are compiled (or loaded). Every
         choice is reported with the numbers it was made from."""
         eager_reason = ("compile='off'" if mode == "off" else
-                        TP_ON_CPU if mode == "auto" and not cuda and self.shard.tp_size > 1 else None)
+                        TP_ON_CPU if mode == "auto" and not cuda and self.state.shard.tp_size > 1 else None)
         if eager_reason is not None:
             for phase in Phase:
-                self.compile_report[phase.value] = {"choice": "eager", "reason": eager_reason}
+                self.report[phase.value] = {"choice": "eager", "reason": eager_reason}
             return
         self.compiled_steps = self._compiled_steps(cuda, None if record is None else record.steps_dir)
         recorded = {phase: record.get(phase.value) for phase in Phase} if record is not None else {}
         use_record = all(r is not None and "choices" in r for r in recorded.values()) and bool(recorded)
         measure = mode == "auto" and not cuda and not use_record
         self.measure_graphs = mode == "auto" and cuda and not use_record
-        if not cuda and self.shard.has_head:
+        if not cuda and self.state.shard.has_head:
             self._prepare_head(measure, record.get("head") if use_record else None)
         for phase in Phase:
             t0 = time.perf_counter()
@@ -99,13 +120,13 @@ class CompileChoice:
                 self._adopt(phase, recorded[phase])
             else:
                 self._choose(phase, mode, measure, cuda)
-            self.compile_report[phase.value]["boot_ms"] = (time.perf_counter() - t0) * 1e3
+            self.report[phase.value]["boot_ms"] = (time.perf_counter() - t0) * 1e3
             if phase in self.saved_steps:   # which saved graphs it loaded, which it compiled and saved
-                self.compile_report[phase.value]["saved_steps"] = self.saved_steps[phase].report
+                self.report[phase.value]["saved_steps"] = self.saved_steps[phase].report
 
     def _choose(self, phase: Phase, mode: str, measure: bool, cuda: bool) -> None:
         """One role's choice per bucket by measurement (compile="auto" on the CPU), or compiled everywhere."""
-        sizes = self._phase_sizes(phase)
+        sizes = phase_buckets(self.shapes, phase)
         # the buckets timed at boot: decode at 1 row (its own graph: 0/1 specialisation; not where
         # the fused layers run it, FUSED_ONE_ROW), 2 rows (the dynamic graph's first size) and the
         # largest, since from 4 rows up the two measure within a few % at every bucket and timing each
@@ -124,7 +145,7 @@ class CompileChoice:
         unprobed = [sz for b, sz in sizes if b not in report and self.choices[(phase.value, b)] == "compiled"]
         if unprobed:  # a second size makes the token dimension dynamic: that graph, which serves
             compiled(self._views(unprobed[0]))  # every larger bucket, compiles now, not mid-serving
-        self.compile_report[phase.value] = {
+        self.report[phase.value] = {
             "choice": self._picked(phase), "buckets": report, "choices": self._role_choices(phase),
             "rule": (f"measured: decode at 1 (unless the fused layers run it), 2 and its largest bucket "
                      f"(those between take the largest's choice); prefill at its smallest bucket, for all; "
@@ -138,32 +159,32 @@ class CompileChoice:
         first two such buckets (the second makes the token dimension dynamic, the graph every larger
         bucket shares; the saved layer's larger buckets bind at their first call, a guard check)."""
         chosen, step = recorded["choices"], self.compiled_steps[phase]
-        compiled = [sizes for b, sizes in self._phase_sizes(phase) if chosen[b] == "compiled"]
-        for b, _ in self._phase_sizes(phase):
+        compiled = [sizes for b, sizes in phase_buckets(self.shapes, phase) if chosen[b] == "compiled"]
+        for b, _ in phase_buckets(self.shapes, phase):
             self.choices[(phase.value, b)] = chosen[b]
         for sizes in compiled if isinstance(step, SavedSteps) else compiled[:2]:
             (step.prepare if isinstance(step, SavedSteps) else step)(self._views(sizes))
-        self.compile_report[phase.value] = {**recorded, "choice": self._picked(phase)}
+        self.report[phase.value] = {**recorded, "choice": self._picked(phase)}
 
     def _fused_one_row(self) -> bool:
         """Whether this rank's eager 1-row decode runs the fused layers (kernels/cpu/fused_layer.py)."""
-        layers = self.weights.layers
-        return bool(layers) and fused_layer.report(layers[0].qkv_proj.dtype, self.shard.tp_size)["reason"] is None
+        layers = self.state.weights.layers
+        return bool(layers) and fused_layer.report(layers[0].qkv_proj.dtype, self.state.shard.tp_size)["reason"] is None
 
     def _picked(self, phase: Phase) -> str:
-        picked = {self.choices[(phase.value, b)] for b, _ in self._phase_sizes(phase)}
+        picked = {self.choices[(phase.value, b)] for b, _ in phase_buckets(self.shapes, phase)}
         return picked.pop() if len(picked) == 1 else "per bucket"
 
     def _role_choices(self, phase: Phase) -> dict[int, str]:
-        return {b: self.choices[(phase.value, b)] for b, _ in self._phase_sizes(phase)}
+        return {b: self.choices[(phase.value, b)] for b, _ in phase_buckets(self.shapes, phase)}
 
     def _prepare_head(self, measure: bool, recorded: dict | None) -> None:
         """The LM head for a decode that samples up to GEMV_ROWS rows (CPU): inductor's one pass over
         the head where it is measured faster (or compile="on"; or so recorded), else the eager product.
         Where one-row products were measured faster eager (forms.choose_gemv) a compiled head is
         the same call: none."""
-        if not gemv_reduces(self.weights.lm_head.dtype):
-            self.compile_report["head"] = {"choice": "eager",
+        if cpu_linear.form(GEMV_ROWS, self.state.weights.lm_head.dtype, traced=True) != "reduction":
+            self.report["head"] = {"choice": "eager",
                                            "reason": "one-row products run eager (measured)"}
             return
         compiled = self._compiled_head()
@@ -174,10 +195,10 @@ class CompileChoice:
                 compiled(rows)
         else:
             report = self._measure(compiled, rows, measure,
-                                   lambda v: compute_logits(self.weights.lm_head, v["hidden_in"]))
-        self.compiled_head = ((lambda head, hidden: compiled({"hidden_in": hidden}))
-                              if report["choice"] == "compiled" else None)
-        self.compile_report["head"] = report
+                                   lambda v: compute_logits(self.state.weights.lm_head, v["hidden_in"]))
+        self.head = ((lambda head, hidden: compiled({"hidden_in": hidden}))
+                     if report["choice"] == "compiled" else None)
+        self.report["head"] = report
 
     def _compiled_head(self):
         """The LM head's logits of views["hidden_in"], compiled: saved beside the decode step's graphs
@@ -186,10 +207,7 @@ class CompileChoice:
         if isinstance(decode, SavedSteps):
             return SavedSteps(_head_logits, decode.owner, decode.dir.parent / "head")
         compiled = compile_region(compute_logits)
-        return lambda v: compiled(self.weights.lm_head, v["hidden_in"])
-
-    def _step_state(self) -> "StepState":
-        return StepState(self.weights, self.cfg, self.shard, self.kv, self.rope_table, self.tp_comm)
+        return lambda v: compiled(self.state.weights.lm_head, v["hidden_in"])
 
     def _measure(self, compiled, views: dict[str, torch.Tensor], measure: bool, eager=None) -> dict:
         """One bucket: the first compiled call (it compiles when no earlier bucket had these guards),
@@ -206,18 +224,18 @@ class CompileChoice:
         return {"choice": "compiled" if compiled_ms <= (1 - MIN_GAIN) * eager_ms else "eager",
                 "first_call_ms": first_ms, "compiled_ms": compiled_ms, "eager_ms": eager_ms}
 
-    def _choose_by_replay(self, pool, stream) -> None:
+    def choose_by_replay(self, pool, stream) -> None:
         """compile="auto" on CUDA: each bucket's compiled and uncompiled step captured as CUDA graphs and
         replayed (uncaptured, the eager step would pay a launch per kernel: no fair comparison); the
         faster is kept and the report gives both times. The two graphs are dropped (their memory goes
         back to the pool) before the kept step's variants are captured."""
         for phase in Phase:
-            report = self.compile_report[phase.value]
-            for bucket, sizes in self._phase_sizes(phase):
+            report = self.report[phase.value]
+            for bucket, sizes in phase_buckets(self.shapes, phase):
                 if self.choices.get((phase.value, bucket)) != "compiled":
                     continue
                 key = StepKey(self.layout, phase.value, bucket)
-                ms = {backend: time_replays(capture_cuda(key, fn, self.buffers, self._sizes(sizes), pool, stream))
+                ms = {backend: time_replays(capture_cuda(key, fn, self.buffers, bucket_rows(sizes), pool, stream))
                       for backend, fn in (("compiled", self.compiled_steps[phase]), ("eager", self.step_fn))}
                 choice = "compiled" if ms["compiled"] <= ms["eager"] else "eager"
                 self.choices[(phase.value, bucket)] = choice

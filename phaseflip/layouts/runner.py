@@ -22,7 +22,7 @@ from phaseflip.graphs.registry import GraphRegistry
 from phaseflip.graphs.saved_steps import SavedSteps
 from phaseflip.kernels.cpu.linear import GEMV_ROWS
 from phaseflip.layouts.comm import NoComm, RankComm
-from phaseflip.layouts.compile_choice import CompileChoice
+from phaseflip.layouts.compile_choice import CompileChoice, StepState
 from phaseflip.layouts.forward import compute_logits, decoder_layer, forward
 from phaseflip.layouts.kvcache import KVView
 from phaseflip.layouts.model_config import ModelConfig
@@ -30,7 +30,7 @@ from phaseflip.layouts.messages import Phase, SampledToken, StepBatch
 from phaseflip.layouts.sampler import Sampler
 from phaseflip.layouts.weights import RankWeights
 from phaseflip.layouts.shard import RankShard
-from phaseflip.layouts.step_inputs import bucket_sizes, decode_rows, prepare_inputs
+from phaseflip.layouts.step_inputs import bucket_rows, decode_rows, phase_buckets, prepare_inputs
 from phaseflip.layouts.step_sampling import cat_outputs, sampling_variants, variant_for
 
 
@@ -74,7 +74,7 @@ class LayoutPart:
     kv: KVView
 
 
-class LayoutRunner(CompileChoice):
+class LayoutRunner:
     def __init__(self, ctx: RankContext, part: LayoutPart):
         self.layout, self.cfg, self.rank = part.layout, ctx.cfg, ctx.rank
         self.shards, self.shard = part.shards, part.shards[ctx.rank]
@@ -85,12 +85,10 @@ class LayoutRunner(CompileChoice):
         self.output_rank = part.output_rank
         # The maths reduces partial sums over the ranks sharing a layer: nobody in PP.
         self.tp_comm = self.comm if self.shard.tp_size > 1 else NoComm()
-        self.compiled_steps: dict[Phase, object] = {}              # role -> its compiled step
-        self.saved_steps: dict[Phase, object] = {}                 # role -> its SavedSteps, where saved
-        self.choices: dict[tuple[str, int], str] = {}              # (role, bucket) -> "compiled" | "eager"
-        self.compile_report: dict[str, dict] = {}
-        self.compiled_head = None    # the LM head compiled for a GEMV_ROWS-row decode (CPU), if any
-        self.measure_graphs = False  # compile="auto" on CUDA: choose per bucket by graph replay (capture_all)
+        # which backend each (role, bucket) records, and the compiled steps (compile_choice.py)
+        self.compile = CompileChoice(self.layout, self.step_fn, StepState(self.weights, self.cfg, self.shard,
+                                                                          self.kv, self.rope_table, self.tp_comm),
+                                     self.buffers, self.shapes)
         # decode steps end in sampled ids where this rank samples from the whole vocabulary (set False
         # after boot: the recorded steps' logits are sampled on the host instead)
         self.samples_in_step = (self.rank == self.output_rank and self.shard.has_head
@@ -102,27 +100,13 @@ class LayoutRunner(CompileChoice):
 
     def head(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits of these rows: the compiled head where one was chosen for this few rows (CPU)."""
-        head = self.compiled_head if hidden.shape[0] <= GEMV_ROWS else None
+        head = self.compile.head if hidden.shape[0] <= GEMV_ROWS else None
         return (head or compute_logits)(self.weights.lm_head, hidden)
 
     def _decode_fns(self, fn):
         """What a decode bucket records: the step itself, or on a rank that samples in the step, its
         sampling variants around it (step_sampling.VARIANTS: argmax only, up to every sampling path)."""
         return sampling_variants(fn, self.head) if self.samples_in_step else fn
-
-    def _phase_sizes(self, phase: Phase) -> list[tuple[int, dict[str, int]]]:
-        s = self.shapes
-        if phase is Phase.DECODE:
-            return [(b, bucket_sizes(b, min(b, s.max_num_seqs))) for b in s.decode_buckets]
-        return [(t, bucket_sizes(t, s.max_num_seqs)) for t in s.prefill_buckets]
-
-    @staticmethod
-    def _sizes(sizes: dict[str, int]) -> dict[str, int]:
-        """A bucket's buffer rows, with a later PP stage's input hidden states as many as its tokens."""
-        return {**sizes, "hidden_in": sizes["input_ids"]}
-
-    def _views(self, sizes: dict[str, int]) -> dict[str, torch.Tensor]:
-        return self.buffers.views(self._sizes(sizes))
 
     def layer_projections(self) -> list[tuple[torch.Tensor, ...]]:
         """Each layer's projection weights, in the order a step multiplies them."""
@@ -140,20 +124,19 @@ class LayoutRunner(CompileChoice):
 
     def capture_all(self, pool=None, stream=None) -> None:
         """Record one step per bucket of both phases (boot only): CUDA graphs when a pool is given."""
-        if pool is not None and self.measure_graphs:
-            self._choose_by_replay(pool, stream)
+        if pool is not None and self.compile.measure_graphs:
+            self.compile.choose_by_replay(pool, stream)
         for phase in Phase:
-            for bucket, sizes in self._phase_sizes(phase):
+            for bucket, sizes in phase_buckets(self.shapes, phase):
                 key = StepKey(self.layout, phase.value, bucket)
-                backend = self.choices.get((phase.value, bucket), "eager")
-                fn = self.compiled_steps[phase] if backend == "compiled" else self.step_fn
+                backend, fn = self.compile.step_for(phase, bucket)
                 if pool is None and backend == "compiled" and phase is Phase.DECODE and not isinstance(fn, SavedSteps):
                     fn = DirectStep(fn)   # the whole compiled step, replayed without dynamo once bound
                 fn = self._decode_fns(fn) if phase is Phase.DECODE else fn
                 if pool is not None:
-                    step = capture_cuda(key, fn, self.buffers, self._sizes(sizes), pool, stream)
+                    step = capture_cuda(key, fn, self.buffers, bucket_rows(sizes), pool, stream)
                 else:
-                    step = capture_eager(key, fn, self.buffers, self._sizes(sizes), backend=backend)
+                    step = capture_eager(key, fn, self.buffers, bucket_rows(sizes), backend=backend)
                 self.registry.add(step)
 
     # Step kinds a decode batch above every bucket replays chunk by chunk. CUDA graphs: the uncaptured

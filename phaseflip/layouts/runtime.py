@@ -210,7 +210,7 @@ class RankRuntime:
                 kernels = kernels_build(self.device)   # loads the CPU kernels (once) the products call
                 record = BootRecord.load(record_key(runner, self.device, boot.compile, kernels), boot.remeasure)
                 if not cuda and runner.weights.layers:   # bf16's ladder form decides what `warm` builds
-                    runner.compile_report["ladder"] = forms.choose_ladder_form(
+                    runner.compile.report["ladder"] = forms.choose_ladder_form(
                         list(runner.layer_projections()[0]), model=runner.cfg, recorded=record.get("ladder"))
                 gemms = linear.warm(runner.projections())
             self.gemm_bytes = _add(self.gemm_bytes, grown)
@@ -219,7 +219,7 @@ class RankRuntime:
                     self._choose_forms(runner, boot, record)
                 self.gemm_bytes = _add(self.gemm_bytes, grown)   # the products' scratch, as the warm-up's
             with self._timed(f"compile:{name}"), _rss_growth() as grown:
-                runner.prepare_compiled(boot.compile, cuda, record)
+                runner.compile.prepare(boot.compile, cuda, record)
             self.compile_bytes = _add(self.compile_bytes, grown)
             with self._timed(f"capture:{name}"):
                 self.faults.check("capture")
@@ -227,11 +227,11 @@ class RankRuntime:
                     runner.capture_all(self.pool, stream)
             used = bool(record.reports)
             if not used:
-                record.save(runner.compile_report)
-            runner.compile_report["record"] = record.summary(used)
+                record.save(runner.compile.report)
+            runner.compile.report["record"] = record.summary(used)
             log.info("rank %d: layout %s: %d GEMMs warmed, compiled (%s), captured %d steps in %.0f ms",
                      self.rank, name, gemms,
-                     ", ".join(f"{k}: {v['choice']}" for k, v in runner.compile_report.items() if "choice" in v),
+                     ", ".join(f"{k}: {v['choice']}" for k, v in runner.compile.report.items() if "choice" in v),
                      sum(1 for st in self.registry.steps() if st.key.layout == name),
                      self.boot_ms[f"capture:{name}"])
         if self.pool is not None:
@@ -241,7 +241,7 @@ class RankRuntime:
     def _choose_forms(runner: LayoutRunner, boot: RankBoot, record: BootRecord) -> None:
         """The product forms of this layout's weights (CPU): measured, or taken from the record."""
         weights = [w for w, _, _ in runner.projections()]
-        report = runner.compile_report
+        report = runner.compile.report
         report["small_rows"] = forms.choose_small_forms(weights, model=runner.cfg,
                                                                recorded=record.get("small_rows"))
         report["wide_rows"] = forms.choose_wide_forms(weights, model=runner.cfg,
@@ -285,7 +285,7 @@ class RankRuntime:
         return RankManifest(
             rank=self.rank, pid=os.getpid(), device=self.device, active_layout=self.active,
             boot_ms=dict(self.boot_ms), ledger={name: rank_ledger(self, name, num_blocks) for name in self.runners},
-            steps=steps, compile={name: dict(r.compile_report) for name, r in self.runners.items()},
+            steps=steps, compile={name: dict(r.compile.report) for name, r in self.runners.items()},
             memory=dict(self.memory), eager_fallbacks=stats.eager_fallbacks, chunked_runs=stats.chunked_runs)
 
     def stats(self) -> RankStats:

@@ -1,6 +1,6 @@
 """Turn a StepBatch into the flat tensors one step reads (tokens, positions, slots, attention metadata).
 
-Owns: `prepare_inputs` and the static-buffer specs (with their padding sentinels) those tensors are
+Owns: `prepare_inputs`, each role's buckets and their buffer rows (`phase_buckets`), and the static-buffer specs (with their padding sentinels) those tensors are
 copied into. Sentinels: token id 0 and position 0 for padding tokens (harmless reads), slot -1 (the KV
 store writes nowhere), seq_len 0 for padding sequences (attention skips them; their other metadata is
 never read; their query_start_loc entries repeat the last real offset, so offsets never decrease).
@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from phaseflip.graphs.buffers import BufferSpec
-from phaseflip.layouts.messages import StepBatch
+from phaseflip.layouts.messages import Phase, StepBatch
 
 TOKEN_BUFFERS = ("input_ids", "positions", "slot_mapping")
 SEQ_BUFFERS = ("block_tables", "seq_lens", "query_start_loc")
@@ -43,6 +43,19 @@ def bucket_sizes(num_tokens: int, num_seqs: int) -> dict[str, int]:
     sizes.update({"block_tables": num_seqs, "seq_lens": num_seqs, "query_start_loc": num_seqs + 1})
     sizes.update({name: num_seqs for name in SAMPLING_BUFFERS})
     return sizes
+
+
+def phase_buckets(shapes, phase: Phase) -> list[tuple[int, dict[str, int]]]:
+    """Each captured bucket of a role (decode: sequences; prefill: tokens) with its buffer rows;
+    shapes: the runner's StepShapes."""
+    if phase is Phase.DECODE:
+        return [(b, bucket_sizes(b, min(b, shapes.max_num_seqs))) for b in shapes.decode_buckets]
+    return [(t, bucket_sizes(t, shapes.max_num_seqs)) for t in shapes.prefill_buckets]
+
+
+def bucket_rows(sizes: dict[str, int]) -> dict[str, int]:
+    """A bucket's buffer rows, with a later PP stage's input hidden states as many as its tokens."""
+    return {**sizes, "hidden_in": sizes["input_ids"]}
 
 
 def decode_rows(meta: dict[str, torch.Tensor], a: int, b: int) -> dict[str, torch.Tensor]:

@@ -20,6 +20,7 @@ from phaseflip.layouts import compile_choice as choice_module
 from phaseflip.layouts import runtime as runtime_module
 from phaseflip.layouts.messages import Phase
 from phaseflip.layouts.runner import LayoutRunner
+from phaseflip.layouts.step_inputs import phase_buckets
 from tests.engine.test_parity import parity_prompts
 from tests.models import compare_greedy, hf_greedy
 
@@ -159,10 +160,11 @@ def test_auto_on_the_cpu_compiles_no_tensor_parallel_step(tiny_model_dir):
     with LLM(model=str(tiny_model_dir("llama")), dtype="float32", compile="off", max_num_seqs=4,
              max_num_batched_tokens=128, decode_buckets=(1, 2, 4), prefill_buckets=(64, 128)) as llm:
         runner = next(iter(llm.ranks.runtime.runners.values()))
-    runner.shard = dataclasses.replace(runner.shard, tp_size=2)
-    runner.compile_report, runner.compiled_steps = {}, {}
-    runner.prepare_compiled("auto", cuda=False)
-    assert runner.compiled_steps == {} and runner.compile_report == {
+    c = runner.compile
+    tp = choice_module.CompileChoice(c.layout, c.step_fn, dataclasses.replace(
+        c.state, shard=dataclasses.replace(c.state.shard, tp_size=2)), c.buffers, c.shapes)
+    tp.prepare("auto", cuda=False)
+    assert tp.compiled_steps == {} and tp.report == {
         role: {"choice": "eager", "reason": choice_module.TP_ON_CPU} for role in ROLES}
 
 
@@ -174,9 +176,10 @@ def test_auto_on_cuda_keeps_per_bucket_the_faster_graph(tiny_model_dir, monkeypa
              max_num_batched_tokens=128, decode_buckets=(1, 2, 4), prefill_buckets=(64, 128)) as llm:
         runner = next(iter(llm.ranks.runtime.runners.values()))
     compiled = {phase: functools.partial(runner.step_fn) for phase in Phase}   # told apart by identity
-    runner.compiled_steps = compiled
-    runner.choices = {(ph.value, b): "compiled" for ph in Phase for b, _ in runner._phase_sizes(ph)}
-    runner.compile_report = {ph.value: {"choice": "compiled"} for ph in Phase}
+    choice = runner.compile
+    choice.compiled_steps = compiled
+    choice.choices = {(ph.value, b): "compiled" for ph in Phase for b, _ in phase_buckets(runner.shapes, ph)}
+    choice.report = {ph.value: {"choice": "compiled"} for ph in Phase}
     captured = []
 
     def capture(key, fn, buffers, sizes, pool, stream):
@@ -189,11 +192,11 @@ def test_auto_on_cuda_keeps_per_bucket_the_faster_graph(tiny_model_dir, monkeypa
         return 3.0 if step.key == StepKey(runner.layout, "decode", 2) else 1.0
     monkeypatch.setattr(choice_module, "capture_cuda", capture)
     monkeypatch.setattr(choice_module, "time_replays", replay_ms)
-    runner._choose_by_replay(pool=object(), stream=None)
+    choice.choose_by_replay(pool=object(), stream=None)
     assert len(captured) == 2 * 5   # both steps of every bucket
-    assert [b for (role, b), c in runner.choices.items() if c == "eager"] == [2] and \
-        runner.choices[("decode", 2)] == "eager"
-    decode, prefill = runner.compile_report["decode"], runner.compile_report["prefill"]
+    assert [b for (role, b), c in choice.choices.items() if c == "eager"] == [2] and \
+        choice.choices[("decode", 2)] == "eager"
+    decode, prefill = choice.report["decode"], choice.report["prefill"]
     assert decode["choice"] == "per bucket" and prefill["choice"] == "compiled"
     assert decode["buckets"][2] == {"choice": "eager", "compiled_ms": 3.0, "eager_ms": 2.0}
     assert decode["buckets"][4] == {"choice": "compiled", "compiled_ms": 1.0, "eager_ms": 2.0}
