@@ -1,19 +1,19 @@
 """EngineCore: the step loop — schedule, execute, apply sampled tokens, finish what stopped.
 
-Owns: driving the scheduler and the executor step by step and the per-request timing stamps. It holds
-no model state (the executor does) and knows no API shapes (engine/llm.py does).
+Owns: driving the scheduler and the ranks step by step (a step goes to every rank in the active layout;
+the output rank's reply carries the sampled tokens) and the per-request timing stamps. It holds no model
+state (the ranks do) and knows no API shapes (engine/llm.py does).
 """
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Callable
 
 from phaseflip.engine.policy.rules import StepSummary
 from phaseflip.engine.requests import Sequence
 from phaseflip.engine.scheduler import Scheduler
 from phaseflip.engine.stopping import check_stop
-from phaseflip.layouts.messages import StepBatch, StepResult
+from phaseflip.layouts.messages import RunStep, StepBatch, StepResult
 
 
 MAX_IDLE_POLLS = 10_000  # a rule that leaves work pending with nothing runnable this long is a bug
@@ -29,10 +29,10 @@ class StepOutcome:
 
 
 class EngineCore:
-    def __init__(self, scheduler: Scheduler, execute: Callable[[StepBatch], StepResult], control,
+    def __init__(self, scheduler: Scheduler, ranks, output_ranks: dict[str, int], control,
                  tokenizer, eos_token_ids: frozenset[int], max_model_len: int):
         self.scheduler = scheduler
-        self.execute = execute
+        self.ranks, self.output_ranks = ranks, output_ranks   # the rank group; each layout's sampling rank
         self.control = control
         self.tokenizer = tokenizer
         self.eos_token_ids = eos_token_ids
@@ -40,6 +40,12 @@ class EngineCore:
         self.seqs: dict[int, Sequence] = {}
         self.num_steps = 0
         self._idle_polls = 0
+
+    def execute(self, batch: StepBatch) -> StepResult:
+        """Run one step on every rank in the active layout; the output rank's sampled tokens."""
+        layout = self.control.active
+        replies = self.ranks.call(RunStep(layout, batch))
+        return StepResult(batch.step_id, replies[self.output_ranks[layout]].sampled or ())
 
     def add(self, seq: Sequence) -> None:
         self.seqs[seq.seq_id] = seq

@@ -36,8 +36,7 @@ from phaseflip.engine.sampling_params import SamplingParams
 from phaseflip.engine.scheduler import Scheduler, SchedulerConfig
 from phaseflip.engine.manifest import build_manifest
 from phaseflip.engine.policy.rules import make_rule
-from phaseflip.layouts.messages import (ForgetRequests, LiveStateQuery, ManifestQuery, RunStep, StatsQuery, StepBatch,
-                                        StepResult)
+from phaseflip.layouts.messages import ForgetRequests, LiveStateQuery, ManifestQuery, StatsQuery
 from phaseflip.layouts.timing import timed
 
 log = logging.getLogger("phaseflip")
@@ -80,7 +79,8 @@ class LLM:
         eos = set(mc.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
-        self.core = EngineCore(scheduler, self._run_step, self.control, self.tokenizer, frozenset(eos),
+        output_ranks = {name: self.plan.layout_plan.spec(name).output_rank for name in cfg.layouts}
+        self.core = EngineCore(scheduler, self.ranks, output_ranks, self.control, self.tokenizer, frozenset(eos),
                                self.plan.max_model_len)
         log.info("phaseflip booted %s (%s, %s, world size %d, layouts %s): %s", model_dir, self.plan.device,
                  self.plan.dtype, cfg.world_size, ",".join(cfg.layouts),
@@ -98,11 +98,6 @@ class LLM:
         log.info("KV pool: %d blocks of %d tokens = %d tokens (%s)", self.plan.num_kv_blocks,
                  self.plan.shapes.block_size, self.plan.num_kv_blocks * self.plan.shapes.block_size,
                  self.kv_sized_by)
-
-    def _run_step(self, batch: StepBatch) -> StepResult:
-        replies = self.ranks.call(RunStep(self.control.active, batch))
-        output_rank = self.plan.layout_plan.spec(self.control.active).output_rank
-        return StepResult(batch.step_id, replies[output_rank].sampled or ())
 
     def flip(self, target: str) -> dict:
         """Flip to `target` ("pp" | "tp") now; returns the flip's log entry (components in ms, bytes)."""

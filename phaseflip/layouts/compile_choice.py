@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import functools
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -27,12 +26,7 @@ from phaseflip.graphs.saved_steps import SavedLayer, SavedSteps, wrapper_options
 from phaseflip.kernels.cpu import fused_layer
 from phaseflip.kernels.cpu import linear as cpu_linear
 from phaseflip.kernels.cpu.linear import GEMV_ROWS
-from phaseflip.layouts.comm import NoComm
-from phaseflip.layouts.forward import compute_logits, decoder_layer, forward
-from phaseflip.layouts.kvcache import KVView
-from phaseflip.layouts.model_config import ModelConfig
-from phaseflip.layouts.shard import RankShard
-from phaseflip.layouts.weights import RankWeights
+from phaseflip.layouts.forward import StepState, compute_logits, decoder_layer, forward
 from phaseflip.layouts.boot_record import BootRecord
 from phaseflip.layouts.messages import Phase
 from phaseflip.layouts.step_inputs import bucket_rows, phase_buckets
@@ -51,7 +45,7 @@ TP_ON_CPU = "tensor-parallel on the CPU: its graphs break at each all-reduce (no
 class CompileChoice:
     """One layout's compiled steps on one rank and the backend each (role, bucket) runs."""
 
-    def __init__(self, layout: str, step_fn, state: "StepState", buffers: StaticBuffers, shapes):
+    def __init__(self, layout: str, step_fn, state: StepState, buffers: StaticBuffers, shapes):
         self.layout, self.step_fn, self.state = layout, step_fn, state   # step_fn(meta, layer_fn=...)
         self.buffers, self.shapes = buffers, shapes                        # shapes: the runner's StepShapes
         self.choices: dict[tuple[str, int], str] = {}   # (role, bucket) -> "compiled" | "eager"
@@ -85,7 +79,7 @@ class CompileChoice:
         if saved_dir is None or self.state.shard.tp_size > 1 or not saved_steps.available():
             return {Phase.PREFILL: layer_step, Phase.DECODE: compile_whole_step(self.step_fn)}
         self.saved_steps = {Phase.PREFILL: SavedLayer(decoder_layer, saved_dir / "prefill"),
-                            Phase.DECODE: SavedSteps(_whole_step, self.state, saved_dir / "decode",
+                            Phase.DECODE: SavedSteps(forward, self.state, saved_dir / "decode",
                                                      wrapper_options())}
         return {Phase.PREFILL: functools.partial(self.step_fn, layer_fn=self.saved_steps[Phase.PREFILL]),
                 Phase.DECODE: self.saved_steps[Phase.DECODE]}
@@ -245,24 +239,6 @@ class CompileChoice:
             report["choice"], report["choices"] = self._picked(phase), self._role_choices(phase)
             report["rule"] = ("measured on CUDA: every bucket's compiled and uncompiled step as CUDA graphs, "
                               "replayed (ms per replay); the faster kept")
-
-
-@dataclass(frozen=True)
-class StepState:
-    """What a saved whole step reads besides its views (the owner graphs/saved_steps.py hands it): the
-    runner's maths inputs alone, not the runner, whose compiled objects dynamo cannot save."""
-    weights: RankWeights
-    cfg: ModelConfig
-    shard: RankShard
-    kv: KVView
-    rope_table: torch.Tensor
-    comm: NoComm
-
-
-def _whole_step(state: StepState, meta: dict[str, torch.Tensor]) -> torch.Tensor:
-    """The runner's step_fn, as a function of its state."""
-    return forward(state.weights, state.cfg, state.shard, meta, state.kv, state.rope_table, state.comm,
-                   hidden_in=meta.get("hidden_in"))
 
 
 def _head_logits(state: StepState, views: dict[str, torch.Tensor]) -> torch.Tensor:

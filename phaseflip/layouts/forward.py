@@ -1,6 +1,7 @@
 """The transformer maths for one rank's shard, over paged KV, for a batch mixing prefill and decode.
 
-Owns: the forward pass of a Llama/Mistral/Qwen2/Qwen3 decoder written once. What the rank holds comes
+Owns: the forward pass of a Llama/Mistral/Qwen2/Qwen3 decoder written once (`forward`, over a
+`StepState`: what one rank holds in one layout). What the rank holds comes
 from RankShard (layer range, heads, MLP share, vocab share); partial sums are reduced with explicit
 `comm.all_reduce` calls at their call sites. Never asks a process group how it is split.
 
@@ -8,6 +9,7 @@ Shapes: T tokens in the flattened batch, H hidden, D head_dim, hq / hkv this ran
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -72,15 +74,28 @@ def decoder_layer(lw: LayerWeights, cfg: ModelConfig, shard: RankShard, delta: t
     return mlp_block(lw, h, comm), residual
 
 
-def forward(w: RankWeights, cfg: ModelConfig, shard: RankShard, meta: dict[str, torch.Tensor],
-            kv: KVView, rope_table: torch.Tensor, comm: Comm,
-            hidden_in: torch.Tensor | None = None, layer_fn=decoder_layer) -> torch.Tensor:
-    """Run this rank's layers. meta: input_ids [T], positions [T] and the attention metadata of
-    kernels/attention.py. The first stage embeds input_ids; a later stage takes hidden_in [T, H].
-    Returns [T, H]: final-normed on the stage that holds the head, the raw residual stream otherwise.
-    layer_fn: decoder_layer itself, or a compiled version of it."""
-    residual = embed(w, shard, meta["input_ids"], comm) if shard.has_embed else hidden_in  # [T, H]
-    cos_sin = rope_table[meta["positions"]]                          # [T, D]
+@dataclass(frozen=True)
+class StepState:
+    """What one rank's step in one layout reads besides the step's own tensors: its weights, model, shard,
+    KV view, rope table and the group its partial sums are reduced over. A saved compiled step takes it as
+    its owner (graphs/saved_steps.py)."""
+    weights: RankWeights
+    cfg: ModelConfig
+    shard: RankShard
+    kv: KVView
+    rope_table: torch.Tensor
+    comm: Comm
+
+
+def forward(state: StepState, meta: dict[str, torch.Tensor], layer_fn=decoder_layer) -> torch.Tensor:
+    """Run this rank's layers over one step's tensors: what a layout's buckets record and replay. meta:
+    input_ids [T], positions [T] and the attention metadata of kernels/attention.py; on a later PP stage
+    hidden_in [T, H], which it takes instead of embedding input_ids. Returns [T, H]: final-normed on the
+    stage that holds the head, the raw residual stream otherwise. layer_fn: decoder_layer itself, or a
+    compiled version of it."""
+    w, cfg, shard, kv, comm = state.weights, state.cfg, state.shard, state.kv, state.comm
+    residual = embed(w, shard, meta["input_ids"], comm) if shard.has_embed else meta["hidden_in"]  # [T, H]
+    cos_sin = state.rope_table[meta["positions"]]                    # [T, D]
     delta = None  # the last block's output, not yet added to the residual stream (fused add + norm)
     if w.layers and fused_layer.serves(residual, shard.tp_size, kv.tensor, meta["block_tables"]):
         delta, residual = fused_layer.decoder_layers(w.layers, cfg.rms_norm_eps, cfg.head_dim ** -0.5, residual,

@@ -11,6 +11,7 @@ counted. Which backend each bucket records (compiled or eager, measured) is comp
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -22,8 +23,8 @@ from phaseflip.graphs.registry import GraphRegistry
 from phaseflip.graphs.saved_steps import SavedSteps
 from phaseflip.kernels.cpu.linear import GEMV_ROWS
 from phaseflip.layouts.comm import NoComm, RankComm
-from phaseflip.layouts.compile_choice import CompileChoice, StepState
-from phaseflip.layouts.forward import compute_logits, decoder_layer, forward
+from phaseflip.layouts.compile_choice import CompileChoice
+from phaseflip.layouts.forward import StepState, compute_logits, forward
 from phaseflip.layouts.kvcache import KVView
 from phaseflip.layouts.model_config import ModelConfig
 from phaseflip.layouts.messages import Phase, SampledToken, StepBatch
@@ -86,17 +87,13 @@ class LayoutRunner:
         # The maths reduces partial sums over the ranks sharing a layer: nobody in PP.
         self.tp_comm = self.comm if self.shard.tp_size > 1 else NoComm()
         # which backend each (role, bucket) records, and the compiled steps (compile_choice.py)
-        self.compile = CompileChoice(self.layout, self.step_fn, StepState(self.weights, self.cfg, self.shard,
-                                                                          self.kv, self.rope_table, self.tp_comm),
-                                     self.buffers, self.shapes)
+        state = StepState(self.weights, self.cfg, self.shard, self.kv, self.rope_table, self.tp_comm)
+        self.step_fn = functools.partial(forward, state)   # step_fn(meta, layer_fn=...): this layout's step
+        self.compile = CompileChoice(self.layout, self.step_fn, state, self.buffers, self.shapes)
         # decode steps end in sampled ids where this rank samples from the whole vocabulary (set False
         # after boot: the recorded steps' logits are sampled on the host instead)
         self.samples_in_step = (self.rank == self.output_rank and self.shard.has_head
                                 and self.shard.vocab.count == self.cfg.vocab_size)
-
-    def step_fn(self, meta: dict[str, torch.Tensor], layer_fn=decoder_layer) -> torch.Tensor:
-        return forward(self.weights, self.cfg, self.shard, meta, self.kv, self.rope_table, self.tp_comm,
-                       hidden_in=meta.get("hidden_in"), layer_fn=layer_fn)
 
     def head(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits of these rows: the compiled head where one was chosen for this few rows (CPU)."""
