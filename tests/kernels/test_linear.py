@@ -105,8 +105,8 @@ def test_a_compiled_step_multiplies_like_the_eager_one(dtype):
 
 @pytest.mark.parametrize("form", lin.SMALL_FORMS)
 def test_every_small_rows_form_equals_f_linear(form, monkeypatch):
-    if form == "onednn" and not HAS_ONEDNN:
-        pytest.skip("this torch build has no oneDNN linear")
+    if form == "kernel":
+        _kernel_or_skip()
     lin.follow(torch.float32, small=dict.fromkeys(lin.MEASURED_ROWS, form))
     g = torch.Generator().manual_seed(1)
     w, b = torch.randn(96, 64, generator=g), torch.randn(96, generator=g)

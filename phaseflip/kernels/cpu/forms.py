@@ -2,7 +2,7 @@
 kernels/cpu/linear.py's choices, each made once per process, dtype and model.
 
 Owns: `choose_small_forms` (1, 2 and SMALL_BATCH rows: the library's product, the weight-stationary
-one, oneDNN padded to its ladder or the few-rows kernel), `choose_wide_forms` (more rows: the kernel's
+one or the few-rows kernel), `choose_wide_forms` (more rows: the kernel's
 wide form or the ladder's product), `choose_gemv` (a compiled step's one-row products: inductor's
 reductions or the eager product, over a pass of the layers), `choose_ladder_form` (bfloat16 on the
 ladder: the library's bf16 product or float32 on oneDNN) and `_measured`, every report of this process

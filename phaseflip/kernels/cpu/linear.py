@@ -16,9 +16,9 @@ The forms:
   take F.linear there.
 - "widened": bfloat16 on the float32 ladder, the weight widened a bounded block of rows at a time (on a
   CPU without bf16 arithmetic the library's bf16 GEMM runs slow code).
-- "stationary": W @ x^T (one row run as two, so that MKL takes its skinny GEMM rather than its GEMV);
-  "library": F.linear; "onednn": oneDNN padded to the ladder's first rung (float32). The few-rows forms
-  the boot times where the kernel is missing, or slower.
+- "stationary": W @ x^T (one row run as two, so that MKL takes its skinny GEMM rather than its GEMV),
+  and "library": F.linear. The few-rows forms the boot times beside the kernel: where it is missing (no
+  compiler), or slower (each has won on a machine class: docs/performance.md, CPU products).
 - "reduction": the product written as a reduction that inductor compiles itself (a compiled step's
   one-row products, where the boot measured it faster); "opaque": one opaque call to the eager forms
   from a compiled step (`phaseflip::cpu_linear`).
@@ -38,7 +38,7 @@ from phaseflip.kernels.op_registry import define_op
 
 GEMV_ROWS = 1     # rows a compiled CPU step may multiply with inductor's own reduction
 SMALL_BATCH = 4   # rows up to which the measured few-rows form is used
-SMALL_FORMS = ("stationary", "library", "onednn", "kernel")
+SMALL_FORMS = ("stationary", "library", "kernel")
 MEASURED_ROWS = (1, 2, SMALL_BATCH)   # the row counts timed at boot; 3 takes SMALL_BATCH's form
 WIDE_ROWS = (8, 16, 32, 64, 128, 256, 512)   # timed at boot: m rows take the first >= m, else the last
 WIDEN_BYTES = 32 * 2**20  # the most float32 weight a widened ladder product holds at once
@@ -92,13 +92,11 @@ def _small(forms: Forms, m: int, dtype: torch.dtype) -> str:
 
 
 def serves(name: str, dtype: torch.dtype) -> bool:
-    """Whether a form can run for dtype: oneDNN's few-rows form for float32 alone (its ladder is built for
-    that) where this build has the op; the kernel where it built and for the dtypes it reads."""
-    if name == "onednn":
-        return dtype == torch.float32 and bool(onednn_op())
+    """Whether a form can run for dtype: the kernel where it built and for the dtypes it reads; the
+    others always (a name that is no form, e.g. from an older record, never)."""
     if name == "kernel":
         return dtype in library.DTYPES and library.few_rows_op() is not None
-    return True
+    return name in _PRODUCTS
 
 
 def kernel_serves(weight: torch.Tensor) -> bool:
@@ -132,12 +130,6 @@ def _stationary(x, weight, bias):
     cols = x.repeat(2, 1) if m == 1 else x                     # [M', K]
     out = torch.mm(weight, cols.t())[:, :m].t().contiguous()   # [M, N]
     return out if bias is None else out.add_(bias)
-
-
-def _onednn_small(x, weight, bias):
-    """oneDNN padded to the ladder's smallest size, whose GEMM `warm` built."""
-    m = x.shape[0]
-    return onednn_op()(F.pad(x, (0, 0, 0, row_bucket(m) - m)), weight, bias, "none", [], "")[:m]
 
 
 def _kernel(x, weight, bias):
@@ -177,7 +169,7 @@ def _opaque(x, weight, bias):
 
 
 _PRODUCTS = {"kernel": _kernel, "ladder": _ladder, "widened": _widened, "stationary": _stationary,
-             "library": F.linear, "onednn": _onednn_small, "reduction": _reduction, "opaque": _opaque}
+             "library": F.linear, "reduction": _reduction, "opaque": _opaque}
 
 
 def onednn_op():
