@@ -22,10 +22,13 @@ from pathlib import Path
 import torch
 
 import phaseflip
-from phaseflip.cache import cache_dir
+from phaseflip.cache import cache_dir, prune, used
 from phaseflip.kernels.cpu import library
 
 RECORD_VERSION = 1
+# the most recently used records and saved-step directories kept (each source edit makes new keys; a
+# directory of saved steps is ~5 MB for SmolLM2)
+KEEP_RECORDS, KEEP_STEPS = 64, 16
 # the reports a record keeps: the forms measured in layouts/runtime.py, the compile choices of
 # layouts/compile_choice.py (per role, and the LM head)
 RECORDED = ("ladder", "small_rows", "wide_rows", "gemv", "head", "prefill", "decode")
@@ -109,7 +112,10 @@ class BootRecord:
             return cls(key, path)
         if data.get("key") != json.loads(json.dumps(key)):   # as JSON gives it back: tuples as lists
             return cls(key, path)
-        return cls(key, path, data.get("reports", {}), data.get("made_at"))
+        record = cls(key, path, data.get("reports", {}), data.get("made_at"))
+        used(path)
+        used(record.steps_dir)
+        return record
 
     @property
     def steps_dir(self) -> Path:
@@ -130,6 +136,8 @@ class BootRecord:
         tmp.write_text(json.dumps({"key": self.key, "made_at": self.made_at, "reports": self.reports},
                                   indent=1, default=str))
         os.replace(tmp, self.path)
+        prune(self.path.parent, KEEP_RECORDS, protect=self.path, suffix=".json")
+        prune(self.steps_dir.parent, KEEP_STEPS, protect=self.steps_dir)
 
     def summary(self, used: bool) -> dict:
         """What the manifest (and `phaseflip inspect`) says about the record."""

@@ -1,6 +1,8 @@
 """The boot record (layouts/boot_record.py) and the saved compiled steps (graphs/saved_steps.py): a
 second boot with the same key takes its choices from the record, measures nothing and compiles nothing;
 a changed key (another dtype, another model) or remeasure=True measures again."""
+import os
+
 import pytest
 import torch
 from torch._dynamo.utils import counters
@@ -9,6 +11,7 @@ from phaseflip import LLM, SamplingParams
 from phaseflip.graphs import saved_steps
 from phaseflip.kernels.cpu import forms
 from phaseflip.layouts import compile_choice
+from phaseflip.layouts import boot_record
 from phaseflip.layouts.boot_record import BootRecord, key_digest
 
 # tests/graphs/test_compiled.py's model and step widths (its saved steps serve these boots) with buckets
@@ -101,3 +104,27 @@ def test_a_record_of_another_key_is_not_read(tmp_path):
     # a file whose key does not match its name's (a digest collision, or edited) is not trusted
     (tmp_path / f"{key_digest(key)}.json").write_text('{"key": {"model": "b"}, "reports": {"x": {}}}')
     assert BootRecord.load(key, root=tmp_path).reports == {}
+
+
+def test_the_cache_keeps_the_most_recently_used_records_and_steps(tmp_path, monkeypatch):
+    """Every source edit makes new keys: saving a record prunes the records and saved-step directories
+    to the most recently used (a loaded record and its steps count as used), never the one just saved."""
+    root = tmp_path / "records"
+    records = []
+    for i in range(5):   # records 0..4, each with its steps, 0 the least recently used
+        record = BootRecord.load({"model": f"m{i}"}, root=root)
+        record.save({"small_rows": {"choice": "x"}})
+        record.steps_dir.mkdir(parents=True)
+        (record.steps_dir / "graph").write_text("saved")
+        for path in (record.path, record.steps_dir):
+            os.utime(path, (1000 + i, 1000 + i))
+        records.append(record)
+    monkeypatch.setattr(boot_record, "KEEP_RECORDS", 3)
+    monkeypatch.setattr(boot_record, "KEEP_STEPS", 2)
+    assert BootRecord.load({"model": "m0"}, root=root).reports   # m0 used again: now the newest
+    newest = BootRecord.load({"model": "m5"}, root=root)
+    newest.save({"small_rows": {"choice": "y"}})
+    kept = sorted(p.stem for p in root.glob("*.json"))
+    assert kept == sorted(key_digest({"model": m}) for m in ("m5", "m0", "m4"))
+    steps = sorted(p.name for p in newest.steps_dir.parent.iterdir())
+    assert steps == sorted(r.steps_dir.name for r in (records[0], records[4]))   # m5 saved none yet
