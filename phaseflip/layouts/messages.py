@@ -191,10 +191,10 @@ class RankReady:
 
 @dataclass(frozen=True)
 class RankProgress:
-    """Sent by a booting rank after each boot phase, before RankReady."""
+    """Sent by a booting rank as each boot phase starts (ms None) and after it ends, before RankReady."""
     rank: int
     phase: str
-    ms: float
+    ms: float | None
 
 
 @dataclass(frozen=True)

@@ -65,7 +65,7 @@ class RankRuntime:
     def __init__(self, boot: RankBoot, rank: int, comm, load: Loader,
                  progress: Callable[[str, float], None] | None = None):
         self.boot_ms: dict[str, float] = {}
-        self.progress = progress or (lambda phase, ms: log.info("rank %d: %s %.0f ms", rank, phase, ms))
+        self.progress = progress or (lambda phase, ms: ms is None or log.info("rank %d: %s %.0f ms", rank, phase, ms))
         self.rank, self.comm, self.layouts = rank, comm, boot.layouts
         self.layout_plan = boot.layout_plan
         self.device = "cpu" if boot.device == "cpu" else f"cuda:{int(os.environ.get('LOCAL_RANK', rank))}"
@@ -131,7 +131,9 @@ class RankRuntime:
 
     @contextmanager
     def _timed(self, phase: str):
-        """Time a boot phase and report it (a progress bar on a terminal, log lines elsewhere)."""
+        """Time a boot phase and report its start and its time (a progress bar on a terminal, log lines
+        elsewhere)."""
+        self.progress(phase, None)
         with timed(self.boot_ms, phase):
             yield
         self.progress(phase, self.boot_ms[phase])

@@ -54,7 +54,7 @@ def failure(rank: int, e: BaseException) -> RankFailure:
 
 
 def serve(rank: int, make_runtime: Callable[..., RankRuntime], channel: Channel, progress: bool = True) -> None:
-    """progress: send a RankProgress after each boot phase (the controller draws them)."""
+    """progress: send a RankProgress as each boot phase starts and ends (the controller draws them)."""
     try:
         rt = make_runtime((lambda phase, ms: channel.send(RankProgress(rank, phase, ms))) if progress else None)
     except Exception as e:  # noqa: BLE001 — reported to the controller with the traceback

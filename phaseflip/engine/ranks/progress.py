@@ -1,6 +1,7 @@
 """Boot progress: a progress bar over every rank's boot phases on a terminal, log lines elsewhere.
 
-Owns: BootProgress, fed with RankProgress messages (or a rank's in-process callback). The phases a rank
+Owns: BootProgress, fed with RankProgress messages (or a rank's in-process callback): a phase's start
+names it on the bar while it runs (compiling can take a minute), its end advances the bar. The phases a rank
 goes through are known in advance (`rank_phases`): load, pack, arena, kv_alloc, then per layout the GEMM
 warm-up, the product forms (CPU), compile and capture.
 """
@@ -32,11 +33,15 @@ class BootProgress:
                             leave=False)
 
     def update(self, msg: RankProgress) -> None:
-        if self.bar is not None:
+        """A phase started (msg.ms None: the bar names it while it runs) or ended (the bar advances)."""
+        if self.bar is None:
+            if msg.ms is not None:
+                log.info("boot: rank %d %s %.0f ms", msg.rank, msg.phase, msg.ms)
+        elif msg.ms is None:
+            self.bar.set_postfix_str(f"rank {msg.rank} {msg.phase}...")
+        else:
             self.bar.set_postfix_str(f"rank {msg.rank} {msg.phase} {msg.ms:.0f} ms")
             self.bar.update(1)
-        else:
-            log.info("boot: rank %d %s %.0f ms", msg.rank, msg.phase, msg.ms)
 
     def update_from(self, rank: int):
         """An in-process rank's progress callback."""
