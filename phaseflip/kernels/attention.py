@@ -14,9 +14,9 @@ Tokens of padding sequences (and tokens past query_start_loc[-1]) produce zeros.
 
 On CUDA tensors the op runs the Triton kernels (kernels/triton/kv_store.py, kernels/triton/attention.py:
 no host sync, so it can be captured); on the CPU the batched path of kernels/cpu/attention.py. Compiled
-CPU steps call phaseflip::cpu_paged_attention instead (kernels/cpu/decode.cpp, same schema): decodes
-and prompt chunks stay in C++ (prefill.cpp: the chunks), a step it declines comes back to this op. The torch reference below, written plainly,
-is the oracle all are tested against.
+CPU steps call phaseflip::cpu_paged_attention instead (kernels/cpu/decode.cpp, same schema: decodes and
+prompt chunks in C++) where it serves their dtype and head size (library.paged_attention_op), this op
+elsewhere. The torch reference below, written plainly, is the oracle all are tested against.
 """
 from __future__ import annotations
 
@@ -48,14 +48,21 @@ def paged_attention_impl(q, k, v, kv_cache, layer: int, slot_mapping, block_tabl
 def attend(q, k, v, kv_cache, layer: int, slot_mapping, block_tables, seq_lens, query_start_loc,
            scale: float) -> torch.Tensor:
     """What the model calls: the custom op while torch.compile traces (it must stay one opaque call:
-    on the CPU, where the C++ kernels are built, their op, which runs a decode step without Python and
-    hands any other step to this one), the body directly otherwise (the op's Python dispatch costs tens
-    of microseconds per layer)."""
+    on the CPU, the C++ kernels' op where it serves q's dtype and head size, which runs every step
+    without Python), the body directly otherwise (the op's Python dispatch costs tens of microseconds
+    per layer)."""
     if not torch.compiler.is_compiling():
         fn = paged_attention_impl
     else:
-        fn = (library.paged_attention_op() if not q.is_cuda else None) or torch.ops.phaseflip.paged_attention
+        fn = compiled_op(q)
     return fn(q, k, v, kv_cache, layer, slot_mapping, block_tables, seq_lens, query_start_loc, scale)
+
+
+def compiled_op(q: torch.Tensor):
+    """The op a compiled step calls for q's attention: the C++ kernels' on the CPU where they serve its
+    dtype and head size (decided on those alone, at trace time), else phaseflip::paged_attention."""
+    cpp = library.paged_attention_op(q.dtype, q.shape[-1]) if not q.is_cuda else None
+    return cpp or torch.ops.phaseflip.paged_attention
 
 
 # The op takes a layout's WHOLE KV view ([blocks, layers, 2, block_size, heads, D], layouts/kvcache.py)

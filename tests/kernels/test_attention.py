@@ -5,6 +5,7 @@ import math
 import pytest
 import torch
 
+from phaseflip.kernels.attention import compiled_op
 from phaseflip.kernels.cpu import attention as cpu_attention, library
 from phaseflip.kernels.reference.attention import paged_attention_ref
 
@@ -21,12 +22,11 @@ def run_general(**args):
 
 
 def run_cpp_op(**args):
-    """phaseflip::cpu_paged_attention, what compiled CPU steps call: the decode kernel in C++, any other
-    step handed on to the op above."""
-    op = library.paged_attention_op()
-    if op is None:
+    """What compiled CPU steps call (kernels/attention.py's compiled_op): phaseflip::cpu_paged_attention
+    where it serves q's dtype and head size, else the op above."""
+    if library.decode_attention_op() is None:
         pytest.skip(f"no C++ kernels here: {library.kernel_report()['reason']}")
-    return op(**args)
+    return compiled_op(args["q"])(**args)
 
 
 # "op": what the engine runs eagerly (decode-only steps in the C++ kernel where it is built,
@@ -91,20 +91,53 @@ def build(seqs, hq=4, hkv=2, d=8, block_size=4, num_blocks=40, pad_tokens=0, pad
     return args, hist
 
 
-@pytest.mark.parametrize("seqs", [
+STEPS = [
     [(0, 1)],                              # a one-token prompt
     [(5, 1), (17, 1), (3, 1)],             # decodes only, ragged contexts
     [(0, 9)],                              # a prompt chunk without prefix
     [(6, 7)],                              # a chunk over a cached prefix, crossing blocks
     [(10, 1), (0, 5), (8, 1), (4, 6)],     # mixed batch
     [(n, 1) for n in (2, 90, 7, 40, 3, 60, 11, 25)],  # ragged decodes: several length groups
-])
+]
+
+
+@pytest.mark.parametrize("seqs", STEPS)
 @pytest.mark.parametrize("pad", [(0, 0), (3, 2)])
 @pytest.mark.parametrize("impl", sorted(IMPLS))
 def test_matches_naive(seqs, pad, impl):
     args, hist = build(seqs, pad_tokens=pad[0], pad_seqs=pad[1], num_blocks=120)
     out = IMPLS[impl](**args)
     check(out, args, seqs, hist)
+
+
+def _served_op_or_skip(head_dim: int):
+    op = library.paged_attention_op(torch.float32, head_dim)
+    if op is None:
+        pytest.skip(f"cpu_paged_attention does not serve D = {head_dim} here: {library.kernel_report()}")
+    return op
+
+
+@pytest.mark.parametrize("seqs", STEPS)
+@pytest.mark.parametrize("pad", [(0, 0), (3, 2)])
+def test_the_cpp_op_matches_naive_at_a_head_size_it_serves(seqs, pad):
+    """phaseflip::cpu_paged_attention itself (test_matches_naive's D = 8 is one it never serves)."""
+    op = _served_op_or_skip(32)
+    args, hist = build(seqs, pad_tokens=pad[0], pad_seqs=pad[1], num_blocks=120, d=32)
+    assert compiled_op(args["q"]) is op
+    check(op(**args), args, seqs, hist, tol=1e-4)
+
+
+def test_compiled_steps_take_the_cpp_op_only_where_it_serves_every_step():
+    """Chosen at trace time on q's dtype and head size; any other head size is an error in the op."""
+    op = _served_op_or_skip(32)
+    multiple = library.kernel_report()["head_multiple"]
+    general = torch.ops.phaseflip.paged_attention
+    assert compiled_op(torch.zeros(1, 4, 4 * multiple)) is op
+    assert compiled_op(torch.zeros(1, 4, multiple + 8)) is general
+    assert compiled_op(torch.zeros(1, 4, multiple, dtype=torch.half)) is general
+    args, _ = build([(5, 1)], num_blocks=20, d=multiple + 8)
+    with pytest.raises(RuntimeError, match=f"head size {multiple + 8} is not a multiple of {multiple}"):
+        op(**args)
 
 
 def check(out, args, seqs, hist, tol=1e-5):
@@ -236,6 +269,15 @@ def test_the_kernel_refuses_a_chunk_longer_than_its_context():
     with pytest.raises(RuntimeError, match="sequence 0 brings 5 tokens .from 0. to a context of 4"):
         op(args["q"], args["k"], args["v"], args["kv_cache"][:, 0], args["slot_mapping"], args["block_tables"],
            args["seq_lens"], args["query_start_loc"], args["scale"])
+
+
+def test_the_kernel_names_the_dtypes_it_takes():
+    op = _kernel_or_skip()
+    args, _ = build([(5, 1)], num_blocks=20)
+    half = {k: v.half() if isinstance(v, torch.Tensor) and v.is_floating_point() else v for k, v in args.items()}
+    with pytest.raises(RuntimeError, match="decode_attention: float32 or bfloat16, got Half"):
+        op(half["q"], half["k"], half["v"], half["kv_cache"][:, 0], half["slot_mapping"], half["block_tables"],
+           half["seq_lens"], half["query_start_loc"], half["scale"])
 
 
 def test_the_decode_kernel_refuses_a_block_id_outside_the_cache():

@@ -46,6 +46,8 @@ def test_kernel_refuses_what_it_does_not_read(op):
         op(torch.randn(0, 16), w)
     with pytest.raises(RuntimeError, match="one dtype"):
         op(torch.randn(1, 16, dtype=torch.bfloat16), w)
+    with pytest.raises(RuntimeError, match="few_rows_linear: float32 or bfloat16, got Half"):
+        op(torch.randn(1, 16).half(), w.half())
     with pytest.raises(RuntimeError, match="contiguous"):
         op(torch.randn(1, 8), w.t())
 

@@ -71,7 +71,7 @@ def run_both(arch: str, dtype: torch.dtype, ctx: int):
     for fused in (True, False):
         kv = KVView(filled.clone(), shape)
         with mock.patch.object(fused_layer, "serves", lambda *a, fused=fused: fused):
-            results.append((forward.forward(w, cfg, shard, meta, kv, rope, NoComm()), kv.tensor))
+            results.append((forward.forward(forward.StepState(w, cfg, shard, kv, rope, NoComm()), meta), kv.tensor))
     return results
 
 
@@ -98,8 +98,9 @@ def test_the_token_is_stored_in_every_layer_and_nothing_else():
 
 
 def test_which_calls_run_fused(monkeypatch):
-    kernel = {"forms": {1: "kernel", 2: "kernel", 4: "kernel"}}   # what the boot measured fastest
-    monkeypatch.setattr(linear, "_small_reports", {torch.float32: kernel, torch.float16: kernel})
+    monkeypatch.setattr(linear, "_chosen", {})   # this test's forms; the process's come back after it
+    for dtype in (torch.float32, torch.float16):
+        linear.follow(dtype, small={1: "kernel", 2: "kernel", 4: "kernel"})   # what the boot measured fastest
     x, kv, tables = torch.zeros(1, H), torch.zeros(1, 1, 2, BLOCK, HKV, D), torch.zeros(1, 4, dtype=torch.long)
     assert fused_layer.serves(x, 1, kv, tables)
     assert not fused_layer.serves(torch.zeros(2, H), 1, kv, tables)          # two tokens
@@ -109,11 +110,11 @@ def test_which_calls_run_fused(monkeypatch):
     with monkeypatch.context() as traced:
         traced.setattr(torch.compiler, "is_compiling", lambda: True)         # a traced step: inductor's
         assert not fused_layer.serves(x, 1, kv, tables)
-    monkeypatch.setitem(linear._small_reports, torch.float32, {"forms": {1: "library", 2: "library", 4: "library"}})
+    linear.follow(torch.float32, small={1: "library", 2: "library", 4: "library"})
     assert not fused_layer.serves(x, 1, kv, tables)                           # the boot measured another faster
     report = fused_layer.report(torch.float32, 1)
     assert report["choice"] == "operators" and "'library'" in report["reason"]
-    monkeypatch.setattr(linear, "_small_reports", {})
+    monkeypatch.setattr(linear, "_chosen", {})
     assert not fused_layer.serves(x, 1, kv, tables)                           # nothing measured
     assert fused_layer.report(torch.float32, 2)["reason"].startswith("layers split over 2 ranks")
 

@@ -3,55 +3,38 @@
 // row), one (sequence, kv head) per task over torch's threads, with no gathered copy of any context;
 // a sequence that brings a prompt chunk (more than one token) goes to prefill.cpp's tiles. The
 // contract is kernels/attention.py's (store this step's K/V at slot_mapping, then attend; padding
-// tokens give zeros). A step with a chunk at a head size the tiles do not serve (paged::chunk_served)
-// gets an empty tensor and nothing is touched (the caller runs its general path). Built and loaded by
-// phaseflip/kernels/cpu/library.py with gemv.cpp and prefill.cpp.
-#include <ATen/Parallel.h>
+// tokens give zeros). Two ops: cpu_decode_attention (eager, kernels/cpu/attention.py), which declines
+// a step with a chunk at a head size the tiles do not serve (paged::chunk_served: an empty result,
+// nothing touched, the caller's general path runs it); and cpu_paged_attention (compiled steps,
+// phaseflip::paged_attention's schema), traced in only for head sizes it serves every step of
+// (library.paged_attention_op, told by cpu_attention_head_multiple), an error at any other. Built and
+// loaded by phaseflip/kernels/cpu/library.py with the other kernels.
 #include <ATen/core/Tensor.h>
-#include <ATen/core/dispatch/Dispatcher.h>
-#include <ATen/core/stack.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/zeros.h>
-#include <initializer_list>
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>
 #include <algorithm>
 #include <cmath>
 #include <vector>
+#include "dtype.h"
 #include "paged.h"
+#include "parallel.h"
 
 namespace {
 
+using paged::Batch;
 using paged::Cache;
 using paged::row;
-
-template <typename T>
-void store(const at::Tensor& k, const at::Tensor& v, const Cache& c, const int64_t* slots, int64_t T_, int64_t hkv,
-           int64_t d) {
-  const T* kp = k.data_ptr<T>();
-  const T* vp = v.data_ptr<T>();
-  for (int64_t t = 0; t < T_; ++t) {
-    const int64_t slot = slots[t];
-    if (slot < 0) continue;
-    const int64_t block = slot / c.block_size, off = slot % c.block_size;
-    TORCH_CHECK(block < c.num_blocks, "decode_attention: slot ", slot, " is past the cache's ", c.num_blocks,
-                " blocks");
-    for (int64_t h = 0; h < hkv; ++h) {
-      std::copy_n(kp + (t * hkv + h) * d, d, row<T>(c, block, off, h, 0));
-      std::copy_n(vp + (t * hkv + h) * d, d, row<T>(c, block, off, h, 1));
-    }
-  }
-}
 
 template <typename T>
 inline float widen(T x) { return static_cast<float>(x); }
 
 #ifdef PF_LANES
 // fn(pos, k row, v row) for each of a sequence's L cached positions of kv head h, block by block (no
-// division per position: a divide per row and per 16 lanes would cost ~10% of a 32-sequence step's
-// attention). With Fetch, each position also asks for the same position's K and V rows one block on
-// (the blocks lie anywhere in the cache, beyond the hardware's prefetch: without it the K pass waits
-// on memory)
+// division per position: a divide a row costs as much as a few vectors of scores). With Fetch, each
+// position also asks for the same position's K and V rows one block on (the blocks lie anywhere in the
+// cache, beyond the hardware's prefetch: without it the K pass waits on memory)
 template <typename T, bool Fetch, typename Fn>
 inline void for_rows(const Cache& c, const int64_t* table, int64_t L, int64_t h, int64_t d, Fn&& fn) {
   const int64_t blocks = (L + c.block_size - 1) / c.block_size;
@@ -73,8 +56,8 @@ inline void for_rows(const Cache& c, const int64_t* table, int64_t L, int64_t h,
 }
 
 // D a multiple of LANES * CH: the G heads' score sums in registers; the weighted V summed CH x LANES lanes
-// at a time for all G heads (G * CH independent accumulators: one per head made a chain of dependent
-// FMAs, one per position)
+// at a time for all G heads (G * CH independent accumulators: one per head would make a chain of
+// dependent FMAs, one per position)
 template <typename T, int G, int CH>
 void attend_vec(const float* qf /* [G, D], scaled */, T* out, const Cache& c, const int64_t* table, int64_t L,
                 int64_t h, int64_t d, float* scores /* [G, L] */) {
@@ -151,25 +134,18 @@ void attend_loops(const float* qf, T* out, const Cache& c, const int64_t* table,
 
 namespace paged {
 
-// The blocks holding a sequence's L positions, each one of the cache's
-void check_table(const int64_t* table, int64_t L, int64_t width, const Cache& c) {
-  TORCH_CHECK((L + c.block_size - 1) / c.block_size <= width, "paged KV: ", L,
-              " positions need more blocks than the table's ", width);
-  for (int64_t b = 0; b * c.block_size < L; ++b)
-    TORCH_CHECK(table[b] >= 0 && table[b] < c.num_blocks, "paged KV: block id ", table[b], " outside 0..",
-                c.num_blocks - 1);
-}
-
-// One sequence's G query heads of kv head h over its L cached positions: scores, softmax, weighted V.
+// One sequence's G query heads of kv head h over its cached positions: scores, softmax, weighted V.
 // Two passes over the context, K then V, each row read once for all G heads; sums in float32.
 template <typename T>
-void attend_token(const T* q /* [G, D] */, T* out /* [G, D] */, const Cache& c, const int64_t* table, int64_t L,
-                int64_t h, int64_t G, int64_t d, float scale, std::vector<float>& buf) {
+void attend_token(const T* q /* [G, D] */, T* out /* [G, D] */, const Cache& c, const Batch& b, int64_t s,
+                  int64_t h, int64_t G, int64_t d, std::vector<float>& buf) {
+  const int64_t L = b.lens[s];
+  const int64_t* table = b.table(s);
   buf.resize(G * (L + 2 * d));
   float* scores = buf.data();                 // [G, L]
   float* qf = scores + G * L;                 // [G, D] the queries as float, scaled
   float* acc = qf + G * d;                    // [G, D]
-  for (int64_t i = 0; i < G * d; ++i) qf[i] = widen(q[i]) * scale;
+  for (int64_t i = 0; i < G * d; ++i) qf[i] = widen(q[i]) * b.scale;
 #ifdef PF_LANES
   switch (G) {
     case 1: if (attend_vec_any<T, 1>(qf, out, c, table, L, h, d, scores)) return; break;
@@ -186,104 +162,111 @@ void attend_token(const T* q /* [G, D] */, T* out /* [G, D] */, const Cache& c, 
   attend_loops<T>(qf, out, c, table, L, h, G, d, scores, acc);
 }
 
-template void attend_token<float>(const float*, float*, const Cache&, const int64_t*, int64_t, int64_t, int64_t,
-                                  int64_t, float, std::vector<float>&);
-template void attend_token<c10::BFloat16>(const c10::BFloat16*, c10::BFloat16*, const Cache&, const int64_t*, int64_t,
-                                          int64_t, int64_t, int64_t, float, std::vector<float>&);
+template void attend_token<float>(const float*, float*, const Cache&, const Batch&, int64_t, int64_t, int64_t,
+                                  int64_t, std::vector<float>&);
+template void attend_token<c10::BFloat16>(const c10::BFloat16*, c10::BFloat16*, const Cache&, const Batch&, int64_t,
+                                          int64_t, int64_t, int64_t, std::vector<float>&);
 
 }  // namespace paged
 
 namespace {
 
-using paged::attend_token;
-using paged::check_table;
+// Every token's K and V rows at its slot, before any token attends (its own position included)
+template <typename T>
+void store_step(const at::Tensor& k, const at::Tensor& v, const Cache& c, const Batch& b, int64_t hkv, int64_t d) {
+  const T* kp = k.data_ptr<T>();
+  const T* vp = v.data_ptr<T>();
+  for (int64_t t = 0; t < b.tokens; ++t)
+    for (int64_t h = 0; h < hkv; ++h) paged::store(c, b.slots[t], h, kp + (t * hkv + h) * d, vp + (t * hkv + h) * d, d);
+}
 
 template <typename T>
-void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const Cache& c, const at::Tensor& slots,
-         const at::Tensor& tables, const at::Tensor& lens, const at::Tensor& starts, double scale, at::Tensor& out) {
-  const int64_t T_ = q.size(0), hq = q.size(1), d = q.size(2), hkv = k.size(1), G = hq / hkv;
-  store<T>(k, v, c, slots.data_ptr<int64_t>(), T_, hkv, d);
-  const int64_t S = lens.size(0), B = tables.size(1);
-  const int64_t* lp = lens.data_ptr<int64_t>();
-  const int64_t* sp = starts.data_ptr<int64_t>();
-  const int64_t* tp = tables.data_ptr<int64_t>();
+void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const Cache& c, const Batch& b,
+         at::Tensor& out) {
+  const paged::Heads heads{q.size(1), k.size(1), q.size(2)};
+  const int64_t hq = heads.hq, hkv = heads.hkv, d = heads.d, G = hq / hkv;
+  store_step<T>(k, v, c, b, hkv, d);
   const T* qp = q.data_ptr<T>();
   T* op = out.data_ptr<T>();
-  for (int64_t s = 0; s < S; ++s)
-    if (lp[s] > 0 && sp[s] < T_) check_table(tp + s * B, lp[s], B, c);
-  at::parallel_for(0, S * hkv, 1, [&](int64_t i0, int64_t i1) {   // one query token a sequence
+  par::ranges(b.seqs * hkv, 1, [&](int64_t i0, int64_t i1) {   // one query token a sequence
     std::vector<float> buf;
     for (int64_t i = i0; i < i1; ++i) {
-      const int64_t s = i / hkv, h = i % hkv, L = lp[s], t = sp[s];
-      if (L <= 0 || sp[s + 1] - t != 1 || t >= T_) continue;   // a padding sequence: its rows stay zero
-      attend_token<T>(qp + (t * hq + h * G) * d, op + (t * hq + h * G) * d, c, tp + s * B, L, h, G, d,
-                    static_cast<float>(scale), buf);
+      const int64_t s = i / hkv, h = i % hkv, t = b.first(s);
+      if (!b.attends(s) || b.count(s) != 1) continue;   // a padding sequence: its rows stay zero
+      paged::attend_token<T>(qp + (t * hq + h * G) * d, op + (t * hq + h * G) * d, c, b, s, h, G, d, buf);
     }
   });
-  for (int64_t s = 0; s < S; ++s) {   // prompt chunks, one after another (each parallel inside)
-    const int64_t L = lp[s], t = sp[s], n = sp[s + 1] - t;
-    if (L > 0 && n > 1 && t < T_)
-      paged::attend_chunk<T>(qp + t * hq * d, op + t * hq * d, c, tp + s * B, L, n, hq, hkv, d,
-                             static_cast<float>(scale));
+  for (int64_t s = 0; s < b.seqs; ++s)   // prompt chunks, one after another (each parallel inside)
+    if (b.attends(s) && b.count(s) > 1) paged::attend_chunk<T>(qp, op, c, b, s, heads);
+}
+
+// What both ops check, and the step's Batch: q [T, Hq, D], k and v [T, Hkv, D] and one layer's cache kv
+// [blocks, 2, block_size, Hkv, D], of one dtype; each chunk within its context and the step; every slot
+// and attended block within the cache
+Batch checked(const char* op, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& kv,
+              const at::Tensor& slot_mapping, const at::Tensor& block_tables, const at::Tensor& seq_lens,
+              const at::Tensor& query_start_loc, double scale) {
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.sizes() == k.sizes() && kv.dim() == 5 &&
+                  q.size(2) == k.size(2) && kv.size(4) == q.size(2) && kv.size(3) == k.size(1) &&
+                  q.size(1) % k.size(1) == 0,
+              op, ": q [T, Hq, D], k and v [T, Hkv, D], the cache [blocks, 2, block_size, Hkv, D]; got ",
+              q.sizes(), ", ", k.sizes(), ", ", kv.sizes());
+  TORCH_CHECK(kv.stride(4) == 1, op, ": the cache's rows of D must be contiguous");
+  TORCH_CHECK(q.scalar_type() == k.scalar_type() && k.scalar_type() == v.scalar_type() &&
+                  v.scalar_type() == kv.scalar_type(),
+              op, ": q, k, v and the cache of one dtype, got ", q.scalar_type(), ", ", k.scalar_type(), ", ",
+              v.scalar_type(), ", ", kv.scalar_type());
+  Batch b = paged::batch_of(op, slot_mapping, block_tables, seq_lens, query_start_loc, scale);
+  TORCH_CHECK(b.tokens == q.size(0), op, ": slot_mapping ", slot_mapping.sizes(), " for ", q.size(0), " tokens");
+  for (int64_t s = 0; s < b.seqs; ++s) {
+    const int64_t n = b.count(s), L = b.lens[s];
+    TORCH_CHECK(n <= 1 || L <= 0 || (n <= L && b.first(s) + n <= b.tokens), op, ": sequence ", s, " brings ", n,
+                " tokens (from ", b.first(s), ") to a context of ", L, " in a step of ", b.tokens);
   }
+  paged::check(b, paged::cache_of(kv));
+  return b;
+}
+
+at::Tensor attention(const char* op, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                     const at::Tensor& kv, const Batch& b) {
+  at::Tensor out = at::zeros(q.sizes(), q.options());
+  const at::Tensor qc = q.contiguous(), kc = k.contiguous(), vc = v.contiguous();
+  dtype::dispatch(op, q.scalar_type(), [&](auto zero) {
+    run<decltype(zero)>(qc, kc, vc, paged::cache_of(kv), b, out);
+  });
+  return out;
+}
+
+bool brings_chunk(const Batch& b) {
+  for (int64_t s = 0; s < b.seqs; ++s)
+    if (b.count(s) > 1) return true;
+  return false;
 }
 
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& kv,
                             const at::Tensor& slot_mapping, const at::Tensor& block_tables,
                             const at::Tensor& seq_lens, const at::Tensor& query_start_loc, double scale) {
-  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.sizes() == k.sizes() && kv.dim() == 5 &&
-                  q.size(2) == k.size(2) && kv.size(4) == q.size(2) && kv.size(3) == k.size(1) &&
-                  q.size(1) % k.size(1) == 0,
-              "decode_attention: q [T, Hq, D], k and v [T, Hkv, D], the cache [blocks, 2, block_size, Hkv, D]; got ",
-              q.sizes(), ", ", k.sizes(), ", ", kv.sizes());
-  TORCH_CHECK(kv.stride(4) == 1, "decode_attention: the cache's rows of D must be contiguous");
-  TORCH_CHECK(q.scalar_type() == k.scalar_type() && k.scalar_type() == v.scalar_type() &&
-                  v.scalar_type() == kv.scalar_type() &&
-                  (q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16),
-              "decode_attention: float32 or bfloat16 tensors of one dtype");
-  for (const at::Tensor* m : {&slot_mapping, &block_tables, &seq_lens, &query_start_loc})
-    TORCH_CHECK(m->scalar_type() == at::kLong, "decode_attention: int64 metadata");
-  const int64_t S = seq_lens.size(0);
-  TORCH_CHECK(query_start_loc.size(0) == S + 1 && block_tables.size(0) == S && slot_mapping.size(0) == q.size(0),
-              "decode_attention: metadata shapes disagree");
-  const at::Tensor starts = query_start_loc.contiguous(), lens = seq_lens.contiguous();
-  const int64_t* sp = starts.data_ptr<int64_t>();
-  const int64_t* lp = lens.data_ptr<int64_t>();
-  for (int64_t s = 0; s < S; ++s) {
-    const int64_t n = sp[s + 1] - sp[s];
-    if (n > 1 && !paged::chunk_served(q.size(2))) return at::empty({0}, q.options());   // not this build's
-    TORCH_CHECK(n <= 1 || lp[s] <= 0 || (n <= lp[s] && sp[s + 1] <= q.size(0)), "decode_attention: sequence ", s,
-                " brings ", n, " tokens (from ", sp[s], ") to a context of ", lp[s], " in a step of ", q.size(0));
-  }
-  const Cache c = paged::cache_of(kv);
-  at::Tensor out = at::zeros(q.sizes(), q.options());
-  const at::Tensor qc = q.contiguous(), kc = k.contiguous(), vc = v.contiguous(), slots = slot_mapping.contiguous(),
-                   tables = block_tables.contiguous();
-  if (q.scalar_type() == at::kFloat)
-    run<float>(qc, kc, vc, c, slots, tables, lens, starts, scale, out);
-  else
-    run<c10::BFloat16>(qc, kc, vc, c, slots, tables, lens, starts, scale, out);
-  return out;
+  const char* op = "decode_attention";
+  const Batch b = checked(op, q, k, v, kv, slot_mapping, block_tables, seq_lens, query_start_loc, scale);
+  if (!paged::chunk_served(q.size(2)) && brings_chunk(b)) return at::empty({0}, q.options());   // declined
+  return attention(op, q, k, v, kv, b);
 }
 
-// The whole paged-attention op for the CPU with the kernel above in front: a step it serves costs one
-// C++ call from a compiled graph; any other step (or dtype) goes on to phaseflip::paged_attention
-// (kernels/attention.py, whose body is Python). Without it, every layer of a compiled decode step would
-// go through that Python body to reach the kernel, a cost paid at every layer.
+// The paged-attention op without Python between a compiled graph and the kernels: traced in only where
+// it serves every step (a head size chunk_served takes, float32 or bfloat16); which steps bring a chunk
+// is in the metadata's values, read only when the step runs, so the choice is made on the head size
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& kv_cache,
                            int64_t layer, const at::Tensor& slot_mapping, const at::Tensor& block_tables,
                            const at::Tensor& seq_lens, const at::Tensor& query_start_loc, double scale) {
-  const bool served = q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16;
-  if (served && kv_cache.dim() == 6 && q.size(0) > 0) {
-    at::Tensor out = decode_attention(q, k, v, kv_cache.select(1, layer), slot_mapping, block_tables, seq_lens,
-                                      query_start_loc, scale);
-    if (out.numel()) return out;
-  }
-  static const c10::OperatorHandle general =
-      c10::Dispatcher::singleton().findSchemaOrThrow("phaseflip::paged_attention", "");
-  torch::jit::Stack stack{q, k, v, kv_cache, layer, slot_mapping, block_tables, seq_lens, query_start_loc, scale};
-  general.callBoxed(&stack);
-  return stack.back().toTensor();
+  const char* op = "cpu_paged_attention";
+  TORCH_CHECK(kv_cache.dim() == 6 && layer >= 0 && layer < kv_cache.size(1), op,
+              ": the cache [blocks, layers, 2, block_size, Hkv, D] and a layer of it, got ", kv_cache.sizes(),
+              " and layer ", layer);
+  TORCH_CHECK(q.dim() == 3 && paged::chunk_served(q.size(2)), op, ": head size ", q.size(-1), " is not a multiple of ",
+              paged::chunk_multiple(), " (phaseflip::paged_attention serves it: library.paged_attention_op)");
+  const at::Tensor kv = kv_cache.select(1, layer);
+  return attention(op, q, k, v, kv, checked(op, q, k, v, kv, slot_mapping, block_tables, seq_lens, query_start_loc,
+                                            scale));
 }
 
 }  // namespace
@@ -295,4 +278,6 @@ TORCH_LIBRARY_FRAGMENT(phaseflip, m) {
   m.def("cpu_paged_attention(Tensor q, Tensor k, Tensor v, Tensor(a!) kv_cache, SymInt layer, Tensor slot_mapping, "
         "Tensor block_tables, Tensor seq_lens, Tensor query_start_loc, float scale) -> Tensor");
   m.impl("cpu_paged_attention", c10::DispatchKey::CPU, TORCH_FN(paged_attention));
+  // cpu_paged_attention serves the head sizes that are multiples of this (0: none)
+  m.def("cpu_attention_head_multiple() -> int", &paged::chunk_multiple);
 }

@@ -38,10 +38,9 @@ constexpr int dot_unroll(int m) { return pf::LANES == 16 || m > 2 ? 2 : 4; }
 
 // out[m] = sum_k w[k] * x[m][k]: one weight row read front to back (a single memory stream: 2, 4 or 8
 // rows read side by side are slower, software prefetch no faster), dot_unroll(M) independent
-// accumulators per row of x (one chain of dependent FMAs is slower, four no faster with AVX-512). Those
-// comparisons were made without the unroll pragmas, which keep acc[][] in registers: without them GCC
-// keeps it on the stack, a store and a reload around every FMA, at about half the speed on bf16 rows
-// in cache
+// accumulators per row of x (one chain of dependent FMAs is slower, four no faster with AVX-512). The
+// unroll pragmas keep acc[][] in registers: without them GCC keeps it on the stack, a store and a
+// reload around every FMA
 template <typename W, int M>
 inline void row_dot(const W* w, const typename Lanes<W>::X* x, int64_t K, float* out) {
   using L = Lanes<W>;

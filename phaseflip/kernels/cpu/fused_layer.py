@@ -60,7 +60,7 @@ def _why_not(dtype: torch.dtype, tp_size: int) -> str | None:
         return f"{dtype} (float32 and bfloat16 only)"
     if library.decode_layers_op() is None:
         return f"no kernels: {library.kernel_report()['reason']}"
-    if linear.small_form(1, dtype) != "kernel":   # the fused products are the kernel's row dot
-        return (f"one-row products take {linear.small_form(1, dtype)!r}, not the few-rows kernel (the boot's "
+    if linear.form(1, dtype) != "kernel":   # the fused products are the kernel's row dot
+        return (f"one-row products take {linear.form(1, dtype)!r}, not the few-rows kernel (the boot's "
                 "measurement; unmeasured: 'stationary')")
     return None

@@ -6,8 +6,7 @@
 // through the CPU's bf16 dot instruction (AVX512_BF16: products exact, sums in float32) where it has
 // one, else are widened to float32. Vectors of AVX-512 or AVX2 (simd.h), plain loops on a CPU with
 // neither. Built at run time by phaseflip/kernels/cpu/library.py for the machine it runs on
-// (-march=native); rows are split over torch's own threads (at::parallel_for).
-#include <ATen/Parallel.h>
+// (-march=native); rows are split over torch's threads (parallel.h's ranges).
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <c10/util/BFloat16.h>
@@ -16,6 +15,8 @@
 #include <type_traits>
 #include <vector>
 #include "dot.h"
+#include "dtype.h"
+#include "parallel.h"
 #include "simd.h"
 #include "wide.h"
 
@@ -28,8 +29,8 @@ using dot::Lanes;
 using dot::gemv_range;
 
 // x's rows (of W, any strides) as the dot reads them, X values K apart: x itself where it already is,
-// else widened into buf by this thread. Tensor::to's copy would take a dispatch and a parallel region for
-// a few KiB, 121 times a token: ~1% of both threads' time in a bf16 decode step
+// else widened into buf by this thread (Tensor::to's copy would take a dispatch and a parallel region for
+// a few KiB, once per product of a step)
 template <typename X, typename W>
 const X* dense_rows(const at::Tensor& x, std::vector<X>& buf) {
   const int64_t M = x.size(0), K = x.size(1), s0 = x.stride(0), s1 = x.stride(1);
@@ -51,7 +52,7 @@ void run(const at::Tensor& x, const at::Tensor& w, at::Tensor& y) {
   const X* xp = dense_rows<X, W>(x, buf);
   W* yp = y.data_ptr<W>();
   const int64_t grain = std::max<int64_t>(1, 65536 / (K * (int64_t)sizeof(W)));  // ~64 KiB of weight per task
-  at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) { gemv_range<W, M>(wp, ldw, xp, K, yp, N, n0, n1); });
+  par::ranges(N, grain, [&](int64_t n0, int64_t n1) { gemv_range<W, M>(wp, ldw, xp, K, yp, N, n0, n1); });
 }
 
 template <typename W>
@@ -66,30 +67,27 @@ void dispatch_rows(const at::Tensor& x, const at::Tensor& w, at::Tensor& y) {
   }
 }
 
+// y = x @ w^T in passes of at most MAX_ROWS rows of x, equal ones: x's panels stay in L2 (513 rows: 3 x 171)
+template <typename W>
+void passes(const at::Tensor& x, const at::Tensor& w, at::Tensor& y) {
+  const int64_t M = x.size(0), count = (M + MAX_ROWS - 1) / MAX_ROWS, step = (M + count - 1) / count;
+  if (count == 1) return dispatch_rows<W>(x, w, y);   // no views: a narrow costs a dispatch, every product
+  for (int64_t m0 = 0; m0 < M; m0 += step) {
+    at::Tensor part = y.narrow(0, m0, std::min(step, M - m0));   // y's rows, N apart, written in place
+    dispatch_rows<W>(x.narrow(0, m0, part.size(0)), w, part);
+  }
+}
+
 at::Tensor few_rows_linear(const at::Tensor& x, const at::Tensor& w) {
   TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1),
               "few_rows_linear: x [M, K] and weight [N, K] expected, got ", x.sizes(), " and ", w.sizes());
   TORCH_CHECK(x.size(0) >= 1, "few_rows_linear: at least one row of x, got ", x.size(0));
-  TORCH_CHECK(x.scalar_type() == w.scalar_type() &&
-                  (w.scalar_type() == at::kFloat || w.scalar_type() == at::kBFloat16),
-              "few_rows_linear: float32 or bfloat16 x and weight of one dtype, got ", x.scalar_type(), " and ",
-              w.scalar_type());
+  TORCH_CHECK(x.scalar_type() == w.scalar_type(), "few_rows_linear: x and weight of one dtype, got ",
+              x.scalar_type(), " and ", w.scalar_type());
   TORCH_CHECK(w.stride(1) == 1 && w.stride(0) >= w.size(1), "few_rows_linear: weight rows must be contiguous");
   TORCH_CHECK(!x.is_cuda() && !w.is_cuda(), "few_rows_linear: CPU tensors only");
   at::Tensor y = at::empty({x.size(0), w.size(0)}, x.options());
-  const auto product = [&](const at::Tensor& xs, at::Tensor& ys) {
-    if (w.scalar_type() == at::kFloat) dispatch_rows<float>(xs, w, ys);
-    else dispatch_rows<c10::BFloat16>(xs, w, ys);
-  };
-  const int64_t M = x.size(0), passes = (M + MAX_ROWS - 1) / MAX_ROWS, step = (M + passes - 1) / passes;
-  if (passes == 1) {   // no views: two narrows cost ~4 us, 121 times a decode step
-    product(x, y);
-    return y;
-  }
-  for (int64_t m0 = 0; m0 < M; m0 += step) {   // equal passes: x's panels stay in L2 (513 rows: 3 x 171)
-    at::Tensor part = y.narrow(0, m0, std::min(step, M - m0));   // y's rows, N apart, written in place
-    product(x.narrow(0, m0, part.size(0)), part);
-  }
+  dtype::dispatch("few_rows_linear", w.scalar_type(), [&](auto zero) { passes<decltype(zero)>(x, w, y); });
   return y;
 }
 

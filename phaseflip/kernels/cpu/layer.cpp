@@ -6,25 +6,24 @@
 // cache (decode.cpp's attend_token); the o product; residual add + RMSNorm; gate and up products
 // with SiLU-and-mul on each thread's own rows; the down product. Each product streams its weight once
 // through dot.h's row dot. Values are rounded to the weights' dtype where the reference's operators
-// round (kernels/reference/norm.py, rotary.py, activation.py), so bfloat16 follows eager torch's roundings (a norm's
-// sum of squares is added in another order than torch's, so a value can still land one rounding apart);
-// float32 is unaffected.
+// round (kernels/reference/norm.py, rotary.py, activation.py), so bfloat16 follows eager torch's
+// roundings (a norm's sum of squares is added in another order than torch's, so a value can still land
+// one rounding apart); float32 is unaffected.
 // Why: at batch 1 the weights stream at the memory's speed, but between ~8 operators a layer the threads
 // meet at every join and the main thread's dispatch runs alone; even one call a layer leaves time outside
-// the region at every layer. Built and loaded by
+// the region at every layer (parallel.h: a region with phases). Built and loaded by
 // phaseflip/kernels/cpu/library.py with the other kernels; kernels/cpu/fused_layer.py decides when it runs.
-#include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <c10/util/BFloat16.h>
-#include <omp.h>
 #include <torch/library.h>
 #include <cmath>
 #include <tuple>
-#include <type_traits>
 #include <vector>
 #include "dot.h"
+#include "dtype.h"
 #include "paged.h"
+#include "parallel.h"
 
 namespace {
 
@@ -77,7 +76,7 @@ void head_norm(W* x, const W* w, int64_t d, float eps) {
     x[i] = static_cast<W>(static_cast<float>(w[i]) * rnd<W>(static_cast<float>(x[i]) * inv));
 }
 
-// out [D] = x [D] rotated (rotate_half; cos_sin [D]: cos in the first half, sin in the second)
+// out [D] = x [D] rotated (rotate_half; cos_sin [D]: cos in the first half, sin in the second); out may be x
 template <typename W>
 void rotate(const W* x, W* out, const float* cos_sin, int64_t d) {
   const int64_t half = d / 2;
@@ -89,50 +88,43 @@ void rotate(const W* x, W* out, const float* cos_sin, int64_t d) {
   }
 }
 
-// This thread's share [n0, n1) of N rows: equal parts in thread order
-inline void share(int64_t N, int t, int nt, int64_t& n0, int64_t& n1) {
-  n0 = N * t / nt;
-  n1 = N * (t + 1) / nt;
-}
-
-struct Token {   // where the token's K/V go and what it attends
-  int64_t slot, ctx, width;   // cache slot (< 0: none), positions attended (this one included), table width
-  const int64_t* table;
-  const float* cos_sin;       // [D]
+struct Step {   // what the phases read besides the weights and the scratch
+  Dims n;
+  const paged::Batch& b;   // one token of one sequence: its slot, context and block table
+  const float* cos_sin;    // [D] the token's rotary
+  float eps;
 };
 
 // Kv head h of the token: k norm (Qwen3), rotary, and the K/V store at the token's slot
 template <typename W>
-void store_head(const Weights<W>& w, const Dims& n, const paged::Cache& c, const Token& tok, float eps,
-                Scratch<W>& s, int64_t h) {
-  const int64_t d = n.d;
-  W* k = s.qkv.data() + (n.hq + h) * d;
-  const W* v = s.qkv.data() + (n.hq + n.hkv + h) * d;
-  if (w.k_norm) head_norm(k, w.k_norm, d, eps);
-  if (tok.slot < 0) return;
-  const int64_t block = tok.slot / c.block_size, off = tok.slot % c.block_size;
-  rotate(k, paged::row<W>(c, block, off, h, 0), tok.cos_sin, d);
-  std::copy_n(v, d, paged::row<W>(c, block, off, h, 1));
+void store_head(const Weights<W>& w, const Step& st, const paged::Cache& c, Scratch<W>& s, int64_t h) {
+  const int64_t d = st.n.d;
+  W* k = s.qkv.data() + (st.n.hq + h) * d;
+  const W* v = s.qkv.data() + (st.n.hq + st.n.hkv + h) * d;
+  if (w.k_norm) head_norm(k, w.k_norm, d, st.eps);
+  if (st.b.slots[0] < 0) return;
+  rotate(k, k, st.cos_sin, d);
+  paged::store(c, st.b.slots[0], h, k, v, d);
 }
 
-// Query heads [g0, g1) of the token (stored K/V): q norm (Qwen3), rotary, then each run of them that
-// shares a kv head attends the ctx cached positions in one pass over its K and V (zeros where ctx <= 0,
-// as decode.cpp gives a padding token). Split by query heads, not kv heads: SmolLM2's 3 kv heads on
-// 2 threads left one thread with twice the other's attention
+// Query heads `heads` of the token (stored K/V): q norm (Qwen3), rotary, then each run of them that
+// shares a kv head attends the token's cached positions in one pass over its K and V (zeros where its
+// context is empty, as decode.cpp gives a padding token). Split by query heads, not kv heads: SmolLM2's
+// 3 kv heads on 2 threads would leave one thread twice the other's attention
 template <typename W>
-void attend_heads(const Weights<W>& w, const Dims& n, const paged::Cache& c, const Token& tok, float eps,
-                  float scale, Scratch<W>& s, int64_t g0, int64_t g1, std::vector<float>& buf) {
-  const int64_t d = n.d, G = n.hq / n.hkv;
-  for (int64_t g = g0; g < g1; ++g) {
+void attend_heads(const Weights<W>& w, const Step& st, const paged::Cache& c, Scratch<W>& s, par::Range heads,
+                  std::vector<float>& buf) {
+  const int64_t d = st.n.d, G = st.n.hq / st.n.hkv;
+  for (int64_t g = heads.begin; g < heads.end; ++g) {
     W* qg = s.qkv.data() + g * d;
-    if (w.q_norm) head_norm(qg, w.q_norm, d, eps);
-    rotate(qg, s.q.data() + g * d, tok.cos_sin, d);
+    if (w.q_norm) head_norm(qg, w.q_norm, d, st.eps);
+    rotate(qg, s.q.data() + g * d, st.cos_sin, d);
   }
-  for (int64_t g = g0; g < g1;) {
-    const int64_t h = g / G, end = std::min(g1, (h + 1) * G);
+  for (int64_t g = heads.begin; g < heads.end;) {
+    const int64_t h = g / G, end = std::min(heads.end, (h + 1) * G);
     W* out = s.attn.data() + g * d;
-    if (tok.ctx > 0)
-      paged::attend_token<W>(s.q.data() + g * d, out, c, tok.table, tok.ctx, h, end - g, d, scale, buf);
+    if (st.b.lens[0] > 0)
+      paged::attend_token<W>(s.q.data() + g * d, out, c, st.b, 0, h, end - g, d, buf);
     else
       std::fill_n(out, (end - g) * d, static_cast<W>(0.f));
     for (int64_t i = 0; i < (end - g) * d; ++i) s.attn_x[g * d + i] = static_cast<typename Scratch<W>::X>(out[i]);
@@ -140,53 +132,66 @@ void attend_heads(const Weights<W>& w, const Dims& n, const paged::Cache& c, con
   }
 }
 
+// A layer's attention, as phases of the region: the qkv product (+ bias), the K/V store, the attention,
+// the o product (into s.o)
+template <typename W>
+void attention_phases(const par::Team& team, const Weights<W>& w, const Step& st, const paged::Cache& c,
+                      Scratch<W>& s, std::vector<float>& buf) {
+  const Dims& n = st.n;
+  const par::Range qkv = team.share(n.nqkv);
+  dot::gemv_range<W, 1>(w.qkv, w.ld_qkv, s.h.data(), n.H, s.qkv.data(), n.nqkv, qkv.begin, qkv.end);
+  if (w.qkv_b)
+    for (int64_t i = qkv.begin; i < qkv.end; ++i)
+      s.qkv[i] = static_cast<W>(static_cast<float>(s.qkv[i]) + static_cast<float>(w.qkv_b[i]));
+  team.barrier();
+  for (int64_t h = team.id; h < n.hkv; h += team.size) store_head(w, st, c, s, h);
+  team.barrier();
+  attend_heads(w, st, c, s, team.share(n.hq), buf);
+  team.barrier();
+  const par::Range o = team.share(n.H);
+  dot::gemv_range<W, 1>(w.o, w.ld_o, s.attn_x.data(), n.hq * n.d, s.o.data(), n.H, o.begin, o.end);
+  team.barrier();
+}
+
+// A layer's MLP, as phases of the region: gate and up products with SiLU * up on each thread's own rows,
+// then the down product (into delta_out)
+template <typename W>
+void mlp_phases(const par::Team& team, const Weights<W>& w, const Dims& n, Scratch<W>& s, W* delta_out) {
+  const par::Range i = team.share(n.I);   // gate rows [begin, end) and the same up rows
+  dot::gemv_range<W, 1>(w.gate_up, w.ld_gate_up, s.h.data(), n.H, s.gate.data(), 2 * n.I, i.begin, i.end);
+  dot::gemv_range<W, 1>(w.gate_up, w.ld_gate_up, s.h.data(), n.H, s.gate.data(), 2 * n.I, n.I + i.begin,
+                        n.I + i.end);
+  for (int64_t r = i.begin; r < i.end; ++r) {
+    const float g = static_cast<float>(s.gate[r]), u = static_cast<float>(s.gate[n.I + r]);
+    s.act[r] = static_cast<typename Scratch<W>::X>(rnd<W>(rnd<W>(g / (1.f + std::exp(-g))) * u));
+  }
+  team.barrier();
+  const par::Range out = team.share(n.H);
+  dot::gemv_range<W, 1>(w.down, w.ld_down, s.act.data(), n.I, delta_out, n.H, out.begin, out.end);
+  team.barrier();
+}
+
 // The layers in order: the residual stream resid in; delta_out (the last MLP's output) and res_out (the
 // residual stream before it) out, and each layer's K/V of the token stored. The outputs carry the stream
 // from layer to layer; a barrier closes each layer (the next one's norm reads all of it)
 template <typename W>
-void layers(const std::vector<Weights<W>>& ws, const Dims& n, const W* resid, W* delta_out,
-            W* res_out, const std::vector<paged::Cache>& caches, const Token& tok, float eps, float scale) {
+void layers(const std::vector<Weights<W>>& ws, const Step& st, const W* resid, W* delta_out, W* res_out,
+            const std::vector<paged::Cache>& caches) {
   static thread_local Scratch<W> mine;   // the calling thread's
   Scratch<W>& s = mine;                  // named in the region: the region's threads share it (mine
-  s.fit(n);                              // there would be each thread's own)
-#pragma omp parallel num_threads(at::get_num_threads())
-  {
-    const int t = omp_get_thread_num(), nt = omp_get_num_threads();
+  s.fit(st.n);                           // there would be each thread's own)
+  const int64_t H = st.n.H;
+  par::region([&](const par::Team& team) {
     static thread_local std::vector<float> buf;   // each thread's attention scratch
-    int64_t n0, n1;
     for (size_t l = 0; l < ws.size(); ++l) {
       const Weights<W>& w = ws[l];
-#pragma omp single
-      add_norm(l ? delta_out : nullptr, l ? res_out : resid, w.ln1, n.H, eps, res_out, s.h.data());
-      share(n.nqkv, t, nt, n0, n1);
-      dot::gemv_range<W, 1>(w.qkv, w.ld_qkv, s.h.data(), n.H, s.qkv.data(), n.nqkv, n0, n1);
-      if (w.qkv_b)
-        for (int64_t i = n0; i < n1; ++i)
-          s.qkv[i] = static_cast<W>(static_cast<float>(s.qkv[i]) + static_cast<float>(w.qkv_b[i]));
-#pragma omp barrier
-      for (int64_t h = t; h < n.hkv; h += nt) store_head(w, n, caches[l], tok, eps, s, h);
-#pragma omp barrier
-      share(n.hq, t, nt, n0, n1);
-      attend_heads(w, n, caches[l], tok, eps, scale, s, n0, n1, buf);
-#pragma omp barrier
-      share(n.H, t, nt, n0, n1);
-      dot::gemv_range<W, 1>(w.o, w.ld_o, s.attn_x.data(), n.hq * n.d, s.o.data(), n.H, n0, n1);
-#pragma omp barrier
-#pragma omp single
-      add_norm(s.o.data(), res_out, w.ln2, n.H, eps, res_out, s.h.data());
-      share(n.I, t, nt, n0, n1);   // gate rows [n0, n1) and the same up rows: SiLU * up on this thread's own
-      dot::gemv_range<W, 1>(w.gate_up, w.ld_gate_up, s.h.data(), n.H, s.gate.data(), 2 * n.I, n0, n1);
-      dot::gemv_range<W, 1>(w.gate_up, w.ld_gate_up, s.h.data(), n.H, s.gate.data(), 2 * n.I, n.I + n0, n.I + n1);
-      for (int64_t i = n0; i < n1; ++i) {
-        const float g = static_cast<float>(s.gate[i]), u = static_cast<float>(s.gate[n.I + i]);
-        s.act[i] = static_cast<typename Scratch<W>::X>(rnd<W>(rnd<W>(g / (1.f + std::exp(-g))) * u));
-      }
-#pragma omp barrier
-      share(n.H, t, nt, n0, n1);
-      dot::gemv_range<W, 1>(w.down, w.ld_down, s.act.data(), n.I, delta_out, n.H, n0, n1);
-#pragma omp barrier
+      const W* delta = l ? delta_out : nullptr;   // the last layer's MLP output, not yet added
+      team.single([&] { add_norm(delta, l ? res_out : resid, w.ln1, H, st.eps, res_out, s.h.data()); });
+      attention_phases(team, w, st, caches[l], s, buf);
+      team.single([&] { add_norm(s.o.data(), res_out, w.ln2, H, st.eps, res_out, s.h.data()); });
+      mlp_phases(team, w, st.n, s, delta_out);
     }
-  }
+  });
 }
 
 void check_weight(const at::Tensor& t, int64_t rows, int64_t cols, const char* name, at::ScalarType dtype) {
@@ -235,54 +240,60 @@ std::vector<Weights<W>> checked(const LayerLists& L, const Dims& n, at::ScalarTy
   return ws;
 }
 
+// The layers' shapes, from the residual [1, H], the cache [blocks, layers, 2, block_size, Hkv, D] and the
+// first layer's o and gate_up (each layer's weights are checked against them, `checked`)
+Dims dims_of(const at::Tensor& residual, const LayerLists& L, const at::Tensor& kv_cache, at::ScalarType dt) {
+  TORCH_CHECK(residual.dim() == 2 && residual.size(0) == 1 && residual.is_contiguous() && !residual.is_cuda(),
+              "decode_layers: one token's contiguous CPU residual [1, H], got ", residual.sizes());
+  TORCH_CHECK(!L.qkv.empty() && !L.o.empty() && !L.gate_up.empty() && !L.down.empty(),
+              "decode_layers: at least one layer");
+  TORCH_CHECK(kv_cache.dim() == 6 && kv_cache.stride(5) == 1 && kv_cache.scalar_type() == dt &&
+                  kv_cache.size(1) >= static_cast<int64_t>(L.qkv.size()),
+              "decode_layers: the cache [blocks, layers, 2, block_size, Hkv, D] of the layers' dtype, a layer each of ",
+              L.qkv.size(), ", got ", kv_cache.sizes(), " ", kv_cache.scalar_type());
+  const int64_t H = residual.size(1), d = kv_cache.size(5), hkv = kv_cache.size(4);
+  TORCH_CHECK(d > 0 && d % 2 == 0 && hkv > 0, "decode_layers: an even head size and kv heads, got D ", d, ", Hkv ",
+              hkv);
+  const at::Tensor &o = L.o[0], &gate_up = L.gate_up[0];
+  TORCH_CHECK(o.dim() == 2 && o.size(1) % d == 0 && (o.size(1) / d) % hkv == 0,
+              "decode_layers: o_proj [H, hq * D] with hq a multiple of ", hkv, " kv heads, got ", o.sizes());
+  TORCH_CHECK(gate_up.dim() == 2 && gate_up.size(0) % 2 == 0, "decode_layers: gate_up_proj [2 I, H], got ",
+              gate_up.sizes());
+  return {H, o.size(1) / d, hkv, d, gate_up.size(0) / 2, (o.size(1) / d + 2 * hkv) * d};
+}
+
+template <typename W>
+std::tuple<at::Tensor, at::Tensor> decode_layers_as(const at::Tensor& residual, const LayerLists& lists,
+                                                    const at::Tensor& kv_cache, const paged::Batch& b,
+                                                    const at::Tensor& cos_sin, double eps) {
+  const at::ScalarType dt = residual.scalar_type();
+  const Dims n = dims_of(residual, lists, kv_cache, dt);
+  TORCH_CHECK(b.tokens == 1 && b.seqs == 1, "decode_layers: the metadata of one token and one sequence, got ",
+              b.tokens, " tokens and ", b.seqs, " sequences");
+  TORCH_CHECK(cos_sin.scalar_type() == at::kFloat && cos_sin.numel() == n.d && cos_sin.is_contiguous(),
+              "decode_layers: cos_sin [1, D] float32, got ", cos_sin.sizes());
+  std::vector<paged::Cache> caches;
+  for (size_t l = 0; l < lists.qkv.size(); ++l)
+    caches.push_back(paged::cache_of(kv_cache.select(1, static_cast<int64_t>(l))));
+  paged::check(b, caches[0]);   // every layer's cache has the first's blocks
+  const std::vector<Weights<W>> ws = checked<W>(lists, n, dt);
+  at::Tensor delta_out = at::empty({1, n.H}, residual.options()), res_out = at::empty({1, n.H}, residual.options());
+  const Step st{n, b, cos_sin.data_ptr<float>(), static_cast<float>(eps)};
+  layers<W>(ws, st, residual.data_ptr<W>(), delta_out.data_ptr<W>(), res_out.data_ptr<W>(), caches);
+  return {delta_out, res_out};
+}
+
 std::tuple<at::Tensor, at::Tensor> decode_layers(
     const at::Tensor& residual, at::TensorList input_norm,
     at::TensorList qkv, at::TensorList qkv_bias, at::TensorList q_norm, at::TensorList k_norm, at::TensorList o,
     at::TensorList post_norm, at::TensorList gate_up, at::TensorList down, const at::Tensor& kv_cache,
     const at::Tensor& slot_mapping, const at::Tensor& block_tables, const at::Tensor& seq_lens,
     const at::Tensor& cos_sin, double eps, double scale) {
-  const at::ScalarType dt = residual.scalar_type();
-  TORCH_CHECK(dt == at::kFloat || dt == at::kBFloat16, "decode_layers: float32 or bfloat16, got ", dt);
-  TORCH_CHECK(residual.dim() == 2 && residual.size(0) == 1 && residual.is_contiguous() && !residual.is_cuda(),
-              "decode_layers: one token's contiguous CPU residual [1, H], got ", residual.sizes());
-  TORCH_CHECK(!qkv.empty() && !o.empty() && !gate_up.empty() && !down.empty(), "decode_layers: at least one layer");
-  TORCH_CHECK(kv_cache.dim() == 6 && kv_cache.stride(5) == 1 && kv_cache.scalar_type() == dt &&
-                  kv_cache.size(1) >= static_cast<int64_t>(qkv.size()),
-              "decode_layers: the cache [blocks, layers, 2, block_size, Hkv, D] of the layers' dtype, a layer each of ",
-              qkv.size(), ", got ", kv_cache.sizes(), " ", kv_cache.scalar_type());
-  const int64_t H = residual.size(1), d = kv_cache.size(5), hkv = kv_cache.size(4);
-  TORCH_CHECK(d > 0 && d % 2 == 0 && hkv > 0, "decode_layers: an even head size and kv heads, got D ", d, ", Hkv ",
-              hkv);
-  TORCH_CHECK(o[0].dim() == 2 && o[0].size(1) % d == 0 && (o[0].size(1) / d) % hkv == 0,
-              "decode_layers: o_proj [H, hq * D] with hq a multiple of ", hkv, " kv heads, got ", o[0].sizes());
-  TORCH_CHECK(gate_up[0].dim() == 2 && gate_up[0].size(0) % 2 == 0,
-              "decode_layers: gate_up_proj [2 I, H], got ", gate_up[0].sizes());
-  const Dims n{H, o[0].size(1) / d, hkv, d, gate_up[0].size(0) / 2, (o[0].size(1) / d + 2 * hkv) * d};
-  for (const at::Tensor* m : {&slot_mapping, &block_tables, &seq_lens})
-    TORCH_CHECK(m->scalar_type() == at::kLong && m->is_contiguous() && m->size(0) == 1,
-                "decode_layers: int64 metadata of one token and one sequence, got ", m->sizes());
-  TORCH_CHECK(cos_sin.scalar_type() == at::kFloat && cos_sin.numel() == d && cos_sin.is_contiguous(),
-              "decode_layers: cos_sin [1, D] float32, got ", cos_sin.sizes());
-  std::vector<paged::Cache> caches;
-  for (size_t l = 0; l < qkv.size(); ++l)
-    caches.push_back(paged::cache_of(kv_cache.select(1, static_cast<int64_t>(l))));
-  const paged::Cache& c = caches[0];
-  const Token tok{slot_mapping.data_ptr<int64_t>()[0], seq_lens.data_ptr<int64_t>()[0], block_tables.size(1),
-                  block_tables.data_ptr<int64_t>(), cos_sin.data_ptr<float>()};
-  TORCH_CHECK(tok.slot < c.num_blocks * c.block_size, "decode_layers: slot ", tok.slot, " is past the cache's ",
-              c.num_blocks, " blocks of ", c.block_size);
-  if (tok.ctx > 0) paged::check_table(tok.table, tok.ctx, tok.width, c);
-  at::Tensor delta_out = at::empty({1, H}, residual.options()), res_out = at::empty({1, H}, residual.options());
   const LayerLists lists{input_norm, qkv, qkv_bias, q_norm, k_norm, o, post_norm, gate_up, down};
-  const auto run = [&](auto zero) {
-    using W = decltype(zero);
-    layers<W>(checked<W>(lists, n, dt), n, residual.data_ptr<W>(),
-              delta_out.data_ptr<W>(), res_out.data_ptr<W>(), caches, tok, static_cast<float>(eps),
-              static_cast<float>(scale));
-  };
-  if (dt == at::kFloat) run(0.f);
-  else run(c10::BFloat16(0.f));
-  return {delta_out, res_out};
+  return dtype::dispatch("decode_layers", residual.scalar_type(), [&](auto zero) {
+    const paged::Batch b = paged::batch_of("decode_layers", slot_mapping, block_tables, seq_lens, at::Tensor(), scale);
+    return decode_layers_as<decltype(zero)>(residual, lists, kv_cache, b, cos_sin, eps);
+  });
 }
 
 }  // namespace

@@ -2,8 +2,8 @@
 this machine on first use, loaded as torch ops.
 
 Owns: `few_rows_op` (`phaseflip::cpu_few_rows_linear`), `decode_attention_op`
-(`phaseflip::cpu_decode_attention`), `paged_attention_op` (`phaseflip::cpu_paged_attention`: the decode
-kernel in front of phaseflip::paged_attention, for compiled CPU steps), `decode_layers_op`
+(`phaseflip::cpu_decode_attention`), `paged_attention_op` (`phaseflip::cpu_paged_attention`:
+phaseflip::paged_attention in C++, for compiled CPU steps of the dtypes and head sizes it serves), `decode_layers_op`
 (`phaseflip::cpu_decode_layers`: one token through the decoder layers, kernels/cpu/fused_layer.py), each
 None where the kernels cannot be built or give a wrong answer, and `kernel_report` (whether they are
 there, why not, where they live, what the build cost).
@@ -51,12 +51,14 @@ from pathlib import Path
 
 import torch
 
-from phaseflip.cache import cache_dir
+from phaseflip.cache import cache_dir, prune, used
 
 log = logging.getLogger(__name__)
 
 SOURCES = tuple(Path(__file__).with_name(name) for name in ("gemv.cpp", "decode.cpp", "prefill.cpp", "layer.cpp"))
-HEADERS = tuple(Path(__file__).with_name(name) for name in ("simd.h", "dot.h", "paged.h", "wide.h"))   # included by the sources (part of the build's key)
+HEADERS = tuple(Path(__file__).with_name(name)   # included by the sources (part of the build's key)
+                for name in ("simd.h", "dtype.h", "parallel.h", "dot.h", "tile.h", "paged.h", "wide.h"))
+KEEP_BUILDS = 8   # the most recently used builds kept in the cache (each source edit makes a new one)
 MAX_ROWS = 256    # the kernel's rows a pass (gemv.cpp's MAX_ROWS): more take equal passes
 # the row counts the load-time check multiplies: every one to 64 (each one-pass form, each panel width,
 # 1-4 panels), then partial and whole panels up to a pass, and two and three passes (every count to 256
@@ -78,10 +80,15 @@ def decode_attention_op():
     return torch.ops.phaseflip.cpu_decode_attention if _loaded() else None
 
 
-def paged_attention_op():
-    """torch.ops.phaseflip.cpu_paged_attention (phaseflip::paged_attention's schema and contract, the
-    decode kernel first); None where the kernels are not here (kernel_report)."""
-    return torch.ops.phaseflip.cpu_paged_attention if _loaded() else None
+def paged_attention_op(dtype: torch.dtype, head_dim: int):
+    """torch.ops.phaseflip.cpu_paged_attention (phaseflip::paged_attention's schema and contract) where it
+    serves every step of this dtype and head size, else None (it refuses the others). Decided on these
+    alone, at trace time: which steps bring a prompt chunk, which prefill.cpp's tiles take only at head
+    sizes they divide, is in the metadata's values, known only when a step runs."""
+    if not _loaded() or dtype not in DTYPES:
+        return None
+    multiple = _report["head_multiple"]   # decode.cpp's cpu_attention_head_multiple, read at load
+    return torch.ops.phaseflip.cpu_paged_attention if multiple and head_dim % multiple == 0 else None
 
 
 def decode_layers_op():
@@ -103,7 +110,8 @@ def _loaded() -> bool:
 
 
 def kernel_report() -> dict:
-    """What loading found: available, reason (when not), path and build_s (None: loaded, not built)."""
+    """What loading found: available, reason (when not), path, build_s (None: loaded, not built) and
+    head_multiple (the head sizes cpu_paged_attention serves are its multiples; 0: none)."""
     return dict(_report) if _report else {"available": None, "reason": "not tried yet"}
 
 
@@ -119,11 +127,15 @@ def _load() -> dict:
             _build(compiler, path)
             build_s = round(time.perf_counter() - t0, 2)
         torch.ops.load_library(str(path))
+        used(path)
+        prune(path.parent, KEEP_BUILDS, protect=path, suffix=".so")   # builds for older sources
         _register_fake()
         reason = _disagreement()
+        head_multiple = torch.ops.phaseflip.cpu_attention_head_multiple()
     except (OSError, RuntimeError, subprocess.CalledProcessError) as e:
-        reason = f"{type(e).__name__}: {str(e).strip()[-400:]}"
-    return {"available": reason is None, "reason": reason, "path": str(path), "build_s": build_s}
+        reason, head_multiple = f"{type(e).__name__}: {str(e).strip()[-400:]}", 0
+    return {"available": reason is None, "reason": reason, "path": str(path), "build_s": build_s,
+            "head_multiple": head_multiple}
 
 
 def _flags() -> list[str]:

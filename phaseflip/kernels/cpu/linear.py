@@ -235,7 +235,3 @@ def warm(projections: Iterable[tuple[torch.Tensor, torch.Tensor | None, int]]) -
             runs += 1
     return runs
 
-
-def small_form(m: int, dtype: torch.dtype) -> str:
-    """The form a product of m <= SMALL_BATCH rows takes eager."""
-    return form(max(1, min(m, SMALL_BATCH)), dtype)

@@ -1,9 +1,11 @@
 // One layer's paged KV cache as the CPU attention kernels read it (decode.cpp: one query token a
-// sequence; prefill.cpp: prompt chunks; layer.cpp: a whole one-token decoder layer), and what
-// they share: a row's address, a row-wise softmax, the table check and the kernels' entry points.
+// sequence; prefill.cpp: prompt chunks; layer.cpp: a whole one-token decoder layer), and what they share:
+// a row's address, the K/V store, a step's metadata (Batch) and its checks, a row-wise softmax, and the
+// kernels' entry points.
 #pragma once
 #include <ATen/core/Tensor.h>
 #include <c10/util/BFloat16.h>
+#include <c10/util/Exception.h>
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -28,6 +30,73 @@ inline T* row(const Cache& c, int64_t block, int64_t off, int64_t head, int kv) 
   return reinterpret_cast<T*>(c.base) + block * c.sb + kv * c.skv + off * c.so + head * c.sh;
 }
 
+// A token's K and V rows of kv head h (D values each) into the cache at its slot (block * block_size +
+// offset; < 0: a padding token, stored nowhere), a slot check() has passed
+template <typename T>
+inline void store(const Cache& c, int64_t slot, int64_t h, const T* k, const T* v, int64_t d) {
+  if (slot < 0) return;
+  const int64_t block = slot / c.block_size, off = slot % c.block_size;
+  std::copy_n(k, d, row<T>(c, block, off, h, 0));
+  std::copy_n(v, d, row<T>(c, block, off, h, 1));
+}
+
+// A step's attention metadata as the kernels read it (kernels/attention.py's contract), built once per
+// call by batch_of; `held` keeps the contiguous int64 tensors the pointers read alive
+struct Batch {
+  const int64_t* slots;    // [T] each token's cache slot (< 0: stored nowhere)
+  const int64_t* tables;   // [S, width] each sequence's blocks
+  const int64_t* lens;     // [S] each sequence's context after this step (<= 0: a padding sequence)
+  const int64_t* starts;   // [S + 1] each sequence's first token; null: token s is sequence s's one
+  int64_t tokens, seqs, width;
+  float scale;
+  at::Tensor held[4];
+  const int64_t* table(int64_t s) const { return tables + s * width; }
+  int64_t first(int64_t s) const { return starts ? starts[s] : s; }
+  int64_t count(int64_t s) const { return starts ? starts[s + 1] - starts[s] : 1; }
+  bool attends(int64_t s) const { return lens[s] > 0 && first(s) < tokens; }   // reads its context
+};
+
+// The Batch of an op's metadata tensors (query_start_loc undefined: one token a sequence), their dtype
+// and shapes checked (a TORCH_CHECK naming op)
+inline Batch batch_of(const char* op, const at::Tensor& slot_mapping, const at::Tensor& block_tables,
+                      const at::Tensor& seq_lens, const at::Tensor& query_start_loc, double scale) {
+  const bool one_each = !query_start_loc.defined();
+  for (const at::Tensor* m : {&slot_mapping, &block_tables, &seq_lens, &query_start_loc})
+    TORCH_CHECK(!m->defined() || (m->scalar_type() == at::kLong && !m->is_cuda()), op, ": int64 CPU metadata");
+  const int64_t S = seq_lens.numel();
+  TORCH_CHECK(slot_mapping.dim() == 1 && block_tables.dim() == 2 && block_tables.size(0) == S &&
+                  (one_each ? slot_mapping.size(0) == S : query_start_loc.numel() == S + 1),
+              op, ": metadata shapes disagree: slot_mapping ", slot_mapping.sizes(), ", block_tables ",
+              block_tables.sizes(), ", seq_lens ", seq_lens.sizes(), ", query_start_loc ",
+              one_each ? at::IntArrayRef() : query_start_loc.sizes());
+  Batch b{};
+  b.tokens = slot_mapping.size(0), b.seqs = S, b.width = block_tables.size(1), b.scale = static_cast<float>(scale);
+  const auto read = [&b](int i, const at::Tensor& m) {
+    b.held[i] = m.contiguous();
+    return b.held[i].data_ptr<int64_t>();
+  };
+  b.slots = read(0, slot_mapping), b.tables = read(1, block_tables), b.lens = read(2, seq_lens);
+  b.starts = one_each ? nullptr : read(3, query_start_loc);
+  return b;
+}
+
+// Every slot within the cache, and every table a sequence attends through: its context's blocks, each
+// one of the cache's (a TORCH_CHECK otherwise)
+inline void check(const Batch& b, const Cache& c) {
+  for (int64_t t = 0; t < b.tokens; ++t)
+    TORCH_CHECK(b.slots[t] < c.num_blocks * c.block_size, "paged KV: slot ", b.slots[t], " is past the cache's ",
+                c.num_blocks, " blocks of ", c.block_size);
+  for (int64_t s = 0; s < b.seqs; ++s) {
+    if (!b.attends(s)) continue;
+    const int64_t L = b.lens[s];
+    TORCH_CHECK((L + c.block_size - 1) / c.block_size <= b.width, "paged KV: ", L,
+                " positions need more blocks than the table's ", b.width);
+    for (int64_t i = 0; i * c.block_size < L; ++i)
+      TORCH_CHECK(b.table(s)[i] >= 0 && b.table(s)[i] < c.num_blocks, "paged KV: block id ", b.table(s)[i],
+                  " outside 0..", c.num_blocks - 1);
+  }
+}
+
 // G rows of L scores, `stride` apart, each replaced by its softmax
 inline void softmax_rows(float* scores, int64_t G, int64_t L, int64_t stride) {
   for (int64_t g = 0; g < G; ++g) {
@@ -35,7 +104,7 @@ inline void softmax_rows(float* scores, int64_t G, int64_t L, int64_t stride) {
     float mx = -INFINITY, sum = 0.f;
     int64_t pos = 0;
 #ifdef PF_LANES
-    pf::vf top = pf::set1(-INFINITY);   // a vector max: std::max_element would take ~9% of the attention's cycles
+    pf::vf top = pf::set1(-INFINITY);   // a vector max (std::max_element: one value at a time)
     for (; pos + pf::LANES <= L; pos += pf::LANES) top = pf::max(top, pf::load(sg + pos));
     mx = pf::max_lane(top);
 #endif
@@ -57,22 +126,24 @@ inline void softmax_rows(float* scores, int64_t G, int64_t L, int64_t stride) {
   }
 }
 
-// The blocks holding a sequence's L positions, each one of the cache's (a TORCH_CHECK otherwise)
-void check_table(const int64_t* table, int64_t L, int64_t width, const Cache& c);
-
-// One query token's G heads (those of kv head h) over a sequence's L cached positions, already stored:
+// One query token's G heads (those of kv head h) over sequence s's cached positions, already stored:
 // scores, softmax, weighted V, sums in float32 (decode.cpp). buf: the caller's scratch.
 template <typename T>
-void attend_token(const T* q /* [G, D] */, T* out /* [G, D] */, const Cache& c, const int64_t* table, int64_t L,
-                  int64_t h, int64_t G, int64_t d, float scale, std::vector<float>& buf);
+void attend_token(const T* q /* [G, D] */, T* out /* [G, D] */, const Cache& c, const Batch& b, int64_t s,
+                  int64_t h, int64_t G, int64_t d, std::vector<float>& buf);
 
-// Whether attend_chunk serves head size d on this build (its vector tiles need d a multiple of them)
-bool chunk_served(int64_t d);
+// The head sizes attend_chunk serves are the multiples of this (its vector tiles'; 0: none, a build
+// without vectors)
+int64_t chunk_multiple();
+inline bool chunk_served(int64_t d) { return chunk_multiple() > 0 && d > 0 && d % chunk_multiple() == 0; }
 
-// A prompt chunk of n tokens, the last n of a sequence's L cached positions (already stored): token i
-// attends positions 0 .. L - n + i. q and out: the chunk's [n, Hq, D] rows; table: its block table.
+struct Heads {   // a layer's attention heads: query heads, kv heads, head size
+  int64_t hq, hkv, d;
+};
+
+// Sequence s's prompt chunk of n tokens, the last n of its L cached positions (already stored): token i
+// attends positions 0 .. L - n + i. q and out: the step's [T, Hq, D] rows.
 template <typename T>
-void attend_chunk(const T* q, T* out, const Cache& c, const int64_t* table, int64_t L, int64_t n, int64_t hq,
-                  int64_t hkv, int64_t d, float scale);
+void attend_chunk(const T* q, T* out, const Cache& c, const Batch& b, int64_t s, const Heads& heads);
 
 }  // namespace paged

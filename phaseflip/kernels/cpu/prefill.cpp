@@ -1,17 +1,16 @@
-// Causal attention for prompt chunks on the CPU, read from the paged cache (paged.h's
-// attend_chunk; decode.cpp calls it for every sequence of a step that brings more than one token).
-// A chunk's scores and weighted sums are small matrix products, computed in register tiles: each
-// query (or probability) value broadcast against two vectors of K's positions (or V's columns), the
-// MR x NC sums of a tile held in registers over the whole inner dimension, no horizontal sums.
+// Causal attention for prompt chunks on the CPU, read from the paged cache (paged.h's attend_chunk;
+// decode.cpp calls it for every sequence of a step that brings more than one token). A chunk's scores and
+// weighted sums are small matrix products, computed in tile.h's register tiles: MR rows of queries (or
+// probabilities) against NC of K's positions (or V's columns), no horizontal sums.
 // First each kv head's context is laid out once as float32: K in tiles of NC positions ([tile][D][NC],
 // a tile's values contiguous), V as [L][D]; then tasks of QB query tokens (x the kv head's G query
 // heads) each run scores -> softmax -> weighted V for their rows, every group of MR rows only over the
-// positions its last token sees. The library's SDPA with the gathers path around it (kernels/cpu/attention.py)
-// takes about twice as long a layer.
-#include <ATen/Parallel.h>
+// positions its last token sees.
 #include <c10/util/Exception.h>
 #include <vector>
 #include "paged.h"
+#include "parallel.h"
+#include "tile.h"
 
 namespace paged {
 
@@ -22,32 +21,6 @@ constexpr int64_t MR = 6;                  // rows of a tile: 12 accumulators of
 constexpr int NV = 2;                      // vectors of columns in a tile
 constexpr int64_t NC = NV * pf::LANES;     // columns in a tile
 constexpr int64_t QB = 16;                 // query tokens a task
-
-// c[r][0..NC) = sum_k a[k][r] * b[k][0..NC) for the MR rows of a packed panel (a[k] holds the MR rows'
-// k-th values side by side: one pointer for the broadcasts, no row pointers to spill) and K rows of b
-// (ldb apart)
-inline void tile(const float* a, const float* b, int64_t ldb, int64_t K, float* c, int64_t ldc) {
-  pf::vf acc[MR][NV];
-#pragma GCC unroll 8
-  for (int r = 0; r < MR; ++r)
-#pragma GCC unroll 4
-    for (int v = 0; v < NV; ++v) acc[r][v] = pf::zero();
-  for (int64_t k = 0; k < K; ++k) {
-    pf::vf bv[NV];
-#pragma GCC unroll 4
-    for (int v = 0; v < NV; ++v) bv[v] = pf::load(b + k * ldb + v * pf::LANES);
-#pragma GCC unroll 8
-    for (int r = 0; r < MR; ++r) {
-      const pf::vf av = pf::set1(a[k * MR + r]);
-#pragma GCC unroll 4
-      for (int v = 0; v < NV; ++v) acc[r][v] = pf::fma(av, bv[v], acc[r][v]);
-    }
-  }
-#pragma GCC unroll 8
-  for (int r = 0; r < MR; ++r)
-#pragma GCC unroll 4
-    for (int v = 0; v < NV; ++v) pf::store(c + r * ldc + v * pf::LANES, acc[r][v]);
-}
 
 // Each kv head's L cached positions as float32: K as [tile][D][NC] (zero past L), V as [L][D]
 struct Context {
@@ -62,7 +35,7 @@ Context lay_out(const Cache& c, const int64_t* table, int64_t L, int64_t hkv, in
   Context ctx{L, d, (L + NC - 1) / NC, {}, {}};
   ctx.k.resize(hkv * ctx.tiles * d * NC);
   ctx.v.resize(hkv * L * d);
-  at::parallel_for(0, hkv * ctx.tiles, 1, [&](int64_t i0, int64_t i1) {
+  par::ranges(hkv * ctx.tiles, 1, [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t h = i / ctx.tiles, j = i % ctx.tiles;
       float* kt = ctx.k.data() + i * d * NC;
@@ -99,26 +72,26 @@ void attend_rows(const T* q, T* out, const Context& ctx, int64_t h, const Rows& 
                  std::vector<float>& buf) {
   const int64_t d = ctx.d, R = rows.count(), Rp = (R + MR - 1) / MR * MR;
   const int64_t width = (rows.sees(R - 1) + NC - 1) / NC * NC;   // the last row's positions, whole tiles
-  buf.assign(Rp * d + MR * width + MR * width + MR * NC, 0.f);
-  float* qf = buf.data();             // [Rp / MR][D][MR] scaled queries in panels, zero rows past R
+  buf.assign(Rp * d + MR * width + MR * NC, 0.f);
+  float* qf = buf.data();             // [Rp, D] scaled queries, zero rows past R
   float* s = qf + Rp * d;             // [MR, width] one group's scores, then probabilities
-  float* p = s + MR * width;          // [width][MR] the same, as a panel
-  float* o = p + MR * width;          // [MR, NC] one tile of the output
+  float* o = s + MR * width;          // [MR, NC] one tile of the output
   for (int64_t r = 0; r < R; ++r) {
     const T* qr = q + rows.at(r, h, hq, d);
-    for (int64_t e = 0; e < d; ++e) qf[(r / MR * d + e) * MR + r % MR] = static_cast<float>(qr[e]) * scale;
+    for (int64_t e = 0; e < d; ++e) qf[r * d + e] = static_cast<float>(qr[e]) * scale;
   }
   for (int64_t g0 = 0; g0 < R; g0 += MR) {
     const int64_t last = std::min(R, g0 + MR) - 1, seen = rows.sees(last);   // the group's widest row
-    for (int64_t j = 0; j * NC < seen; ++j) tile(qf + g0 * d, ctx.k_of(h) + j * d * NC, NC, d, s + j * NC, width);
-    for (int64_t r = 0; r < MR; ++r) {
+    for (int64_t j = 0; j * NC < seen; ++j)
+      tile::rows<float, MR, NV>(qf + g0 * d, d, ctx.k_of(h) + j * d * NC, NC, d, s + j * NC, width);
+    for (int64_t r = 0; g0 + r <= last; ++r) {   // rows past the last are never written out
       float* sr = s + r * width;
-      const int64_t n = g0 + r <= last ? rows.sees(g0 + r) : 0;
-      if (n) softmax_rows(sr, 1, n, width);
-      for (int64_t pos = 0; pos < seen; ++pos) p[pos * MR + r] = pos < n ? sr[pos] : 0.f;   // unseen: weigh 0
+      const int64_t n = rows.sees(g0 + r);
+      softmax_rows(sr, 1, n, width);
+      std::fill(sr + n, sr + seen, 0.f);   // positions after the row's token: weigh 0
     }
     for (int64_t e0 = 0; e0 < d; e0 += NC) {
-      tile(p, ctx.v_of(h) + e0, d, seen, o, NC);
+      tile::rows<float, MR, NV>(s, width, ctx.v_of(h) + e0, d, seen, o, NC);
       for (int64_t r = g0; r <= last; ++r) {
         T* dst = out + rows.at(r, h, hq, d) + e0;
         for (int64_t e = 0; e < NC; ++e) dst[e] = static_cast<T>(o[(r - g0) * NC + e]);
@@ -129,38 +102,37 @@ void attend_rows(const T* q, T* out, const Context& ctx, int64_t h, const Rows& 
 
 }  // namespace
 
-bool chunk_served(int64_t d) { return d > 0 && d % NC == 0; }
+int64_t chunk_multiple() { return NC; }
 
 template <typename T>
-void attend_chunk(const T* q, T* out, const Cache& c, const int64_t* table, int64_t L, int64_t n, int64_t hq,
-                  int64_t hkv, int64_t d, float scale) {
+void attend_chunk(const T* q, T* out, const Cache& c, const Batch& b, int64_t s, const Heads& heads) {
+  const int64_t L = b.lens[s], n = b.count(s), t = b.first(s), d = heads.d, hkv = heads.hkv;
   TORCH_CHECK(chunk_served(d) && n <= L, "attend_chunk: D = ", d, " needs a multiple of ", NC, ", and ", n,
               " tokens at most the context's ", L);
-  const Context ctx = lay_out<T>(c, table, L, hkv, d);
-  const int64_t G = hq / hkv, blocks = (n + QB - 1) / QB;
+  const Context ctx = lay_out<T>(c, b.table(s), L, hkv, d);
+  const int64_t G = heads.hq / hkv, blocks = (n + QB - 1) / QB;
   // tasks block-major, blocks in the order 0, last, 1, last - 1, ...: a late block sees more positions,
   // and torch's threads each take a contiguous range of tasks, which this keeps about equally costly
-  at::parallel_for(0, blocks * hkv, 1, [&](int64_t t0, int64_t t1) {
+  par::ranges(blocks * hkv, 1, [&](int64_t t0, int64_t t1) {
     std::vector<float> buf;
-    for (int64_t t = t0; t < t1; ++t) {
-      const int64_t z = t / hkv, b = z % 2 ? blocks - 1 - z / 2 : z / 2;
-      const Rows rows{b * QB, std::min(n, (b + 1) * QB), G, L - n};
-      attend_rows<T>(q, out, ctx, t % hkv, rows, hq, scale, buf);
+    for (int64_t task = t0; task < t1; ++task) {
+      const int64_t z = task / hkv, blk = z % 2 ? blocks - 1 - z / 2 : z / 2;
+      const Rows rows{blk * QB, std::min(n, (blk + 1) * QB), G, L - n};
+      attend_rows<T>(q + t * heads.hq * d, out + t * heads.hq * d, ctx, task % hkv, rows, heads.hq, b.scale, buf);
     }
   });
 }
 #else
-bool chunk_served(int64_t) { return false; }
+int64_t chunk_multiple() { return 0; }
 
 template <typename T>
-void attend_chunk(const T*, T*, const Cache&, const int64_t*, int64_t, int64_t, int64_t, int64_t, int64_t, float) {
+void attend_chunk(const T*, T*, const Cache&, const Batch&, int64_t, const Heads&) {
   TORCH_CHECK(false, "attend_chunk: this build has no vector path (chunk_served is false)");
 }
 #endif
 
-template void attend_chunk<float>(const float*, float*, const Cache&, const int64_t*, int64_t, int64_t, int64_t,
-                                  int64_t, int64_t, float);
-template void attend_chunk<c10::BFloat16>(const c10::BFloat16*, c10::BFloat16*, const Cache&, const int64_t*,
-                                          int64_t, int64_t, int64_t, int64_t, int64_t, float);
+template void attend_chunk<float>(const float*, float*, const Cache&, const Batch&, int64_t, const Heads&);
+template void attend_chunk<c10::BFloat16>(const c10::BFloat16*, c10::BFloat16*, const Cache&, const Batch&, int64_t,
+                                          const Heads&);
 
 }  // namespace paged

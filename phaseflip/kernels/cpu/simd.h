@@ -1,4 +1,4 @@
-// The float32 vector the CPU kernels (gemv.cpp, decode.cpp) compute in, one set of names for
+// The float32 vector the CPU kernels compute in, one set of names for
 // the two instruction sets they are written for: AVX-512 (F + BW: 16 lanes, masked loads) and AVX2 + FMA
 // (8 lanes; a short tail is copied into a zeroed vector, AVX2 has no mask registers). Where the CPU has
 // neither, PF_LANES stays undefined and the kernels run their plain loops. bfloat16 values are widened
@@ -101,8 +101,7 @@ inline vf times_pow2(vf p, vf n) {   // p * 2^n for whole n in [-126, 127]: n ad
 
 // e^x for x <= 0 (scores less their max): 2^(x log2 e) split into 2^n and 2^f, |f| <= 1/2, by its Taylor
 // series to degree 7 (relative error < 1e-8 before rounding); x below -87 counts as -87 (e^-87 ~ 1.6e-38,
-// a normal float). The library's expf, one value at a time, would take most of a 32-sequence step's
-// attention.
+// a normal float). The library's expf takes one value at a time: too slow for a step's scores.
 inline vf exp_neg(vf x) {
   const vf t = mul(max(x, set1(-87.f)), set1(1.4426950408889634f));
   const vf n = round_even(t);
