@@ -188,7 +188,7 @@ def choose_wide_forms(weights: list[torch.Tensor], passes: int = 2, model=None,
     if not lin.serves("kernel", dtype):
         return {"choice": f"ladder (no few-rows kernel: {library.kernel_report().get('reason')})",
                 "forms": {}, "ms": None}
-    runs = {"kernel": "kernel", "ladder": "widened" if lin.chosen(dtype).ladder == "widened" else "ladder"}
+    runs = {"kernel": "kernel", "ladder": lin.ladder_form(dtype)}
 
     def measure() -> dict:
         table = {}

@@ -82,7 +82,12 @@ def form(m: int, dtype: torch.dtype, traced: bool = False) -> str:
     wide = forms.wide.get(next((r for r in WIDE_ROWS if r >= m), WIDE_ROWS[-1]))
     if m > SMALL_BATCH and wide == "kernel" and serves("kernel", dtype):
         return "kernel"
-    return "widened" if forms.ladder == "widened" else "ladder"
+    return ladder_form(dtype)
+
+
+def ladder_form(dtype: torch.dtype) -> str:
+    """The ladder's form for dtype: "widened" where the boot measured bf16 faster widened, else "ladder"."""
+    return "widened" if chosen(dtype).ladder == "widened" else "ladder"
 
 
 def _small(forms: Forms, m: int, dtype: torch.dtype) -> str:
@@ -135,8 +140,7 @@ def _stationary(x, weight, bias):
 def _kernel(x, weight, bias):
     """The few-rows kernel; a weight it cannot read takes the unmeasured form of its row count."""
     if not kernel_serves(weight):
-        wide = "widened" if chosen(x.dtype).ladder == "widened" else "ladder"
-        return product("stationary" if x.shape[0] <= SMALL_BATCH else wide, x, weight, bias)
+        return product("stationary" if x.shape[0] <= SMALL_BATCH else ladder_form(x.dtype), x, weight, bias)
     if torch.compiler.is_compiling():   # an extern call inductor makes itself
         return _with_bias(library.few_rows_op()(x, weight), bias)
     out = library.few_rows_op()(x, weight)
@@ -225,13 +229,13 @@ def warm(projections: Iterable[tuple[torch.Tensor, torch.Tensor | None, int]]) -
             seen[key] = (w, b, max_rows)
     runs = 0
     for w, b, max_rows in seen.values():
-        widened = chosen(w.dtype).ladder == "widened"
-        probe = torch.empty(SMALL_BATCH + 1, w.shape[1], dtype=torch.float32 if widened else w.dtype)
+        ladder = ladder_form(w.dtype)
+        probe = torch.empty(SMALL_BATCH + 1, w.shape[1], dtype=torch.float32 if ladder == "widened" else w.dtype)
         if w.device.type != "cpu" or _onednn_for(probe) is None:
             continue
         x = torch.zeros(row_bucket(max_rows), w.shape[1], dtype=w.dtype)
         for rows in sorted({row_bucket(m) for m in range(1, max_rows + 1)}):  # 8 serves the small rows
-            product("widened" if widened else "ladder", x[:rows], w, b)
+            product(ladder, x[:rows], w, b)
             runs += 1
     return runs
 
