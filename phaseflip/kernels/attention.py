@@ -13,17 +13,16 @@ Batch metadata (all int64, static shapes so a captured step can be replayed):
 Tokens of padding sequences (and tokens past query_start_loc[-1]) produce zeros.
 
 On CUDA tensors the op runs the Triton kernels (kernels/triton/kv_store.py, kernels/triton/attention.py:
-no host sync, so it can be captured); on the CPU the batched path of kernels/cpu/attention.py. Compiled
-CPU steps call phaseflip::cpu_paged_attention instead (kernels/cpu/decode.cpp, same schema: decodes and
-prompt chunks in C++) where it serves their dtype and head size (library.paged_attention_op), this op
-elsewhere. The torch reference below, written plainly, is the oracle all are tested against.
+no host sync, so it can be captured); on the CPU the C++ kernels' phaseflip::cpu_paged_attention
+(kernels/cpu/decode.cpp and prefill.cpp, the same schema), which compiled CPU steps call directly. Where
+neither is there (no triton, no C++ compiler, float16 on the CPU) the torch reference
+(kernels/reference/attention.py) runs: written plainly, it is the oracle all are tested against.
 """
 from __future__ import annotations
 
 import torch
 
 from phaseflip.kernels.cpu import library
-from phaseflip.kernels.cpu.attention import paged_attention_cpu
 from phaseflip.kernels.dispatch import triton_available
 from phaseflip.kernels.op_registry import define_op
 from phaseflip.kernels.reference.attention import paged_attention_ref
@@ -31,26 +30,25 @@ from phaseflip.kernels.reference.attention import paged_attention_ref
 
 def paged_attention_impl(q, k, v, kv_cache, layer: int, slot_mapping, block_tables, seq_lens, query_start_loc,
                          scale: float) -> torch.Tensor:
-    """The body of the op: the Triton kernels on CUDA, kernels/cpu/attention.py elsewhere."""
-    if not q.is_cuda:
-        return paged_attention_cpu(q, k, v, kv_cache[:, layer], slot_mapping, block_tables, seq_lens,
-                                   query_start_loc, scale)
+    """The body of the op: the Triton kernels on CUDA, the C++ kernels on the CPU, else the reference."""
+    cpp = library.paged_attention_op(q.dtype) if not q.is_cuda else None
+    if cpp is not None:
+        return cpp(q, k, v, kv_cache, layer, slot_mapping, block_tables, seq_lens, query_start_loc, scale)
     k_cache, v_cache = kv_cache[:, layer, 0], kv_cache[:, layer, 1]
-    if triton_available():
+    if q.is_cuda and triton_available():
         from phaseflip.kernels.triton.attention import store_and_attend
         return store_and_attend(q, k, v, k_cache, v_cache, slot_mapping, block_tables, seq_lens,
                                 query_start_loc, scale)
-    # no triton: the reference (eager only; it synchronises with the host)
+    # the reference (eager only; it synchronises with the host)
     return paged_attention_ref(q, k, v, k_cache, v_cache, slot_mapping, block_tables, seq_lens,
                                query_start_loc, scale)
 
 
 def attend(q, k, v, kv_cache, layer: int, slot_mapping, block_tables, seq_lens, query_start_loc,
            scale: float) -> torch.Tensor:
-    """What the model calls: the custom op while torch.compile traces (it must stay one opaque call:
-    on the CPU, the C++ kernels' op where it serves q's dtype and head size, which runs every step
-    without Python), the body directly otherwise (the op's Python dispatch costs tens of microseconds
-    per layer)."""
+    """What the model calls: the custom op while torch.compile traces (it must stay one opaque call: on
+    the CPU the C++ kernels' op, which runs every step without Python), the body directly otherwise (the
+    op's Python dispatch costs tens of microseconds per layer)."""
     if not torch.compiler.is_compiling():
         fn = paged_attention_impl
     else:
@@ -59,9 +57,9 @@ def attend(q, k, v, kv_cache, layer: int, slot_mapping, block_tables, seq_lens, 
 
 
 def compiled_op(q: torch.Tensor):
-    """The op a compiled step calls for q's attention: the C++ kernels' on the CPU where they serve its
-    dtype and head size (decided on those alone, at trace time), else phaseflip::paged_attention."""
-    cpp = library.paged_attention_op(q.dtype, q.shape[-1]) if not q.is_cuda else None
+    """The op a compiled step calls for q's attention: the C++ kernels' on the CPU where they are built
+    for its dtype, else phaseflip::paged_attention."""
+    cpp = library.paged_attention_op(q.dtype) if not q.is_cuda else None
     return cpp or torch.ops.phaseflip.paged_attention
 
 

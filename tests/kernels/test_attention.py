@@ -1,12 +1,12 @@
-"""paged_attention (the custom op, whose CPU body is kernels/cpu/attention.py) and the plain torch
-reference, both against a naive per-token attention written independently."""
+"""paged_attention (the custom op: on the CPU the C++ kernels' phaseflip::cpu_paged_attention) and the
+plain torch reference, both against a naive per-token attention written independently."""
 import math
 
 import pytest
 import torch
 
 from phaseflip.kernels.attention import compiled_op
-from phaseflip.kernels.cpu import attention as cpu_attention, library
+from phaseflip.kernels.cpu import library
 from phaseflip.kernels.reference.attention import paged_attention_ref
 
 
@@ -14,25 +14,20 @@ def run_ref(kv_cache, layer, **args):
     return paged_attention_ref(k_cache=kv_cache[:, layer, 0], v_cache=kv_cache[:, layer, 1], **args)
 
 
-def run_general(**args):
-    """The op with the C++ decode kernel switched off: kernels/cpu/attention.py's gathers path alone."""
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(library, "decode_attention_op", lambda: None)
-        return torch.ops.phaseflip.paged_attention(**args)
+def cpp_or_skip(dtype=torch.float32):
+    op = library.paged_attention_op(dtype)
+    if op is None:
+        pytest.skip(f"no C++ kernels here: {library.kernel_report()['reason']}")
+    return op
 
 
 def run_cpp_op(**args):
-    """What compiled CPU steps call (kernels/attention.py's compiled_op): phaseflip::cpu_paged_attention
-    where it serves q's dtype and head size, else the op above."""
-    if library.decode_attention_op() is None:
-        pytest.skip(f"no C++ kernels here: {library.kernel_report()['reason']}")
-    return compiled_op(args["q"])(**args)
+    """phaseflip::cpu_paged_attention itself: what the op runs on the CPU and compiled CPU steps call."""
+    return cpp_or_skip(args["q"].dtype)(**args)
 
 
-# "op": what the engine runs eagerly (decode-only steps in the C++ kernel where it is built,
-# kernels/cpu/library.py); "cpp_op": what its compiled CPU steps run
-IMPLS = {"op": lambda **a: torch.ops.phaseflip.paged_attention(**a), "cpp_op": run_cpp_op,
-         "general": run_general, "ref": run_ref}
+# "op": what the engine's model calls (kernels/attention.py); "cpp_op": the C++ kernels' op alone
+IMPLS = {"op": lambda **a: torch.ops.phaseflip.paged_attention(**a), "cpp_op": run_cpp_op, "ref": run_ref}
 
 
 def naive(q, keys, values, scale):
@@ -110,34 +105,24 @@ def test_matches_naive(seqs, pad, impl):
     check(out, args, seqs, hist)
 
 
-def _served_op_or_skip(head_dim: int):
-    op = library.paged_attention_op(torch.float32, head_dim)
-    if op is None:
-        pytest.skip(f"cpu_paged_attention does not serve D = {head_dim} here: {library.kernel_report()}")
-    return op
-
-
-@pytest.mark.parametrize("seqs", STEPS)
-@pytest.mark.parametrize("pad", [(0, 0), (3, 2)])
-def test_the_cpp_op_matches_naive_at_a_head_size_it_serves(seqs, pad):
-    """phaseflip::cpu_paged_attention itself (test_matches_naive's D = 8 is one it never serves)."""
-    op = _served_op_or_skip(32)
-    args, hist = build(seqs, pad_tokens=pad[0], pad_seqs=pad[1], num_blocks=120, d=32)
-    assert compiled_op(args["q"]) is op
-    check(op(**args), args, seqs, hist, tol=1e-4)
-
-
-def test_compiled_steps_take_the_cpp_op_only_where_it_serves_every_step():
-    """Chosen at trace time on q's dtype and head size; any other head size is an error in the op."""
-    op = _served_op_or_skip(32)
-    multiple = library.kernel_report()["head_multiple"]
+def test_compiled_steps_take_the_cpp_op_for_the_dtypes_it_is_built_for():
+    """Chosen at trace time on q's dtype alone: every head size and step of float32 and bfloat16."""
+    op = cpp_or_skip()
     general = torch.ops.phaseflip.paged_attention
-    assert compiled_op(torch.zeros(1, 4, 4 * multiple)) is op
-    assert compiled_op(torch.zeros(1, 4, multiple + 8)) is general
-    assert compiled_op(torch.zeros(1, 4, multiple, dtype=torch.half)) is general
-    args, _ = build([(5, 1)], num_blocks=20, d=multiple + 8)
-    with pytest.raises(RuntimeError, match=f"head size {multiple + 8} is not a multiple of {multiple}"):
-        op(**args)
+    for d in (8, 24, 48, 64, 80, 128):
+        assert compiled_op(torch.zeros(1, 4, d)) is op
+        assert compiled_op(torch.zeros(1, 4, d, dtype=torch.bfloat16)) is op
+    assert compiled_op(torch.zeros(1, 4, 64, dtype=torch.half)) is general
+
+
+def test_float16_on_the_cpu_runs_the_reference():
+    """The C++ kernels are written for float32 and bfloat16; a float16 step still attends correctly."""
+    seqs = [(10, 1), (0, 5), (4, 6)]
+    args, hist = build(seqs, num_blocks=40)
+    half = {k: v.half() if isinstance(v, torch.Tensor) and v.is_floating_point() else v for k, v in args.items()}
+    out = torch.ops.phaseflip.paged_attention(**half)
+    assert out.dtype == torch.half
+    check(out.float(), args, seqs, hist, tol=1e-2)
 
 
 def check(out, args, seqs, hist, tol=1e-5):
@@ -175,33 +160,16 @@ def test_store_writes_exactly_the_slots():
     assert torch.equal(flat[untouched], before_k.view(-1, *before_k.shape[2:])[untouched])
 
 
-def test_ragged_decodes_are_grouped_by_length():
-    args, _ = build([(n, 1) for n in (2, 90, 7, 40, 3, 60, 11, 25)], num_blocks=120)
-    plan = cpu_attention.build_gathers(args["slot_mapping"], args["block_tables"], args["seq_lens"],
-                                    args["query_start_loc"], block_size=4, hkv=2, group=2)
-    assert 1 < len(plan.decode) <= cpu_attention.MAX_GROUPS
-    assert sorted(t for g in plan.decode for t in g.tokens.tolist()) == list(range(8))
-
-
-@pytest.mark.parametrize("impl", ["op", "general"])
-def test_a_reused_buffer_with_new_contents_gets_a_new_plan(impl):
-    """The plan is remembered by value: refilling the same metadata tensors must not replay the old plan
-    (the general path's plan; the C++ kernel, "op" here, reads the metadata anew every call)."""
+def test_a_reused_buffer_with_new_contents_is_read_anew():
+    """The metadata's values are read every call: refilling the same tensors must not replay a step."""
     first, _ = build([(5, 1), (17, 1)], seed=1)
-    IMPLS[impl](**first)
+    IMPLS["op"](**first)
     second, hist = build([(9, 1), (18, 1)], seed=2)
     for name in ("slot_mapping", "block_tables", "seq_lens", "query_start_loc"):
         first[name].copy_(second[name])  # same tensors, same shapes, new contents
     second.update({name: first[name] for name in ("slot_mapping", "block_tables", "seq_lens", "query_start_loc")})
-    out = IMPLS[impl](**second)
+    out = IMPLS["op"](**second)
     check(out, second, [(9, 1), (18, 1)], hist)
-
-
-def _kernel_or_skip():
-    op = library.decode_attention_op()
-    if op is None:
-        pytest.skip(f"no C++ decode kernel here: {library.kernel_report()['reason']}")
-    return op
 
 
 @pytest.mark.parametrize("hq, hkv, d", [(9, 3, 64), (16, 2, 32), (9, 1, 48), (4, 4, 24)])
@@ -210,7 +178,7 @@ def test_decodes_at_model_head_sizes_match_naive(hq, hkv, d):
     the others (a group of 9, D = 24) its plain loops."""
     seqs = [(n, 1) for n in (2, 90, 7, 40, 300)]
     args, hist = build(seqs, num_blocks=160, pad_tokens=1, pad_seqs=1, hq=hq, hkv=hkv, d=d, block_size=16)
-    check(IMPLS["op"](**args), args, seqs, hist)
+    check(IMPLS["cpp_op"](**args), args, seqs, hist)
 
 
 def test_decodes_with_scores_past_exp_range_match_naive():
@@ -219,12 +187,13 @@ def test_decodes_with_scores_past_exp_range_match_naive():
     seqs = [(n, 1) for n in (2, 90, 7, 40)]
     args, hist = build(seqs, num_blocks=120, hq=9, hkv=3, d=64, block_size=16)
     args["q"] = args["q"] * 200
-    out = IMPLS["op"](**args)
+    out = IMPLS["cpp_op"](**args)
     assert torch.isfinite(out).all()
     check(out, args, seqs, hist, tol=1e-3)   # the scores' own rounding, magnified 200x
 
 
-@pytest.mark.parametrize("hq, hkv, d", [(9, 3, 64), (16, 2, 32), (8, 8, 128), (4, 1, 16)])
+@pytest.mark.parametrize("hq, hkv, d", [(9, 3, 64), (16, 2, 32), (8, 8, 128), (4, 1, 16), (9, 1, 48), (4, 2, 80),
+                                       (4, 4, 24), (2, 1, 8)])
 @pytest.mark.parametrize("seqs", [
     [(0, 128)],                            # a whole prompt: 8 blocks of query tokens, causal
     [(37, 50)],                            # a chunk over a cached prefix, neither a whole number of blocks
@@ -233,70 +202,89 @@ def test_decodes_with_scores_past_exp_range_match_naive():
     [(0, 2), (5, 3)],                      # chunks shorter than a row group
 ])
 def test_prompt_chunks_at_model_head_sizes_match_naive(hq, hkv, d, seqs):
-    """Head sizes a multiple of two vectors take the kernel's chunk tiles (kernels/cpu/prefill.cpp)
-    where it is built; the kernel writes every row itself (the general path is switched off)."""
+    """The kernel's chunk tiles (kernels/cpu/prefill.cpp) at every head size: those that are not a
+    multiple of the tiles' columns (48, 80, 24, 8) run in the same tiles over V padded with zeros."""
     args, hist = build(seqs, num_blocks=200, pad_tokens=2, pad_seqs=1, hq=hq, hkv=hkv, d=d, block_size=16)
-    served = library.decode_attention_op() is not None and d % 32 == 0   # 16 or 32 lanes x 2
-    with pytest.MonkeyPatch.context() as mp:
-        if served:
-            mp.setattr(cpu_attention, "_gathers", None)   # any use of the general path would raise
-        check(IMPLS["op"](**args), args, seqs, hist, tol=1e-4)
+    check(IMPLS["cpp_op"](**args), args, seqs, hist, tol=1e-4)
 
 
 def test_prompt_chunks_with_scores_past_exp_range_match_naive():
     seqs = [(0, 40), (20, 30)]
     args, hist = build(seqs, num_blocks=120, hq=9, hkv=3, d=64, block_size=16)
     args["q"] = args["q"] * 200
-    out = IMPLS["op"](**args)
+    out = IMPLS["cpp_op"](**args)
     assert torch.isfinite(out).all()
     check(out, args, seqs, hist, tol=1e-3)
 
 
-def test_the_kernel_declines_a_prompt_chunk_at_a_head_size_its_tiles_do_not_divide():
-    """It returns nothing and writes nothing (the caller's general path runs the step)."""
-    op = _kernel_or_skip()
-    args, _ = build([(5, 1), (0, 3)], num_blocks=20, d=24)
-    before = args["kv_cache"].clone()
-    out = op(args["q"], args["k"], args["v"], args["kv_cache"][:, 0], args["slot_mapping"], args["block_tables"],
-             args["seq_lens"], args["query_start_loc"], args["scale"])
-    assert out.numel() == 0 and torch.equal(args["kv_cache"], before)
-
-
 def test_the_kernel_refuses_a_chunk_longer_than_its_context():
-    op = _kernel_or_skip()
+    op = cpp_or_skip()
     args, _ = build([(0, 5)], num_blocks=20, hq=9, hkv=3, d=64, block_size=16)
     args["seq_lens"][0] = 4
     with pytest.raises(RuntimeError, match="sequence 0 brings 5 tokens .from 0. to a context of 4"):
-        op(args["q"], args["k"], args["v"], args["kv_cache"][:, 0], args["slot_mapping"], args["block_tables"],
-           args["seq_lens"], args["query_start_loc"], args["scale"])
+        op(**args)
 
 
 def test_the_kernel_names_the_dtypes_it_takes():
-    op = _kernel_or_skip()
+    op = cpp_or_skip()
     args, _ = build([(5, 1)], num_blocks=20)
     half = {k: v.half() if isinstance(v, torch.Tensor) and v.is_floating_point() else v for k, v in args.items()}
-    with pytest.raises(RuntimeError, match="decode_attention: float32 or bfloat16, got Half"):
-        op(half["q"], half["k"], half["v"], half["kv_cache"][:, 0], half["slot_mapping"], half["block_tables"],
-           half["seq_lens"], half["query_start_loc"], half["scale"])
+    with pytest.raises(RuntimeError, match="cpu_paged_attention: float32 or bfloat16, got Half"):
+        op(**half)
 
 
 def test_the_decode_kernel_refuses_a_block_id_outside_the_cache():
-    op = _kernel_or_skip()
+    op = cpp_or_skip()
     args, _ = build([(5, 1)], num_blocks=20)
     args["block_tables"][0, 0] = 99
     with pytest.raises(RuntimeError, match="block id 99 outside 0..19"):
-        op(args["q"], args["k"], args["v"], args["kv_cache"][:, 0], args["slot_mapping"], args["block_tables"],
-           args["seq_lens"], args["query_start_loc"], args["scale"])
+        op(**args)
 
 
 @pytest.mark.parametrize("seqs", [[(n, 1) for n in (2, 90, 7, 40)], [(0, 70), (9, 1), (33, 20)]])
-def test_bf16_steps_agree_with_the_general_path(seqs):
-    """bfloat16 caches: the kernel (float32 sums, read in place) against the gathers path's SDPA."""
-    _kernel_or_skip()
-    args, _ = build(seqs, num_blocks=120, pad_tokens=1, pad_seqs=1, hq=9, hkv=3, d=64, block_size=16)
-    args = {k: v.to(torch.bfloat16) if isinstance(v, torch.Tensor) and v.is_floating_point() else v
-            for k, v in args.items()}
-    general = {**args, "kv_cache": args["kv_cache"].clone()}
-    out = IMPLS["op"](**args)
-    torch.testing.assert_close(out, run_general(**general), atol=2e-2, rtol=2e-2)
-    assert torch.equal(args["kv_cache"], general["kv_cache"]), "the two stored different K/V"
+@pytest.mark.parametrize("d", [64, 48])
+def test_bf16_steps_match_naive_on_the_same_values(seqs, d):
+    """bfloat16 caches: the kernel (float32 sums, read in place) against the naive attention of the
+    bfloat16 values, within bfloat16's rounding of the output."""
+    cpp_or_skip(torch.bfloat16)
+    args, hist = build(seqs, num_blocks=120, pad_tokens=1, pad_seqs=1, hq=9, hkv=3, d=d, block_size=16)
+    bf = {k: v.to(torch.bfloat16) if isinstance(v, torch.Tensor) and v.is_floating_point() else v
+          for k, v in args.items()}
+    rounded = {k: v.float() if isinstance(v, torch.Tensor) and v.is_floating_point() else v for k, v in bf.items()}
+    hist = [(kh.bfloat16().float(), vh.bfloat16().float(), c) for kh, vh, c in hist]
+    out = IMPLS["cpp_op"](**bf)
+    check(out.float(), rounded, seqs, hist, tol=2e-2)
+
+
+_PLAIN_CHILD = """
+import sys, torch
+torch.ops.load_library(sys.argv[1])
+steps = torch.load(sys.argv[2])
+torch.save([torch.ops.phaseflip.cpu_paged_attention(**args) for args in steps], sys.argv[3])
+"""
+
+
+@pytest.mark.slow   # two C++ builds of its own, ~55 s on 2 cores
+def test_a_build_without_vectors_attends_every_step(tmp_path):
+    """A CPU with neither AVX2 nor AVX-512: decode.cpp and prefill.cpp built for plain x86-64 (no
+    PF_LANES) serve decodes and prompt chunks in plain loops; loaded in a child process (its ops share
+    the names of the kernels this process has loaded)."""
+    import subprocess
+    import sys
+    from torch.utils.cpp_extension import include_paths, library_paths
+    if library.paged_attention_op(torch.float32) is None:
+        pytest.skip(f"no C++ compiler or kernels here: {library.kernel_report()['reason']}")
+    so = tmp_path / "plain.so"
+    sources = [str(src) for src in library.SOURCES if src.name in ("decode.cpp", "prefill.cpp")]
+    flags = [f for f in library._flags() if f not in ("-O3", "-march=native")]
+    subprocess.run(["g++", "-O1", "-march=x86-64", *flags, *(f"-I{p}" for p in include_paths()), *sources,
+                    "-o", str(so), *(f"-L{p}" for p in library_paths()), "-lc10", "-ltorch_cpu", "-lgomp"],
+                   check=True, capture_output=True)
+    cases = [([(10, 1), (0, 40), (8, 1), (4, 33)], dict(hq=9, hkv=3, d=64)),
+             ([(37, 50), (5, 1)], dict(hq=4, hkv=2, d=24)), ([(0, 9), (6, 7)], dict(hq=4, hkv=2, d=8))]
+    built = [build(seqs, num_blocks=200, pad_tokens=2, pad_seqs=1, block_size=16, **heads) for seqs, heads in cases]
+    torch.save([args for args, _ in built], tmp_path / "steps.pt")
+    subprocess.run([sys.executable, "-c", _PLAIN_CHILD, str(so), str(tmp_path / "steps.pt"), str(tmp_path / "out.pt")],
+                   check=True, capture_output=True)
+    for out, (seqs, _), (args, hist) in zip(torch.load(tmp_path / "out.pt"), cases, built):
+        check(out, args, seqs, hist, tol=1e-4)

@@ -1,14 +1,11 @@
 // Paged attention for a step on the CPU, read in place: every decode token (a sequence's one query
 // token) reads its sequence's K and V rows straight from the paged cache (block table -> block ->
 // row), one (sequence, kv head) per task over torch's threads, with no gathered copy of any context;
-// a sequence that brings a prompt chunk (more than one token) goes to prefill.cpp's tiles. The
-// contract is kernels/attention.py's (store this step's K/V at slot_mapping, then attend; padding
-// tokens give zeros). Two ops: cpu_decode_attention (eager, kernels/cpu/attention.py), which declines
-// a step with a chunk at a head size the tiles do not serve (paged::chunk_served: an empty result,
-// nothing touched, the caller's general path runs it); and cpu_paged_attention (compiled steps,
-// phaseflip::paged_attention's schema), traced in only for head sizes it serves every step of
-// (library.paged_attention_op, told by cpu_attention_head_multiple), an error at any other. Built and
-// loaded by phaseflip/kernels/cpu/library.py with the other kernels.
+// a sequence that brings a prompt chunk (more than one token) goes to prefill.cpp. The contract is
+// kernels/attention.py's (store this step's K/V at slot_mapping, then attend; padding tokens give
+// zeros), as the op `phaseflip::cpu_paged_attention` (phaseflip::paged_attention's schema): every step
+// of float32 or bfloat16, any head size, eager or compiled. Built and loaded by
+// phaseflip/kernels/cpu/library.py with the other kernels.
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/zeros.h>
@@ -137,15 +134,13 @@ namespace paged {
 // One sequence's G query heads of kv head h over its cached positions: scores, softmax, weighted V.
 // Two passes over the context, K then V, each row read once for all G heads; sums in float32.
 template <typename T>
-void attend_token(const T* q /* [G, D] */, T* out /* [G, D] */, const Cache& c, const Batch& b, int64_t s,
-                  int64_t h, int64_t G, int64_t d, std::vector<float>& buf) {
-  const int64_t L = b.lens[s];
-  const int64_t* table = b.table(s);
+void attend_token(const T* q /* [G, D] */, T* out /* [G, D] */, const Cache& c, const int64_t* table, int64_t L,
+                  float scale, int64_t h, int64_t G, int64_t d, std::vector<float>& buf) {
   buf.resize(G * (L + 2 * d));
   float* scores = buf.data();                 // [G, L]
   float* qf = scores + G * L;                 // [G, D] the queries as float, scaled
   float* acc = qf + G * d;                    // [G, D]
-  for (int64_t i = 0; i < G * d; ++i) qf[i] = widen(q[i]) * b.scale;
+  for (int64_t i = 0; i < G * d; ++i) qf[i] = widen(q[i]) * scale;
 #ifdef PF_LANES
   switch (G) {
     case 1: if (attend_vec_any<T, 1>(qf, out, c, table, L, h, d, scores)) return; break;
@@ -162,10 +157,10 @@ void attend_token(const T* q /* [G, D] */, T* out /* [G, D] */, const Cache& c, 
   attend_loops<T>(qf, out, c, table, L, h, G, d, scores, acc);
 }
 
-template void attend_token<float>(const float*, float*, const Cache&, const Batch&, int64_t, int64_t, int64_t,
-                                  int64_t, std::vector<float>&);
-template void attend_token<c10::BFloat16>(const c10::BFloat16*, c10::BFloat16*, const Cache&, const Batch&, int64_t,
-                                          int64_t, int64_t, int64_t, std::vector<float>&);
+template void attend_token<float>(const float*, float*, const Cache&, const int64_t*, int64_t, float, int64_t,
+                                  int64_t, int64_t, std::vector<float>&);
+template void attend_token<c10::BFloat16>(const c10::BFloat16*, c10::BFloat16*, const Cache&, const int64_t*, int64_t,
+                                          float, int64_t, int64_t, int64_t, std::vector<float>&);
 
 }  // namespace paged
 
@@ -193,7 +188,8 @@ void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const Ca
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t s = i / hkv, h = i % hkv, t = b.first(s);
       if (!b.attends(s) || b.count(s) != 1) continue;   // a padding sequence: its rows stay zero
-      paged::attend_token<T>(qp + (t * hq + h * G) * d, op + (t * hq + h * G) * d, c, b, s, h, G, d, buf);
+      paged::attend_token<T>(qp + (t * hq + h * G) * d, op + (t * hq + h * G) * d, c, b.table(s), b.lens[s], b.scale, h,
+                             G, d, buf);
     }
   });
   for (int64_t s = 0; s < b.seqs; ++s)   // prompt chunks, one after another (each parallel inside)
@@ -237,24 +233,6 @@ at::Tensor attention(const char* op, const at::Tensor& q, const at::Tensor& k, c
   return out;
 }
 
-bool brings_chunk(const Batch& b) {
-  for (int64_t s = 0; s < b.seqs; ++s)
-    if (b.count(s) > 1) return true;
-  return false;
-}
-
-at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& kv,
-                            const at::Tensor& slot_mapping, const at::Tensor& block_tables,
-                            const at::Tensor& seq_lens, const at::Tensor& query_start_loc, double scale) {
-  const char* op = "decode_attention";
-  const Batch b = checked(op, q, k, v, kv, slot_mapping, block_tables, seq_lens, query_start_loc, scale);
-  if (!paged::chunk_served(q.size(2)) && brings_chunk(b)) return at::empty({0}, q.options());   // declined
-  return attention(op, q, k, v, kv, b);
-}
-
-// The paged-attention op without Python between a compiled graph and the kernels: traced in only where
-// it serves every step (a head size chunk_served takes, float32 or bfloat16); which steps bring a chunk
-// is in the metadata's values, read only when the step runs, so the choice is made on the head size
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& kv_cache,
                            int64_t layer, const at::Tensor& slot_mapping, const at::Tensor& block_tables,
                            const at::Tensor& seq_lens, const at::Tensor& query_start_loc, double scale) {
@@ -262,8 +240,6 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::T
   TORCH_CHECK(kv_cache.dim() == 6 && layer >= 0 && layer < kv_cache.size(1), op,
               ": the cache [blocks, layers, 2, block_size, Hkv, D] and a layer of it, got ", kv_cache.sizes(),
               " and layer ", layer);
-  TORCH_CHECK(q.dim() == 3 && paged::chunk_served(q.size(2)), op, ": head size ", q.size(-1), " is not a multiple of ",
-              paged::chunk_multiple(), " (phaseflip::paged_attention serves it: library.paged_attention_op)");
   const at::Tensor kv = kv_cache.select(1, layer);
   return attention(op, q, k, v, kv, checked(op, q, k, v, kv, slot_mapping, block_tables, seq_lens, query_start_loc,
                                             scale));
@@ -272,12 +248,7 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::T
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(phaseflip, m) {
-  m.def("cpu_decode_attention(Tensor q, Tensor k, Tensor v, Tensor(a!) kv_layer, Tensor slot_mapping, "
-        "Tensor block_tables, Tensor seq_lens, Tensor query_start_loc, float scale) -> Tensor");
-  m.impl("cpu_decode_attention", c10::DispatchKey::CPU, TORCH_FN(decode_attention));
   m.def("cpu_paged_attention(Tensor q, Tensor k, Tensor v, Tensor(a!) kv_cache, SymInt layer, Tensor slot_mapping, "
         "Tensor block_tables, Tensor seq_lens, Tensor query_start_loc, float scale) -> Tensor");
   m.impl("cpu_paged_attention", c10::DispatchKey::CPU, TORCH_FN(paged_attention));
-  // cpu_paged_attention serves the head sizes that are multiples of this (0: none)
-  m.def("cpu_attention_head_multiple() -> int", &paged::chunk_multiple);
 }

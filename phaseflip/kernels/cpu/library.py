@@ -1,42 +1,34 @@
 """The CPU kernels of our own (gemv.cpp, decode.cpp, prefill.cpp, layer.cpp): built for
 this machine on first use, loaded as torch ops.
 
-Owns: `few_rows_op` (`phaseflip::cpu_few_rows_linear`), `decode_attention_op`
-(`phaseflip::cpu_decode_attention`), `paged_attention_op` (`phaseflip::cpu_paged_attention`:
-phaseflip::paged_attention in C++, for compiled CPU steps of the dtypes and head sizes it serves), `decode_layers_op`
-(`phaseflip::cpu_decode_layers`: one token through the decoder layers, kernels/cpu/fused_layer.py), each
-None where the kernels cannot be built or give a wrong answer, and `kernel_report` (whether they are
-there, why not, where they live, what the build cost).
+Owns: `few_rows_op` (`phaseflip::cpu_few_rows_linear`), `paged_attention_op`
+(`phaseflip::cpu_paged_attention`: phaseflip::paged_attention in C++, every CPU step of float32 or
+bfloat16, eager or compiled), `decode_layers_op` (`phaseflip::cpu_decode_layers`: one token through the
+decoder layers, kernels/cpu/fused_layer.py), each None where the kernels cannot be built or give a wrong
+answer, and `kernel_report` (whether they are there, why not, where they live, what the build cost).
 
 Why a few-rows product of our own: a decode step's projections multiply one to four rows by every weight,
 a pass over the whole model that should run at the memory's read speed. Neither the library's GEMM
 (MKL's GEMV, oneDNN built per row count) nor inductor's reduction over a weight row gets there; this
-kernel is the faster in float32 and in bfloat16, by more at four rows than at one. Inductor's own C++
-GEMM template reaches this speed only on frozen weights, repacked into a copy that a flip would not
-refill; this kernel reads the arena as it lies. From 5 to MAX_ROWS rows it transposes x and broadcasts
-each weight value over 16 rows of x (no horizontal sums), the next weight rows fetched ahead, which beats
-oneDNN at 8 to 32 rows. Past 16 rows (AVX2) x is cut into panels of 16 rows that each group of weight
-rows meets in turn (wide.h `panel_mb`), which holds a steady share of the cores' peak at any row
-count, ahead of oneDNN by less as the rows grow, so short prompt chunks take it too where the boot
-measures it faster (forms.choose_wide_forms). Dotting each weight row with each x row there (the
-one-pass form extended to tiles) is no faster than oneDNN.
+kernel reads the arena as it lies (inductor's own C++ GEMM template needs frozen weights, repacked into a
+copy that a flip would not refill). From 5 to MAX_ROWS rows it transposes x and broadcasts each weight
+value over 16 rows of x (no horizontal sums), the next weight rows fetched ahead; past 16 rows (AVX2) x
+is cut into panels that each group of weight rows meets in turn (wide.h `panel_mb`), so short prompt
+chunks take it too where the boot measures it faster (forms.choose_wide_forms).
 Both kernels are written once over simd.h's float32 vector: AVX-512 (16 lanes) or AVX2 + FMA (8
 lanes), plain loops where the CPU has neither. The plain loops are the slowest product and the boot
 never chooses them, so an AVX2-only CPU has the kernel only through its AVX2 form.
-Why a decode attention of our own: per layer, the general path (kernels/cpu/attention.py) runs a plan
-lookup, a store, a gather of every context into a fresh tensor and one SDPA call from Python; this one
-reads the paged cache in place, in one call, several times faster at batch 1 and at 32 sequences. With
-every layer's cache read from memory in turn (as a step reads them), its K pass fetching the next
-block's rows ahead (decode.cpp) about halves a layer's attention.
-Prompt chunks take the same op (prefill.cpp: register tiles over a float32 copy of each kv head's
-context), not the gathers path's gather and SDPA, at about half its time a layer, bf16 alike.
+Why an attention of our own: it reads the paged cache in place, one call a layer, where torch's ops
+would gather every context into a fresh tensor first; decodes read each K/V row once for a kv head's
+query heads, prompt chunks run in register tiles (prefill.cpp). Without the kernels (no compiler), and
+for float16, the torch reference (kernels/reference/attention.py) runs instead.
 The measurements behind these choices are in docs/performance.md.
 
 The build: one g++ call (-O3 -march=native -fopenmp, torch's headers and libraries), its output
 renamed into place so that ranks building at once never load half a file, under the phaseflip cache
 dir keyed by the sources, torch's version and this CPU's feature flags (a cache shared between
-machines never hands one the other's code). About 20 s once per machine and torch; then a load.
-Nothing is built at import: the first call of either op getter does it (boot's small-rows measurement).
+machines never hands one the other's code); once per machine and torch (its time is in kernel_report),
+then a load. Nothing is built at import: the first call of an op getter does it.
 """
 from __future__ import annotations
 
@@ -75,20 +67,10 @@ def few_rows_op():
     return torch.ops.phaseflip.cpu_few_rows_linear if _loaded() else None
 
 
-def decode_attention_op():
-    """torch.ops.phaseflip.cpu_decode_attention; None where the kernels are not here (kernel_report)."""
-    return torch.ops.phaseflip.cpu_decode_attention if _loaded() else None
-
-
-def paged_attention_op(dtype: torch.dtype, head_dim: int):
-    """torch.ops.phaseflip.cpu_paged_attention (phaseflip::paged_attention's schema and contract) where it
-    serves every step of this dtype and head size, else None (it refuses the others). Decided on these
-    alone, at trace time: which steps bring a prompt chunk, which prefill.cpp's tiles take only at head
-    sizes they divide, is in the metadata's values, known only when a step runs."""
-    if not _loaded() or dtype not in DTYPES:
-        return None
-    multiple = _report["head_multiple"]   # decode.cpp's cpu_attention_head_multiple, read at load
-    return torch.ops.phaseflip.cpu_paged_attention if multiple and head_dim % multiple == 0 else None
+def paged_attention_op(dtype: torch.dtype):
+    """torch.ops.phaseflip.cpu_paged_attention (phaseflip::paged_attention's schema and contract) for q of
+    this dtype; None where the kernels are not here or are not written for the dtype."""
+    return torch.ops.phaseflip.cpu_paged_attention if dtype in DTYPES and _loaded() else None
 
 
 def decode_layers_op():
@@ -110,8 +92,7 @@ def _loaded() -> bool:
 
 
 def kernel_report() -> dict:
-    """What loading found: available, reason (when not), path, build_s (None: loaded, not built) and
-    head_multiple (the head sizes cpu_paged_attention serves are its multiples; 0: none)."""
+    """What loading found: available, reason (when not), path and build_s (None: loaded, not built)."""
     return dict(_report) if _report else {"available": None, "reason": "not tried yet"}
 
 
@@ -131,11 +112,9 @@ def _load() -> dict:
         prune(path.parent, KEEP_BUILDS, protect=path, suffix=".so")   # builds for older sources
         _register_fake()
         reason = _disagreement()
-        head_multiple = torch.ops.phaseflip.cpu_attention_head_multiple()
     except (OSError, RuntimeError, subprocess.CalledProcessError) as e:
-        reason, head_multiple = f"{type(e).__name__}: {str(e).strip()[-400:]}", 0
-    return {"available": reason is None, "reason": reason, "path": str(path), "build_s": build_s,
-            "head_multiple": head_multiple}
+        reason = f"{type(e).__name__}: {str(e).strip()[-400:]}"
+    return {"available": reason is None, "reason": reason, "path": str(path), "build_s": build_s}
 
 
 def _flags() -> list[str]:
@@ -176,9 +155,7 @@ def _build(compiler: str, path: Path) -> None:
 
 
 def _register_fake() -> None:
-    """The shapes for tracing of what compiled steps call: the product, and the paged attention (q's).
-    The bare decode attention has none: it is called only from eager code, and its result's shape
-    depends on the metadata's values (empty where it declines)."""
+    """The shapes for tracing of what compiled steps call: the product, and the paged attention (q's)."""
     global _faked
     if not _faked:   # once per process (a second registration is an error)
         torch.library.register_fake("phaseflip::cpu_few_rows_linear")(

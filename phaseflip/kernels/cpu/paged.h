@@ -126,23 +126,19 @@ inline void softmax_rows(float* scores, int64_t G, int64_t L, int64_t stride) {
   }
 }
 
-// One query token's G heads (those of kv head h) over sequence s's cached positions, already stored:
-// scores, softmax, weighted V, sums in float32 (decode.cpp). buf: the caller's scratch.
+// One query token's G heads (those of kv head h) over the first L cached positions of a sequence whose
+// blocks are `table`, already stored: scores, softmax, weighted V, sums in float32 (decode.cpp). buf: the
+// caller's scratch.
 template <typename T>
-void attend_token(const T* q /* [G, D] */, T* out /* [G, D] */, const Cache& c, const Batch& b, int64_t s,
-                  int64_t h, int64_t G, int64_t d, std::vector<float>& buf);
-
-// The head sizes attend_chunk serves are the multiples of this (its vector tiles'; 0: none, a build
-// without vectors)
-int64_t chunk_multiple();
-inline bool chunk_served(int64_t d) { return chunk_multiple() > 0 && d > 0 && d % chunk_multiple() == 0; }
+void attend_token(const T* q /* [G, D] */, T* out /* [G, D] */, const Cache& c, const int64_t* table, int64_t L,
+                  float scale, int64_t h, int64_t G, int64_t d, std::vector<float>& buf);
 
 struct Heads {   // a layer's attention heads: query heads, kv heads, head size
   int64_t hq, hkv, d;
 };
 
 // Sequence s's prompt chunk of n tokens, the last n of its L cached positions (already stored): token i
-// attends positions 0 .. L - n + i. q and out: the step's [T, Hq, D] rows.
+// attends positions 0 .. L - n + i. q and out: the step's [T, Hq, D] rows. Any head size.
 template <typename T>
 void attend_chunk(const T* q, T* out, const Cache& c, const Batch& b, int64_t s, const Heads& heads);
 

@@ -3,9 +3,11 @@
 // weighted sums are small matrix products, computed in tile.h's register tiles: MR rows of queries (or
 // probabilities) against NC of K's positions (or V's columns), no horizontal sums.
 // First each kv head's context is laid out once as float32: K in tiles of NC positions ([tile][D][NC],
-// a tile's values contiguous), V as [L][D]; then tasks of QB query tokens (x the kv head's G query
+// a tile's values contiguous), V as [L][Dp] (D rounded up to whole tiles of columns, zero past D, so any
+// head size runs in the same tiles); then tasks of QB query tokens (x the kv head's G query
 // heads) each run scores -> softmax -> weighted V for their rows, every group of MR rows only over the
-// positions its last token sees.
+// positions its last token sees. A build without vectors attends each token of the chunk as decode.cpp
+// attends a decode token, over the positions it sees.
 #include <c10/util/Exception.h>
 #include <vector>
 #include "paged.h"
@@ -22,19 +24,19 @@ constexpr int NV = 2;                      // vectors of columns in a tile
 constexpr int64_t NC = NV * pf::LANES;     // columns in a tile
 constexpr int64_t QB = 16;                 // query tokens a task
 
-// Each kv head's L cached positions as float32: K as [tile][D][NC] (zero past L), V as [L][D]
+// Each kv head's L cached positions as float32: K as [tile][D][NC] (zero past L), V as [L][dp] (zero past D)
 struct Context {
-  int64_t L, d, tiles;
+  int64_t L, d, dp, tiles;
   std::vector<float> k, v;
   const float* k_of(int64_t h) const { return k.data() + h * tiles * d * NC; }
-  const float* v_of(int64_t h) const { return v.data() + h * L * d; }
+  const float* v_of(int64_t h) const { return v.data() + h * L * dp; }
 };
 
 template <typename T>
 Context lay_out(const Cache& c, const int64_t* table, int64_t L, int64_t hkv, int64_t d) {
-  Context ctx{L, d, (L + NC - 1) / NC, {}, {}};
+  Context ctx{L, d, (d + NC - 1) / NC * NC, (L + NC - 1) / NC, {}, {}};
   ctx.k.resize(hkv * ctx.tiles * d * NC);
-  ctx.v.resize(hkv * L * d);
+  ctx.v.resize(hkv * L * ctx.dp);   // zeros: the columns past D stay so
   par::ranges(hkv * ctx.tiles, 1, [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t h = i / ctx.tiles, j = i % ctx.tiles;
@@ -47,7 +49,7 @@ Context lay_out(const Cache& c, const int64_t* table, int64_t L, int64_t hkv, in
         }
         const T* kr = row<T>(c, table[pos / c.block_size], pos % c.block_size, h, 0);
         const T* vr = row<T>(c, table[pos / c.block_size], pos % c.block_size, h, 1);
-        float* vd = ctx.v.data() + (h * L + pos) * d;
+        float* vd = ctx.v.data() + (h * L + pos) * ctx.dp;
         for (int64_t e = 0; e < d; ++e) {
           kt[e * NC + col] = static_cast<float>(kr[e]);
           vd[e] = static_cast<float>(vr[e]);
@@ -91,10 +93,11 @@ void attend_rows(const T* q, T* out, const Context& ctx, int64_t h, const Rows& 
       std::fill(sr + n, sr + seen, 0.f);   // positions after the row's token: weigh 0
     }
     for (int64_t e0 = 0; e0 < d; e0 += NC) {
-      tile::rows<float, MR, NV>(s, width, ctx.v_of(h) + e0, d, seen, o, NC);
+      tile::rows<float, MR, NV>(s, width, ctx.v_of(h) + e0, ctx.dp, seen, o, NC);
+      const int64_t cols = std::min(NC, d - e0);
       for (int64_t r = g0; r <= last; ++r) {
         T* dst = out + rows.at(r, h, hq, d) + e0;
-        for (int64_t e = 0; e < NC; ++e) dst[e] = static_cast<T>(o[(r - g0) * NC + e]);
+        for (int64_t e = 0; e < cols; ++e) dst[e] = static_cast<T>(o[(r - g0) * NC + e]);
       }
     }
   }
@@ -102,13 +105,10 @@ void attend_rows(const T* q, T* out, const Context& ctx, int64_t h, const Rows& 
 
 }  // namespace
 
-int64_t chunk_multiple() { return NC; }
-
 template <typename T>
 void attend_chunk(const T* q, T* out, const Cache& c, const Batch& b, int64_t s, const Heads& heads) {
   const int64_t L = b.lens[s], n = b.count(s), t = b.first(s), d = heads.d, hkv = heads.hkv;
-  TORCH_CHECK(chunk_served(d) && n <= L, "attend_chunk: D = ", d, " needs a multiple of ", NC, ", and ", n,
-              " tokens at most the context's ", L);
+  TORCH_CHECK(n <= L, "attend_chunk: ", n, " tokens, at most the context's ", L);
   const Context ctx = lay_out<T>(c, b.table(s), L, hkv, d);
   const int64_t G = heads.hq / hkv, blocks = (n + QB - 1) / QB;
   // tasks block-major, blocks in the order 0, last, 1, last - 1, ...: a late block sees more positions,
@@ -123,11 +123,17 @@ void attend_chunk(const T* q, T* out, const Cache& c, const Batch& b, int64_t s,
   });
 }
 #else
-int64_t chunk_multiple() { return 0; }
-
 template <typename T>
-void attend_chunk(const T*, T*, const Cache&, const Batch&, int64_t, const Heads&) {
-  TORCH_CHECK(false, "attend_chunk: this build has no vector path (chunk_served is false)");
+void attend_chunk(const T* q, T* out, const Cache& c, const Batch& b, int64_t s, const Heads& heads) {
+  const int64_t L = b.lens[s], n = b.count(s), t = b.first(s), d = heads.d, hkv = heads.hkv, G = heads.hq / hkv;
+  TORCH_CHECK(n <= L, "attend_chunk: ", n, " tokens, at most the context's ", L);
+  par::ranges(n * hkv, 1, [&](int64_t i0, int64_t i1) {
+    std::vector<float> buf;
+    for (int64_t i = i0; i < i1; ++i) {   // token i / hkv of the chunk sees L - n + i / hkv + 1 positions
+      const int64_t at = ((t + i / hkv) * heads.hq + (i % hkv) * G) * d;
+      attend_token<T>(q + at, out + at, c, b.table(s), L - n + i / hkv + 1, b.scale, i % hkv, G, d, buf);
+    }
+  });
 }
 #endif
 
