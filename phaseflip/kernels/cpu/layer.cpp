@@ -66,14 +66,10 @@ void add_norm(const W* delta, const W* resid, const W* w, int64_t n, float eps, 
     h[i] = static_cast<X>(rnd<W>(static_cast<float>(w[i]) * rnd<W>(static_cast<float>(res[i]) * inv)));
 }
 
-// x [D] in place: rms_norm with weight w [D] (Qwen3's per-head q/k norm), rounded as the reference
+// x [D] in place: rms_norm with weight w [D] (Qwen3's per-head q/k norm): add_norm with nothing added
 template <typename W>
 void head_norm(W* x, const W* w, int64_t d, float eps) {
-  float sq = 0.f;
-  for (int64_t i = 0; i < d; ++i) sq += static_cast<float>(x[i]) * static_cast<float>(x[i]);
-  const float inv = 1.f / std::sqrt(sq / static_cast<float>(d) + eps);
-  for (int64_t i = 0; i < d; ++i)
-    x[i] = static_cast<W>(static_cast<float>(w[i]) * rnd<W>(static_cast<float>(x[i]) * inv));
+  add_norm<W, W>(nullptr, x, w, d, eps, x, x);
 }
 
 // out [D] = x [D] rotated (rotate_half; cos_sin [D]: cos in the first half, sin in the second); out may be x
