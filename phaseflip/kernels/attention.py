@@ -44,16 +44,17 @@ def paged_attention_impl(q, k, v, kv_cache, layer: int, slot_mapping, block_tabl
                                query_start_loc, scale)
 
 
-def attend(q, k, v, kv_cache, layer: int, slot_mapping, block_tables, seq_lens, query_start_loc,
-           scale: float) -> torch.Tensor:
-    """What the model calls: the custom op while torch.compile traces (it must stay one opaque call: on
-    the CPU the C++ kernels' op, which runs every step without Python), the body directly otherwise (the
-    op's Python dispatch costs tens of microseconds per layer)."""
-    if not torch.compiler.is_compiling():
-        fn = paged_attention_impl
-    else:
-        fn = compiled_op(q)
-    return fn(q, k, v, kv_cache, layer, slot_mapping, block_tables, seq_lens, query_start_loc, scale)
+# The step's batch metadata (the docstring above), in the order the op takes it.
+BATCH_FIELDS = ("slot_mapping", "block_tables", "seq_lens", "query_start_loc")
+
+
+def attend(q, k, v, kv_cache, layer: int, batch: dict[str, torch.Tensor], scale: float) -> torch.Tensor:
+    """What the model calls, with the step's metadata as one mapping (BATCH_FIELDS): the custom op while
+    torch.compile traces (it must stay one opaque call: on the CPU the C++ kernels' op, which runs every
+    step without Python), the body directly otherwise (the op's Python dispatch costs tens of
+    microseconds per layer)."""
+    fn = compiled_op(q) if torch.compiler.is_compiling() else paged_attention_impl
+    return fn(q, k, v, kv_cache, layer, *[batch[name] for name in BATCH_FIELDS], scale)
 
 
 def compiled_op(q: torch.Tensor):

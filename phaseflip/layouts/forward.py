@@ -52,9 +52,7 @@ def attention_block(lw: LayerWeights, cfg: ModelConfig, shard: RankShard, h: tor
         q, k = apply_rotary(q, cos_sin), apply_rotary(k, cos_sin)
     else:  # one rotary over the q and k heads together: half the small ops per layer
         q, k = apply_rotary(qk.view(-1, hq + hkv, d), cos_sin).split([hq, hkv], dim=1)
-    o = attend(
-        q.contiguous(), k.contiguous(), v.contiguous(), kv.tensor, layer, meta["slot_mapping"],
-        meta["block_tables"], meta["seq_lens"], meta["query_start_loc"], d ** -0.5)  # [T, hq, D]
+    o = attend(q.contiguous(), k.contiguous(), v.contiguous(), kv.tensor, layer, meta, d ** -0.5)  # [T, hq, D]
     return comm.all_reduce(linear(o.view(-1, hq * d), lw.o_proj))  # [T, H]
 
 
