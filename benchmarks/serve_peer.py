@@ -6,7 +6,7 @@ session, waiting for its /health (the boot time), driving it with a load generat
 (`vllm bench serve --dataset-name random`, the completions endpoint, and the chat one with --chat) at a
 moderate request rate (one every server keeps up with), at about a 2-core server's capacity and at
 saturation (every request at once), stopping it (SIGTERM to its process
-group, SIGKILL after 30 s, then any process left in its session), and printing per dtype and rate each
+group, SIGKILL after 30 s, then any process left of its tree), and printing per dtype and rate each
 server's TTFT / ITL / end-to-end latency (median and p99, ms), output tok/s, completed/failed requests and
 boot seconds, with the ratios phaseflip / vLLM and phaseflip / llama.cpp (output tok/s at saturation: > 1
 phaseflip faster; median TTFT and ITL at the other rates: < 1 phaseflip faster) and the cores other
@@ -59,21 +59,28 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _session_pids(sid: int) -> list[int]:
-    pids = []
+def _tree_pids(root: int) -> list[int]:
+    """root and every process descended from it (a server's ranks may start sessions of their own)."""
+    children: dict[int, list[int]] = {}
     for d in Path("/proc").iterdir():
         try:
-            if d.name.isdigit() and int((d / "stat").read_text().rsplit(")", 1)[1].split()[3]) == sid:
-                pids.append(int(d.name))
+            if d.name.isdigit():
+                ppid = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
+                children.setdefault(ppid, []).append(int(d.name))
         except (OSError, IndexError, ValueError):
             pass
-    return pids
+    tree, todo = [], [root]
+    while todo:
+        pid = todo.pop()
+        tree.append(pid)
+        todo += children.get(pid, [])
+    return tree
 
 
-def _session_cpu(sid: int) -> float:
-    """CPU seconds the processes of session sid (a server and its children) have used, their waited ones too."""
+def _tree_cpu(root: int) -> float:
+    """CPU seconds the processes of root's tree (a server and its children) have used, their waited ones too."""
     total = 0
-    for pid in _session_pids(sid):
+    for pid in _tree_pids(root):
         try:
             total += sum(int(v) for v in Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[11:15])
         except (OSError, ValueError):
@@ -129,7 +136,9 @@ def start(a, server: str, dtype: str, log: Path) -> tuple[subprocess.Popen, int,
 
 
 def stop(proc: subprocess.Popen) -> None:
-    """SIGTERM to the server's process group, SIGKILL after 30 s; then SIGKILL to anything left in its session."""
+    """SIGTERM to the server's process group, SIGKILL after 30 s; then SIGKILL to anything left of its process
+    tree as it stood before the signal (children that started sessions of their own)."""
+    tree = _tree_pids(proc.pid)
     for sig, wait_s in ((signal.SIGTERM, 30), (signal.SIGKILL, 10)):
         try:
             os.killpg(proc.pid, sig)
@@ -140,14 +149,14 @@ def stop(proc: subprocess.Popen) -> None:
             break
         except subprocess.TimeoutExpired:
             continue
-    for pid in _session_pids(proc.pid):  # children that left its process group
+    for pid in tree[1:]:
         try:
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
 
 
-def bench(a, port: int, rate: float, chat: bool, seed: int, out: Path, sid: int) -> dict:
+def bench(a, port: int, rate: float, chat: bool, seed: int, out: Path, server_pid: int) -> dict:
     """One `vllm bench serve` run: its figures and the cores other processes kept busy meanwhile."""
     backend, endpoint = ("openai-chat", "/v1/chat/completions") if chat else ("openai", "/v1/completions")
     cmd = [str(a.vllm_venv / "bin" / "vllm"), "bench", "serve", "--backend", backend,
@@ -157,12 +166,12 @@ def bench(a, port: int, rate: float, chat: bool, seed: int, out: Path, sid: int)
            "--request-rate", str(rate), "--ignore-eos", "--temperature", "0", "--seed", str(seed), "--disable-tqdm",
            "--percentile-metrics", ",".join(METRICS), "--metric-percentiles", "50,99",
            "--save-result", "--result-dir", str(out.parent), "--result-filename", out.name]
-    start_cpu, start_srv, t0 = _cpu_seconds(), _session_cpu(sid), time.perf_counter()
+    start_cpu, start_srv, t0 = _cpu_seconds(), _tree_cpu(server_pid), time.perf_counter()
     with out.with_suffix(".log").open("w") as log:
         rc = subprocess.run(cmd, env=dict(os.environ, HF_HUB_OFFLINE="1"), stdin=subprocess.DEVNULL,
                             stdout=log, stderr=subprocess.STDOUT).returncode
     (all_end, own_end), wall = _cpu_seconds(), time.perf_counter() - t0
-    others = (all_end - start_cpu[0]) - (own_end - start_cpu[1]) - (_session_cpu(sid) - start_srv)
+    others = (all_end - start_cpu[0]) - (own_end - start_cpu[1]) - (_tree_cpu(server_pid) - start_srv)
     row = {"rate": rate, "backend": backend, "others_busy_cores": max(0.0, others) / wall, "wall_s": wall}
     if rc != 0 or not out.is_file():
         row["error"] = f"vllm bench serve exit {rc}; see {out.with_suffix('.log')}"
