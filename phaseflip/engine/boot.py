@@ -5,7 +5,7 @@ RankBoot message each rank boots from. Checkpoint problems are raised by the loa
 allocates its KV region, and a KV budget that cannot hold one sequence of max_model_len tokens is
 refused here, saying what to change. On CUDA, unless kv_cache_memory_gib or num_kv_blocks is given,
 the block count is left to the ranks: each measures what gpu_memory_utilization leaves after its
-weights and a profile step (layouts/kv_sizing.py), and the LLM adopts the count they agreed on. An
+weights and a profile step (rank/kv_sizing.py), and the LLM adopts the count they agreed on. An
 explicit num_kv_blocks is taken as given (a test and tuning knob): a smaller pool is then every
 request's length limit (a warning says so).
 """
@@ -21,10 +21,10 @@ import torch
 from phaseflip.engine.config import EngineConfig
 from phaseflip.cache import cache_dir
 from phaseflip.engine.checkpoint.loader import resolve_dtype
-from phaseflip.layouts.messages import RankBoot
-from phaseflip.layouts.model_config import ModelConfig
-from phaseflip.layouts.planner import LayoutPlan, kv_block_bytes, plan_layouts
-from phaseflip.layouts.runner import StepShapes
+from phaseflip.rank.messages import RankBoot
+from phaseflip.rank.model_config import ModelConfig
+from phaseflip.rank.planner import LayoutPlan, kv_block_bytes, plan_layouts
+from phaseflip.rank.runner import StepShapes
 
 log = logging.getLogger("phaseflip")
 
@@ -110,7 +110,7 @@ def memory_budgets(cfg: EngineConfig, device: str) -> tuple[int, ...] | None:
 
 
 def kv_utilization(cfg: EngineConfig, device: str) -> float | None:
-    """The fraction of each device the ranks size the KV by (layouts/kv_sizing.py), or None where the
+    """The fraction of each device the ranks size the KV by (rank/kv_sizing.py), or None where the
     plan fixes the block count: num_kv_blocks or kv_cache_memory_gib given (they win), or the CPU."""
     if device != "cuda":
         if cfg.gpu_memory_utilization is not None:

@@ -13,7 +13,7 @@ from phaseflip.engine.policy.rules import StepSummary
 from phaseflip.engine.requests import Sequence
 from phaseflip.engine.scheduler import Scheduler
 from phaseflip.engine.stopping import check_stop
-from phaseflip.layouts.messages import RunStep, StepBatch, StepResult
+from phaseflip.rank.messages import RunStep, StepBatch, StepResult
 
 
 MAX_IDLE_POLLS = 10_000  # a rule that leaves work pending with nothing runnable this long is a bug

@@ -28,7 +28,7 @@ from phaseflip.engine.checkpoint.loader import load_model_config
 from phaseflip.engine.checkpoint.tokenizer import load_tokenizer
 from phaseflip.engine.ranks.group import EngineDeadError, LocalRanks, ProcessRanks
 from phaseflip.engine.ranks.torchrun import TorchrunRanks
-from phaseflip.layouts.comm import env_rank
+from phaseflip.rank.comm import env_rank
 from phaseflip.engine.outputs import request_output
 from phaseflip.engine.prompts import PreparedPrompt, prepare_prompts
 from phaseflip.engine.requests import RequestOutput, Sequence
@@ -36,8 +36,8 @@ from phaseflip.engine.sampling_params import SamplingParams
 from phaseflip.engine.scheduler import Scheduler, SchedulerConfig
 from phaseflip.engine.manifest import build_manifest
 from phaseflip.engine.policy.rules import make_rule
-from phaseflip.layouts.messages import ForgetRequests, LiveStateQuery, ManifestQuery, StatsQuery
-from phaseflip.layouts.timing import timed
+from phaseflip.rank.messages import ForgetRequests, LiveStateQuery, ManifestQuery, StatsQuery
+from phaseflip.rank.timing import timed
 
 log = logging.getLogger("phaseflip")
 

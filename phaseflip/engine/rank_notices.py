@@ -8,7 +8,7 @@ The scheduler composes a batch from these; llm.py tells the ranks directly when 
 from __future__ import annotations
 
 from phaseflip.engine.requests import Sequence
-from phaseflip.layouts.messages import NewRequest
+from phaseflip.rank.messages import NewRequest
 
 
 def _new_request(seq: Sequence) -> NewRequest:

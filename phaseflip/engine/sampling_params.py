@@ -1,7 +1,7 @@
 """SamplingParams: how one request's next tokens are chosen and when its generation stops.
 
 Owns: the frozen, validated, vLLM-shaped options of a request. Plain Python (no torch) so it travels to
-rank processes in a NewRequest. It never samples (layouts/sampler.py does) and never knows the model:
+rank processes in a NewRequest. It never samples (rank/sampler.py does) and never knows the model:
 limits that depend on it (max_model_len, the vocabulary) are checked by the engine.
 
 Normalisation done here, once, so readers see one spelling of each option:

@@ -31,7 +31,7 @@ from dataclasses import dataclass, fields
 from phaseflip.engine.blocks import BlockAllocator
 from phaseflip.engine.rank_notices import RankNotices
 from phaseflip.engine.requests import Sequence, SeqStatus
-from phaseflip.layouts.messages import Phase, SeqChunk, StepBatch
+from phaseflip.rank.messages import Phase, SeqChunk, StepBatch
 
 
 @dataclass(frozen=True)

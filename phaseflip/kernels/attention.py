@@ -64,7 +64,7 @@ def compiled_op(q: torch.Tensor):
     return cpp or torch.ops.phaseflip.paged_attention
 
 
-# The op takes a layout's WHOLE KV view ([blocks, layers, 2, block_size, heads, D], layouts/kvcache.py)
+# The op takes a layout's WHOLE KV view ([blocks, layers, 2, block_size, heads, D], rank/kvcache.py)
 # and a layer index, not the layer's K/V sub-views: inductor hands a custom op that mutates an offset
 # sub-view of a closed-over tensor a fresh buffer instead of the cache (torch 2.13), so the compiled
 # step would attend over zeros. A view of the whole region starting at offset 0 is passed intact.

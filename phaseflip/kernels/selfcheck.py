@@ -26,7 +26,7 @@ TOL = {torch.float32: (1e-5, 1e-5), torch.bfloat16: (2e-2, 2e-2)}   # (atol, rto
 
 @dataclass(frozen=True)
 class Llama3Scaling:
-    """The fields cos_sin_table reads from a RopeScaling (layouts/ is out of kernels/' reach)."""
+    """The fields cos_sin_table reads from a RopeScaling (rank/ is out of kernels/' reach)."""
     factor: float = 8.0
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0

@@ -83,7 +83,7 @@ def _engine_kwargs(model, dtype, max_model_len, max_num_seqs, max_num_batched_to
                    gpu_memory_utilization, world_size, layouts, park, flip_every_steps, compile_mode, remeasure,
                    policy, ttft_budget_s) -> dict:
     """The engine options of the command line as LLM(...) keyword arguments."""
-    from phaseflip.layouts.comm import env_rank
+    from phaseflip.rank.comm import env_rank
     if world_size is None:
         world_size = env_rank()[1] if env_rank() else 1
     return dict(model=model, dtype=dtype, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
@@ -101,7 +101,7 @@ def _llm(**engine):
 
 def _serve_if_worker() -> bool:
     """Under torchrun, ranks > 0 serve rank 0 (the controller) and print nothing."""
-    from phaseflip.layouts.comm import env_rank
+    from phaseflip.rank.comm import env_rank
     if env_rank() is None or env_rank()[0] == 0:
         return False
     from phaseflip.engine.ranks.torchrun import serve_torchrun_rank

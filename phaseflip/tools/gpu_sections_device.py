@@ -48,12 +48,12 @@ def environment(ctx: Context) -> dict:
             out[name] = None
             out[f"{name}_error"] = str(e)
     from phaseflip.kernels import dispatch
-    from phaseflip.layouts import forward
+    from phaseflip.rank import forward
     out["engine_kernels"] = {
         "attention_and_kv_store": "triton (inside phaseflip::paged_attention)" if dispatch.triton_available()
         else "torch reference (triton missing)",
         "norm_rotary_silu": "triton via kernels.dispatch" if getattr(forward, "rms_norm", None) is dispatch.rms_norm
-        else "torch references (layouts/forward.py does not call kernels.dispatch)"}
+        else "torch references (rank/forward.py does not call kernels.dispatch)"}
     if ctx.profile.device == "cuda":
         prop = torch.cuda.get_device_properties(0)
         out.update(device_name=prop.name, sm_count=prop.multi_processor_count, device_memory_bytes=prop.total_memory)

@@ -162,7 +162,7 @@ def _seeded_in_step_vs_host(llm, prompts, max_tokens: int) -> dict:
 
 
 def park_restore(ctx: Context) -> dict:
-    from phaseflip.layouts.messages import PoisonArena   # the test hook tests/layouts/test_flip.py uses
+    from phaseflip.rank.messages import PoisonArena   # the test hook tests/rank/test_flip.py uses
     p, llm, baseline = ctx.profile, ctx.need("llm", "capture"), ctx.need("baseline", "replay_vs_eager")
     ptrs0 = llm.stats()["arena_ptrs"]
     cycles = []

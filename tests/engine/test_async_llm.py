@@ -8,7 +8,7 @@ import pytest
 from phaseflip import LLM, AsyncLLM, SamplingParams
 from phaseflip.engine.request_stream import EngineStopping, QueueFull
 from phaseflip.engine.ranks.group import RankError
-from phaseflip.layouts.messages import ArmFault
+from phaseflip.rank.messages import ArmFault
 
 OPTIONS = dict(kv_cache_memory_gib=0.05, max_model_len=256)
 PROMPTS = ["The quick brown fox", "def fib(n):", "Once upon a time", "hello world"]

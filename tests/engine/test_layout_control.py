@@ -6,7 +6,7 @@ from phaseflip.engine.policy.control import MAX_FLIP_LOG, LayoutControl
 from phaseflip.engine.policy.decide import PolicyConfig
 from phaseflip.engine.policy.rules import MAX_DECISIONS, DrainRule, PolicyRule
 from phaseflip.engine.scheduler import Scheduler, SchedulerConfig
-from phaseflip.layouts.messages import FLIP_STAGES, FlipCommand, FlipReport
+from phaseflip.rank.messages import FLIP_STAGES, FlipCommand, FlipReport
 from phaseflip.tools.inspect_cmd import flips_table
 
 

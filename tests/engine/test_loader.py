@@ -12,7 +12,7 @@ from safetensors.torch import load_file, save_file
 from phaseflip.engine.checkpoint.loader import (CheckpointError, expected_tensor_shapes, load_model_config, load_weights,
                                      resolve_dtype)
 from phaseflip.engine.checkpoint.tokenizer import load_tokenizer
-from phaseflip.layouts.model_config import RopeScaling
+from phaseflip.rank.model_config import RopeScaling
 from tests.models import KINDS, TOKENIZER_VOCAB_SIZE, compare_greedy, hf_greedy, make_tokenizer
 
 SMOLLM2_DIR = Path.home() / ".cache" / "phaseflip" / "SmolLM2-135M-Instruct"

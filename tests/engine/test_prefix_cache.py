@@ -11,7 +11,7 @@ from phaseflip import LLM, SamplingParams
 from phaseflip.engine.blocks import BlockAllocator
 from phaseflip.engine.requests import Sequence
 from phaseflip.engine.scheduler import Scheduler, SchedulerConfig
-from tests.layouts.test_layouts_parity import THREE_KV
+from tests.rank.test_layouts_parity import THREE_KV
 from tests.models import compare_greedy, hf_greedy
 
 BS = 16

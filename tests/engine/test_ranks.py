@@ -13,7 +13,7 @@ import pytest
 
 from phaseflip import LLM, SamplingParams
 from phaseflip.engine.ranks.group import EngineDeadError, RankError
-from phaseflip.layouts.messages import ArmFault
+from phaseflip.rank.messages import ArmFault
 from tests.reliability.support import alive, wait_gone
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)

@@ -10,7 +10,7 @@ from phaseflip.engine.blocks import BlockAllocator
 from phaseflip.engine.sampling_params import SamplingParams
 from phaseflip.engine.requests import Sequence, SeqStatus
 from phaseflip.engine.scheduler import Scheduler, SchedulerConfig
-from phaseflip.layouts.messages import Phase
+from phaseflip.rank.messages import Phase
 
 
 def make_sched(num_blocks=64, block_size=4, max_num_seqs=8, max_num_batched_tokens=64, max_prefill_chunk=16):

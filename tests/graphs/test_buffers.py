@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from phaseflip.graphs.buffers import BufferSpec, StaticBuffers
-from phaseflip.layouts.step_inputs import buffer_specs, bucket_sizes
+from phaseflip.rank.step_inputs import buffer_specs, bucket_sizes
 
 I64 = torch.int64
 

@@ -16,11 +16,11 @@ from torch._dynamo.utils import counters
 from phaseflip import LLM, SamplingParams
 from phaseflip.graphs.buffers import StaticBuffers
 from phaseflip.graphs.capture import StepKey, capture_eager
-from phaseflip.layouts import compile_choice as choice_module
-from phaseflip.layouts import runtime as runtime_module
-from phaseflip.layouts.messages import Phase
-from phaseflip.layouts.runner import LayoutRunner
-from phaseflip.layouts.step_inputs import phase_buckets
+from phaseflip.rank import compile_choice as choice_module
+from phaseflip.rank import runtime as runtime_module
+from phaseflip.rank.messages import Phase
+from phaseflip.rank.runner import LayoutRunner
+from phaseflip.rank.step_inputs import phase_buckets
 from tests.engine.test_parity import parity_prompts
 from tests.models import compare_greedy, hf_greedy
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from phaseflip import LLM, SamplingParams
-from phaseflip.layouts.messages import PoisonArena
+from phaseflip.rank.messages import PoisonArena
 from tests.engine.test_parity import parity_prompts
 
 pytestmark = [pytest.mark.gpu,

@@ -12,11 +12,11 @@ import torch
 
 from phaseflip.kernels.cpu import fused_layer, library, linear
 from phaseflip.kernels.reference.rotary import cos_sin_table
-from phaseflip.layouts import forward
-from phaseflip.layouts.kvcache import KVShape, KVView
-from phaseflip.layouts.model_config import ModelConfig
-from phaseflip.layouts.weights import LayerWeights, RankWeights
-from phaseflip.layouts.shard import RankShard
+from phaseflip.rank import forward
+from phaseflip.rank.kvcache import KVShape, KVView
+from phaseflip.rank.model_config import ModelConfig
+from phaseflip.rank.weights import LayerWeights, RankWeights
+from phaseflip.rank.shard import RankShard
 
 H, I, HQ, HKV, D, LAYERS, BLOCK = 192, 320, 6, 2, 32, 3, 16
 TABLE = [5, 2, 7, 0, 1, 3]   # the sequence's blocks, out of order

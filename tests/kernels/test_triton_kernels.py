@@ -66,6 +66,6 @@ def test_custom_ops_have_fake_shapes():
 
 
 def test_importing_the_model_maths_imports_no_triton():
-    code = ("import sys; import phaseflip.layouts.forward, phaseflip.kernels.dispatch, "
+    code = ("import sys; import phaseflip.rank.forward, phaseflip.kernels.dispatch, "
             "phaseflip.kernels.selfcheck; assert 'triton' not in sys.modules, 'triton imported at import'")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)

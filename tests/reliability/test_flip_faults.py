@@ -14,7 +14,7 @@ import pytest
 import phaseflip.engine.llm as llm_module
 from phaseflip import LLM
 from phaseflip.engine.ranks.group import RankError
-from phaseflip.layouts.messages import FLIP_STAGES, ArmFault, StatsQuery
+from phaseflip.rank.messages import FLIP_STAGES, ArmFault, StatsQuery
 from tests.reliability.support import (ENGINE, assert_settled, deadline, greedy, ids, rank_processes,
                                        wait_gone)
 

@@ -14,7 +14,7 @@ import pytest
 
 from phaseflip import LLM
 from phaseflip.engine.ranks.group import EngineDeadError
-from phaseflip.layouts.messages import FlipCommand, StatsQuery
+from phaseflip.rank.messages import FlipCommand, StatsQuery
 from tests.reliability.support import ENGINE, assert_settled, deadline, greedy, ids, python_sigint, wait_gone
 
 PROMPTS = [[5, 6, 7], [40 + i for i in range(30)], [200, 100, 50, 25], [9] * 12]
@@ -123,7 +123,7 @@ def test_real_sigint_inside_an_in_process_flip(model, reference, monkeypatch):
     """World size 1 with both layouts: the flip runs in the controller's process, so a Ctrl-C can land
     inside it (here: while it writes the KV into the target view, after the weights were refilled).
     The flip must finish or roll back before the interrupt is raised."""
-    import phaseflip.layouts.reshard as reshard
+    import phaseflip.rank.reshard as reshard
     write, fired = reshard.write, []
 
     def write_then_interrupt(*args, **kwargs):

@@ -15,8 +15,8 @@ import pytest
 
 from phaseflip import LLM
 from phaseflip.engine import boot
-from phaseflip.layouts import kv_sizing, runtime
-from phaseflip.layouts.runner import LayoutRunner
+from phaseflip.rank import kv_sizing, runtime
+from phaseflip.rank.runner import LayoutRunner
 from tests.reliability.support import ENGINE, greedy, ids
 from tests.reliability.test_capacity import BLOCK, block_bytes
 
@@ -118,7 +118,7 @@ def test_fit_blocks_leaves_room_for_the_default_staging():
 
 
 def _agree(rank: int, port: int, value: int, out) -> None:
-    from phaseflip.layouts.comm import RankComm, init_group
+    from phaseflip.rank.comm import RankComm, init_group
     init_group(rank, 2, "cpu", f"tcp://127.0.0.1:{port}", timeout_s=60)
     out.put((rank, RankComm(rank, 2).min(value)))
 

@@ -12,7 +12,7 @@ import pytest
 
 from phaseflip import LLM, SamplingParams
 from phaseflip.engine.ranks.group import RankError
-from phaseflip.layouts.messages import ArmFault
+from phaseflip.rank.messages import ArmFault
 from tests.reliability.support import ENGINE, assert_settled, deadline, rss_bytes
 
 NUM_CALLS = 200

@@ -18,7 +18,7 @@ import pytest
 
 from phaseflip import LLM
 from phaseflip.engine.ranks.group import EngineDeadError, RankError
-from phaseflip.layouts.messages import ArmFault, RankFailure
+from phaseflip.rank.messages import ArmFault, RankFailure
 from tests.reliability.support import (ENGINE, alive, assert_settled, deadline, greedy, ids, rank_processes,
                                        wait_gone)
 

@@ -6,7 +6,7 @@ choosing the compute dtype. The tokenizer lives in engine/checkpoint/tokenizer.p
 Every defect of a checkpoint is a CheckpointError that names the file and the field or tensor.
 
 It never imports transformers, never touches a device other than the CPU, and never shards or packs
-weights (layouts/weights.py and layouts/arena.py do that from the dict returned here).
+weights (rank/weights.py and rank/arena.py do that from the dict returned here).
 """
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
-from phaseflip.layouts.model_config import ARCHITECTURES, ModelConfig, RopeScaling
+from phaseflip.rank.model_config import ARCHITECTURES, ModelConfig, RopeScaling
 
 logger = logging.getLogger(__name__)
 

@@ -13,7 +13,7 @@ from collections import deque
 from typing import Callable
 
 from phaseflip.engine.policy.rules import Rule, StepSummary, other_layout
-from phaseflip.layouts.messages import FLIP_STAGES, FlipCommand
+from phaseflip.rank.messages import FLIP_STAGES, FlipCommand
 
 log = logging.getLogger("phaseflip")
 

@@ -28,10 +28,10 @@ from phaseflip.engine.ranks.listener import Acceptor, RankListener, admit
 from phaseflip.engine.ranks.progress import BootProgress
 from phaseflip.engine.ranks.process import load_checkpoint
 from phaseflip.engine.ranks.template import start_rank
-from phaseflip.layouts.comm import NoComm
-from phaseflip.layouts.messages import FlipCommand, RankBoot, RankFailure, RankProgress, Shutdown
-from phaseflip.layouts.runtime import RankRuntime
-from phaseflip.layouts.worker import failure, handle
+from phaseflip.rank.comm import NoComm
+from phaseflip.rank.messages import FlipCommand, RankBoot, RankFailure, RankProgress, Shutdown
+from phaseflip.rank.runtime import RankRuntime
+from phaseflip.rank.worker import failure, handle
 
 
 # Seconds the surviving ranks of a failed or dead one get to exit before they are killed: they may be

@@ -25,10 +25,10 @@ import time
 import torch
 
 from phaseflip.engine.checkpoint.loader import load_model_config, load_weights
-from phaseflip.layouts.comm import RankComm, init_group
-from phaseflip.layouts.messages import RankBoot
-from phaseflip.layouts.runtime import RankRuntime
-from phaseflip.layouts.worker import failure, serve
+from phaseflip.rank.comm import RankComm, init_group
+from phaseflip.rank.messages import RankBoot
+from phaseflip.rank.runtime import RankRuntime
+from phaseflip.rank.worker import failure, serve
 
 AUTHKEY_ENV = "PHASEFLIP_RANK_AUTHKEY"   # the controller's listener key, hex: handed over in the environment
 

@@ -12,13 +12,13 @@ import sys
 
 from tqdm.auto import tqdm
 
-from phaseflip.layouts.messages import RankProgress
+from phaseflip.rank.messages import RankProgress
 
 log = logging.getLogger("phaseflip")
 
 
 def rank_phases(boot) -> list[str]:
-    """The phases each rank of this boot reports, in order (layouts/runtime.py's timed phases)."""
+    """The phases each rank of this boot reports, in order (rank/runtime.py's timed phases)."""
     first = ["load", "pack", "arena"] + (["kv_profile"] if boot.num_kv_blocks is None else []) + ["kv_alloc"]
     first += ["compiler_import"] if boot.compile != "off" else []
     per_layout = ["gemm_warm"] + (["forms"] if boot.device == "cpu" else []) + ["compile", "capture"]

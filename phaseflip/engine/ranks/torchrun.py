@@ -16,10 +16,10 @@ import torch.distributed as dist
 
 from phaseflip.engine.ranks.process import comm_device, load_checkpoint, set_threads
 from phaseflip.engine.ranks.group import EngineDeadError, RankError
-from phaseflip.layouts.comm import RankComm, init_group
-from phaseflip.layouts.messages import RankBoot, RankFailure, Shutdown
-from phaseflip.layouts.runtime import RankRuntime
-from phaseflip.layouts.worker import failure, handle, serve
+from phaseflip.rank.comm import RankComm, init_group
+from phaseflip.rank.messages import RankBoot, RankFailure, Shutdown
+from phaseflip.rank.runtime import RankRuntime
+from phaseflip.rank.worker import failure, handle, serve
 
 
 class _DistChannel:

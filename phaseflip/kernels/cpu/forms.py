@@ -7,7 +7,7 @@ wide form or the ladder's product), `choose_gemv` (a compiled step's one-row pro
 reductions or the eager product, over a pass of the layers), `choose_ladder_form` (bfloat16 on the
 ladder: the library's bf16 product or float32 on oneDNN) and `_measured`, every report of this process
 by (what, dtype, model); each takes `recorded`, the report an earlier boot measured, in place of
-measuring (layouts/boot_record.py). Each choice makes the dtype's products follow its report
+measuring (rank/boot_record.py). Each choice makes the dtype's products follow its report
 (linear.follow): the last model measured.
 """
 from __future__ import annotations
@@ -100,7 +100,7 @@ def _alternating_ms(runs: dict, rounds: int) -> dict[str, float]:
 def _once(what: str, dtype: torch.dtype, model, weights: list[torch.Tensor], measure,
           recorded: dict | None = None) -> dict:
     """`what`'s report for (dtype, model), measure() on the first call for them (or `recorded`, a report an
-    earlier boot measured: layouts/boot_record.py). model: any hashable naming the model (None: the shapes
+    earlier boot measured: rank/boot_record.py). model: any hashable naming the model (None: the shapes
     of `weights`)."""
     key = (what, dtype, model if model is not None else tuple(sorted({tuple(w.shape) for w in weights})))
     if recorded is not None:

@@ -14,7 +14,7 @@ one token of one sequence, the whole layer on this rank (no tensor-parallel part
 between its phases), float32 or bfloat16, where the boot measured the few-rows kernel the fastest
 one-row product (the fused products are its row dot). A compiled decode step traces its layers for
 inductor instead, so compile="auto"'s boot measurement of the batch-1 bucket (compiled against eager,
-layouts/compile_choice.py) sets inductor's step against this one and keeps the faster; compile="on"
+rank/compile_choice.py) sets inductor's step against this one and keeps the faster; compile="on"
 runs inductor's, compile="off" this one.
 """
 from __future__ import annotations

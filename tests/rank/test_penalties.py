@@ -9,11 +9,11 @@ import pytest
 import torch
 
 from phaseflip import LLM, SamplingParams
-from phaseflip.layouts import sampler as sampler_module
-from phaseflip.layouts.penalties import SeqPenalties, adjusted_logits
-from phaseflip.layouts.messages import NewRequest
-from phaseflip.layouts.sampler import Sampler
-from phaseflip.layouts.step_sampling import sampling_variants, variant_for
+from phaseflip.rank import sampler as sampler_module
+from phaseflip.rank.penalties import SeqPenalties, adjusted_logits
+from phaseflip.rank.messages import NewRequest
+from phaseflip.rank.sampler import Sampler
+from phaseflip.rank.step_sampling import sampling_variants, variant_for
 from tests.engine.test_llm import model_dir, one_thread  # noqa: F401  (fixtures: the tiny llama, one thread)
 
 VOCAB = 50

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from phaseflip.layouts.weights import RankWeights, Stacked, replace_tensors
+from phaseflip.rank.weights import RankWeights, Stacked, replace_tensors
 
 ALIGN = 256  # bytes; every tensor starts on an aligned offset
 HUGE_PAGE = 2 << 20   # bytes: a transparent huge page where base pages are 4 KiB (x86-64, most arm64)

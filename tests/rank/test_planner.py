@@ -7,10 +7,10 @@ from fractions import Fraction
 
 import pytest
 
-from phaseflip.layouts.model_config import ModelConfig
-from phaseflip.layouts.planner import (LayoutPlan, LayoutSpec, kv_block_bytes, plan_layouts,
+from phaseflip.rank.model_config import ModelConfig
+from phaseflip.rank.planner import (LayoutPlan, LayoutSpec, kv_block_bytes, plan_layouts,
                                        proportional_split, usable_blocks)
-from phaseflip.layouts.shard import RankShard, Span
+from phaseflip.rank.shard import RankShard, Span
 
 HETERO = [31.8, 18.8, 19.8]  # GiB of three unequal cards
 
@@ -274,5 +274,5 @@ def test_layout_spec_and_plan_validate():
 
 
 def test_planner_imports_no_torch():
-    code = "import sys, phaseflip.layouts.planner; assert 'torch' not in sys.modules, 'torch imported'"
+    code = "import sys, phaseflip.rank.planner; assert 'torch' not in sys.modules, 'torch imported'"
     subprocess.run([sys.executable, "-c", code], check=True)

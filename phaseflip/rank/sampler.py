@@ -42,8 +42,8 @@ from dataclasses import dataclass
 
 import torch
 
-from phaseflip.layouts.penalties import SeqPenalties, adjusted_logits, record_tokens
-from phaseflip.layouts.messages import NewRequest, SampledToken
+from phaseflip.rank.penalties import SeqPenalties, adjusted_logits, record_tokens
+from phaseflip.rank.messages import NewRequest, SampledToken
 
 NUM_CANDIDATES = 1024  # top tokens a top-k/top-p row looks at before falling back to a full sort
 _MASK64 = (1 << 64) - 1

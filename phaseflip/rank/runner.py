@@ -22,17 +22,17 @@ from phaseflip.graphs.compile import DirectStep
 from phaseflip.graphs.registry import GraphRegistry
 from phaseflip.graphs.saved_steps import SavedSteps
 from phaseflip.kernels.cpu.linear import GEMV_ROWS
-from phaseflip.layouts.comm import NoComm, RankComm
-from phaseflip.layouts.compile_choice import CompileChoice
-from phaseflip.layouts.forward import StepState, compute_logits, forward
-from phaseflip.layouts.kvcache import KVView
-from phaseflip.layouts.model_config import ModelConfig
-from phaseflip.layouts.messages import Phase, SampledToken, StepBatch
-from phaseflip.layouts.sampler import Sampler
-from phaseflip.layouts.weights import RankWeights
-from phaseflip.layouts.shard import RankShard
-from phaseflip.layouts.step_inputs import bucket_rows, decode_rows, phase_buckets, prepare_inputs
-from phaseflip.layouts.step_sampling import cat_outputs, sampling_variants, variant_for
+from phaseflip.rank.comm import NoComm, RankComm
+from phaseflip.rank.compile_choice import CompileChoice
+from phaseflip.rank.forward import StepState, compute_logits, forward
+from phaseflip.rank.kvcache import KVView
+from phaseflip.rank.model_config import ModelConfig
+from phaseflip.rank.messages import Phase, SampledToken, StepBatch
+from phaseflip.rank.sampler import Sampler
+from phaseflip.rank.weights import RankWeights
+from phaseflip.rank.shard import RankShard
+from phaseflip.rank.step_inputs import bucket_rows, decode_rows, phase_buckets, prepare_inputs
+from phaseflip.rank.step_sampling import cat_outputs, sampling_variants, variant_for
 
 
 @dataclass(frozen=True)

@@ -4,10 +4,10 @@ import pytest
 import torch
 
 from phaseflip.engine.sampling_params import SamplingParams
-from phaseflip.layouts.messages import NewRequest, SampledToken
-from phaseflip.layouts import sampler as sampler_module
-from phaseflip.layouts.sampler import Sampler, sequence_seed
-from phaseflip.layouts.step_sampling import sampling_variants, variant_for
+from phaseflip.rank.messages import NewRequest, SampledToken
+from phaseflip.rank import sampler as sampler_module
+from phaseflip.rank.sampler import Sampler, sequence_seed
+from phaseflip.rank.step_sampling import sampling_variants, variant_for
 
 # One sampled sequence per path the sampler has: plain (temperature/min-p) and sorted (top-k/top-p).
 PATH_PARAMS = [

@@ -7,7 +7,7 @@ the block out inside that stretch:
   TP view: [num_blocks, all layers,           2 (k, v), block_size, this rank's kv heads, head_dim]
 The stride is the larger of the two views' block sizes, so a block's bytes are the same bytes in both
 views: a flip that rewrites block b touches nothing but block b. That is what lets the flip move live
-KV a few blocks at a time through a small staging buffer (layouts/flip.py) instead of copying all of
+KV a few blocks at a time through a small staging buffer (rank/flip.py) instead of copying all of
 it out first. The planner makes both views hold the same number of blocks, so block ids (kept by the
 controller) mean the same thing in both. The block allocator hands out ids; this module maps ids to bytes.
 """

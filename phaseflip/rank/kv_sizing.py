@@ -18,8 +18,8 @@ from dataclasses import dataclass
 
 import torch
 
-from phaseflip.layouts.messages import NewRequest, Phase, SeqChunk, StepBatch
-from phaseflip.layouts.step_sampling import VARIANTS
+from phaseflip.rank.messages import NewRequest, Phase, SeqChunk, StepBatch
+from phaseflip.rank.step_sampling import VARIANTS
 
 PROFILE_SEQ_BASE = 1 << 62   # profile steps' sequence ids: never a request's
 

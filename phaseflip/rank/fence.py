@@ -16,16 +16,16 @@ class RebuildError(RuntimeError):
 
 # (module, attribute) for every place a build entry point is looked up at call time.
 ENTRY_POINTS = (
-    ("phaseflip.layouts.arena", "allocate_arena"),
-    ("phaseflip.layouts.arena", "pack_image"),
-    ("phaseflip.layouts.runtime", "pack_image"),
-    ("phaseflip.layouts.runtime", "allocate_arena"),
-    ("phaseflip.layouts.kvcache", "zeros"),
+    ("phaseflip.rank.arena", "allocate_arena"),
+    ("phaseflip.rank.arena", "pack_image"),
+    ("phaseflip.rank.runtime", "pack_image"),
+    ("phaseflip.rank.runtime", "allocate_arena"),
+    ("phaseflip.rank.kvcache", "zeros"),
     ("phaseflip.graphs.capture", "capture_eager"),
     ("phaseflip.graphs.capture", "capture_cuda"),
-    ("phaseflip.layouts.runner", "capture_eager"),
-    ("phaseflip.layouts.runner", "capture_cuda"),
-    ("phaseflip.layouts.runner", "compile_region"),
+    ("phaseflip.rank.runner", "capture_eager"),
+    ("phaseflip.rank.runner", "capture_cuda"),
+    ("phaseflip.rank.runner", "compile_region"),
 )
 
 

@@ -10,9 +10,9 @@ import pytest
 from torch.overrides import TorchFunctionMode
 
 from phaseflip import LLM, SamplingParams
-from phaseflip.layouts.messages import Phase
-from phaseflip.layouts.runner import LayoutRunner
-from phaseflip.layouts.sampler import Sampler
+from phaseflip.rank.messages import Phase
+from phaseflip.rank.runner import LayoutRunner
+from phaseflip.rank.sampler import Sampler
 
 READS = {"tolist", "item", "__bool__", "__int__", "__float__", "cpu", "numpy", "nonzero"}
 
@@ -57,4 +57,4 @@ def test_a_decode_step_reads_the_device_once(tiny_model_dir, monkeypatch, params
         out = llm.generate(["a prompt of a few words"], params, use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 9 and len(decode_steps) == 8
     assert len(reads) == len(decode_steps), reads
-    assert all(r.startswith("tolist at layouts/sampler.py") for r in reads), reads
+    assert all(r.startswith("tolist at rank/sampler.py") for r in reads), reads

@@ -7,7 +7,7 @@ graphs and timing their replays (`choose_by_replay`, from the runner's capture).
 ((role, bucket) -> "compiled" | "eager"), `compiled_steps`, `head` and `report` (every choice with the
 numbers it was made from), built from what it is given: the layout's step function, its maths inputs
 (`StepState`), the static buffers and the step shapes. A boot with a record of these choices for its key
-(layouts/boot_record.py) takes them and measures nothing; a compiled step is kept only where it was
+(rank/boot_record.py) takes them and measures nothing; a compiled step is kept only where it was
 measured at least MIN_GAIN faster than eager.
 """
 from __future__ import annotations
@@ -26,10 +26,10 @@ from phaseflip.graphs.saved_steps import SavedLayer, SavedSteps, wrapper_options
 from phaseflip.kernels.cpu import fused_layer
 from phaseflip.kernels.cpu import linear as cpu_linear
 from phaseflip.kernels.cpu.linear import GEMV_ROWS
-from phaseflip.layouts.forward import StepState, compute_logits, decoder_layer, forward
-from phaseflip.layouts.boot_record import BootRecord
-from phaseflip.layouts.messages import Phase
-from phaseflip.layouts.step_inputs import bucket_rows, phase_buckets
+from phaseflip.rank.forward import StepState, compute_logits, decoder_layer, forward
+from phaseflip.rank.boot_record import BootRecord
+from phaseflip.rank.messages import Phase
+from phaseflip.rank.step_inputs import bucket_rows, phase_buckets
 
 MIN_GAIN = 0.05   # compile="auto" keeps a compiled step only this much faster than eager (compile costs boot)
 # compile="auto" on the CPU does not compile the 1-row decode where the fused layers run it: inductor's
@@ -92,7 +92,7 @@ class CompileChoice:
         its dynamic graph). Never compiled by "auto" on the CPU: the 1-row decode where the eager step
         runs the fused layers (FUSED_ONE_ROW), and a tensor-parallel layout's steps (TP_ON_CPU).
         "auto" on CUDA: every bucket is measured as CUDA graphs at capture (choose_by_replay). Where
-        `record` holds an earlier boot's choices for this key (layouts/boot_record.py), they are taken
+        `record` holds an earlier boot's choices for this key (rank/boot_record.py), they are taken
         and nothing is measured: only the buckets chosen compiled are compiled (or loaded). Every
         choice is reported with the numbers it was made from."""
         eager_reason = ("compile='off'" if mode == "off" else

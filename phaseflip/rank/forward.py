@@ -18,10 +18,10 @@ import torch.nn.functional as F
 from phaseflip.kernels.attention import attend
 from phaseflip.kernels.cpu import fused_layer
 from phaseflip.kernels.dispatch import add_rms_norm, apply_rotary, linear, rms_norm, silu_and_mul
-from phaseflip.layouts.kvcache import KVView
-from phaseflip.layouts.model_config import ModelConfig
-from phaseflip.layouts.weights import LayerWeights, RankWeights
-from phaseflip.layouts.shard import RankShard
+from phaseflip.rank.kvcache import KVView
+from phaseflip.rank.model_config import ModelConfig
+from phaseflip.rank.weights import LayerWeights, RankWeights
+from phaseflip.rank.shard import RankShard
 
 
 class Comm(Protocol):

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from phaseflip.layouts.model_config import ModelConfig
+from phaseflip.rank.model_config import ModelConfig
 
 
 @dataclass(frozen=True)

@@ -9,11 +9,11 @@ from __future__ import annotations
 import traceback
 from typing import Callable, Protocol
 
-from phaseflip.layouts.fence import install_rebuild_fence
-from phaseflip.layouts.messages import (ArmFault, FenceRebuild, FlipCommand, ForgetRequests, LiveStateQuery,
+from phaseflip.rank.fence import install_rebuild_fence
+from phaseflip.rank.messages import (ArmFault, FenceRebuild, FlipCommand, ForgetRequests, LiveStateQuery,
                                         ManifestQuery, PoisonArena, RankFailure, RankLiveState, RankProgress,
                                         RunStep, Shutdown, StatsQuery)
-from phaseflip.layouts.runtime import RankRuntime
+from phaseflip.rank.runtime import RankRuntime
 
 
 class Channel(Protocol):

@@ -18,7 +18,7 @@ from typing import Callable
 
 import torch
 
-from phaseflip.layouts.sampler import FILTERED, PLAIN, RowParams, draw_in_step
+from phaseflip.rank.sampler import FILTERED, PLAIN, RowParams, draw_in_step
 
 Step = Callable[[dict[str, torch.Tensor]], torch.Tensor]
 

@@ -12,8 +12,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # annotations only: runner.py imports torch, and messages stay plain data
-    from phaseflip.layouts.planner import LayoutPlan
-    from phaseflip.layouts.runner import StepShapes
+    from phaseflip.rank.planner import LayoutPlan
+    from phaseflip.rank.runner import StepShapes
 
 
 # -- a step's batch and its result ---------------------------------------------------------------
@@ -97,7 +97,7 @@ class RankBoot:
     layout_plan: LayoutPlan
     layouts: tuple[str, ...]   # captured layouts, the first is active after boot
     shapes: StepShapes
-    num_kv_blocks: int | None  # None: each rank sizes it by kv_utilization (layouts/kv_sizing.py)
+    num_kv_blocks: int | None  # None: each rank sizes it by kv_utilization (rank/kv_sizing.py)
     max_model_len: int
     park: str                  # "auto" | "always" | "never"
     seed: int
@@ -153,7 +153,7 @@ class LiveStateQuery:
 
 @dataclass(frozen=True)
 class FenceRebuild:
-    """Test hook: make every build entry point raise from now on (layouts/fence.py)."""
+    """Test hook: make every build entry point raise from now on (rank/fence.py)."""
 
 
 @dataclass(frozen=True)
@@ -245,7 +245,7 @@ class RankManifest:
     device: str
     active_layout: str
     boot_ms: dict[str, float]
-    ledger: dict[str, dict]            # layout -> ledger terms (layouts/ledger.py)
+    ledger: dict[str, dict]            # layout -> ledger terms (rank/ledger.py)
     steps: list[dict]                  # every captured step
     compile: dict[str, dict]           # layout -> role -> choice and measurements
     memory: dict                       # what was measured at the end of boot

@@ -4,7 +4,7 @@ then cutover. Every component is timed and every stage agreed by all ranks; roll
 
 Owns: `Staging` (the send and receive buffers, allocated once at boot) and `run_flip`. The flip
 copies and only copies: no allocation, no weight packing, no capture (restore, never rebuild).
-Chunking is safe because the KV region is block-major (layouts/kvcache.py): writing a chunk's blocks
+Chunking is safe because the KV region is block-major (rank/kvcache.py): writing a chunk's blocks
 in the target view rewrites those blocks' bytes and no others, and they were read first.
 
 A stage that fails on any rank makes every rank roll back. What a rollback needs is never more than
@@ -22,9 +22,9 @@ from dataclasses import dataclass
 
 import torch
 
-from phaseflip.layouts import reshard
-from phaseflip.layouts.kvcache import KVShape, zeros
-from phaseflip.layouts.messages import FlipCommand, FlipReport
+from phaseflip.rank import reshard
+from phaseflip.rank.kvcache import KVShape, zeros
+from phaseflip.rank.messages import FlipCommand, FlipReport
 
 DEFAULT_STAGING_BYTES = 256 << 20   # the default is the smaller of this and a tenth of the KV pool
 DEFAULT_STAGING_FRACTION = 0.1

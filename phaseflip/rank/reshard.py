@@ -4,7 +4,7 @@ Owns: which slice of every live block each rank sends to each other rank, and th
 Rank r holds (layers A_r) x (kv heads A_r) in the source layout and must end with (layers B_s) x
 (kv heads B_s) in the target: r sends s the intersection, over one all_to_all. The legs move any set
 of blocks, so the flip can move the live blocks a chunk at a time: the region is block-major
-(layouts/kvcache.py), so the two views alias each block's bytes with that block's own bytes only,
+(rank/kvcache.py), so the two views alias each block's bytes with that block's own bytes only,
 and once a chunk's blocks are read into the send buffer, writing them cannot clobber a block that is
 still to be read. The send buffer of the chunk in flight is also what a rollback restores it from.
 """
@@ -14,8 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
-from phaseflip.layouts.kvcache import KVView
-from phaseflip.layouts.shard import RankShard, Span
+from phaseflip.rank.kvcache import KVView
+from phaseflip.rank.shard import RankShard, Span
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from phaseflip.graphs.buffers import BufferSpec
-from phaseflip.layouts.messages import Phase, StepBatch
+from phaseflip.rank.messages import Phase, StepBatch
 
 TOKEN_BUFFERS = ("input_ids", "positions", "slot_mapping")
 SEQ_BUFFERS = ("block_tables", "seq_lens", "query_start_loc")

@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from phaseflip import LLM, SamplingParams
-from phaseflip.layouts.kvcache import KVRegion, KVShape
-from phaseflip.layouts.messages import ArmFault, FenceRebuild, PoisonArena
+from phaseflip.rank.kvcache import KVRegion, KVShape
+from phaseflip.rank.messages import ArmFault, FenceRebuild, PoisonArena
 from tests.engine.test_parity import parity_prompts
 from tests.models import compare_greedy, hf_greedy
 

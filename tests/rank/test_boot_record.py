@@ -1,4 +1,4 @@
-"""The boot record (layouts/boot_record.py) and the saved compiled steps (graphs/saved_steps.py): a
+"""The boot record (rank/boot_record.py) and the saved compiled steps (graphs/saved_steps.py): a
 second boot with the same key takes its choices from the record, measures nothing and compiles nothing;
 a changed key (another dtype, another model) or remeasure=True measures again."""
 import os
@@ -10,9 +10,9 @@ from torch._dynamo.utils import counters
 from phaseflip import LLM, SamplingParams
 from phaseflip.graphs import saved_steps
 from phaseflip.kernels.cpu import forms
-from phaseflip.layouts import compile_choice
-from phaseflip.layouts import boot_record
-from phaseflip.layouts.boot_record import BootRecord, key_digest
+from phaseflip.rank import compile_choice
+from phaseflip.rank import boot_record
+from phaseflip.rank.boot_record import BootRecord, key_digest
 
 # tests/graphs/test_compiled.py's model and step widths (its saved steps serve these boots) with buckets
 # of their own (a record of their own)

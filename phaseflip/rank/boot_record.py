@@ -29,8 +29,8 @@ RECORD_VERSION = 1
 # the most recently used records and saved-step directories kept (each source edit makes new keys; a
 # directory of saved steps is ~5 MB for SmolLM2)
 KEEP_RECORDS, KEEP_STEPS = 64, 16
-# the reports a record keeps: the forms measured in layouts/runtime.py, the compile choices of
-# layouts/compile_choice.py (per role, and the LM head)
+# the reports a record keeps: the forms measured in rank/runtime.py, the compile choices of
+# rank/compile_choice.py (per role, and the LM head)
 RECORDED = ("ladder", "small_rows", "wide_rows", "gemv", "head", "prefill", "decode")
 
 

@@ -12,8 +12,8 @@ from dataclasses import dataclass, fields
 
 import torch
 
-from phaseflip.layouts.model_config import ModelConfig
-from phaseflip.layouts.shard import RankShard
+from phaseflip.rank.model_config import ModelConfig
+from phaseflip.rank.shard import RankShard
 
 
 @dataclass(frozen=True)

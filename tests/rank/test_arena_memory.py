@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from phaseflip.layouts import arena
+from phaseflip.rank import arena
 
 
 def _huge_kib(t: torch.Tensor) -> int:

@@ -20,8 +20,8 @@ from dataclasses import dataclass
 from fractions import Fraction
 from typing import Sequence
 
-from phaseflip.layouts.model_config import ModelConfig
-from phaseflip.layouts.shard import RankShard, Span
+from phaseflip.rank.model_config import ModelConfig
+from phaseflip.rank.shard import RankShard, Span
 
 LAYOUT_NAMES = ("pp", "tp")
 

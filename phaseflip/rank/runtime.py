@@ -3,8 +3,8 @@
 Owns: boot of one rank (its shards of every layout packed into host images, the weight arena and the
 KV region allocated ONCE (under gpu_memory_utilization sized first by profile steps, kv_sizing.py),
 every step of every layout captured), then StepBatch execution in the active layout, flips and stats.
-The same code runs in-process at world size 1 and inside each rank process (layouts/worker.py).
-Checkpoint reading is passed in (`load`), so layouts/ never imports engine/.
+The same code runs in-process at world size 1 and inside each rank process (rank/worker.py).
+Checkpoint reading is passed in (`load`), so rank/ never imports engine/.
 """
 from __future__ import annotations
 
@@ -20,23 +20,23 @@ from phaseflip.graphs.compile import import_compiler, use_cache_dir
 from phaseflip.graphs.registry import GraphRegistry
 from phaseflip.kernels.cpu import forms, fused_layer, linear
 from phaseflip.kernels.reference.rotary import cos_sin_table
-from phaseflip.layouts.boot_record import BootRecord, kernels_build, record_key
-from phaseflip.layouts.arena import WeightArena, allocate_arena, arena_bases, image_slots, pack_image
-from phaseflip.layouts.comm import break_graphs_at_collectives
-from phaseflip.layouts.flip import (DEFAULT_STAGING_BYTES, DEFAULT_STAGING_FRACTION, InjectedFault,
+from phaseflip.rank.boot_record import BootRecord, kernels_build, record_key
+from phaseflip.rank.arena import WeightArena, allocate_arena, arena_bases, image_slots, pack_image
+from phaseflip.rank.comm import break_graphs_at_collectives
+from phaseflip.rank.flip import (DEFAULT_STAGING_BYTES, DEFAULT_STAGING_FRACTION, InjectedFault,
                                     allocate_staging, run_flip)
-from phaseflip.layouts.kv_sizing import (device_memory, fit_blocks, kept_outputs_bytes, profile_blocks,
+from phaseflip.rank.kv_sizing import (device_memory, fit_blocks, kept_outputs_bytes, profile_blocks,
                                          profile_batches, run_profile, too_small)
-from phaseflip.layouts.kvcache import KVRegion, KVShape
-from phaseflip.layouts.messages import (ArmFault, FlipCommand, FlipReport, RankBoot, RankManifest,
+from phaseflip.rank.kvcache import KVRegion, KVShape
+from phaseflip.rank.messages import (ArmFault, FlipCommand, FlipReport, RankBoot, RankManifest,
                                         RankReady, RankStats, RunStep, StepReply)
-from phaseflip.layouts.model_config import ModelConfig
-from phaseflip.layouts.runner import LayoutPart, LayoutRunner, RankContext
-from phaseflip.layouts.sampler import Sampler
-from phaseflip.layouts.weights import RankWeights, shard_weights
-from phaseflip.layouts.step_inputs import buffer_specs
-from phaseflip.layouts.ledger import graph_pool_bytes, measure_memory, rank_ledger, rss_bytes
-from phaseflip.layouts.timing import timed
+from phaseflip.rank.model_config import ModelConfig
+from phaseflip.rank.runner import LayoutPart, LayoutRunner, RankContext
+from phaseflip.rank.sampler import Sampler
+from phaseflip.rank.weights import RankWeights, shard_weights
+from phaseflip.rank.step_inputs import buffer_specs
+from phaseflip.rank.ledger import graph_pool_bytes, measure_memory, rank_ledger, rss_bytes
+from phaseflip.rank.timing import timed
 
 log = logging.getLogger("phaseflip")
 

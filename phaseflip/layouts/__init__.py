@@ -1,1 +1,0 @@
-"""phaseflip.layouts"""
