@@ -77,6 +77,13 @@ def _tree_pids(root: int) -> list[int]:
     return tree
 
 
+def _start_time(pid: int) -> int | None:
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
 def _tree_cpu(root: int) -> float:
     """CPU seconds the processes of root's tree (a server and its children) have used, their waited ones too."""
     total = 0
@@ -138,7 +145,7 @@ def start(a, server: str, dtype: str, log: Path) -> tuple[subprocess.Popen, int,
 def stop(proc: subprocess.Popen) -> None:
     """SIGTERM to the server's process group, SIGKILL after 30 s; then SIGKILL to anything left of its process
     tree as it stood before the signal (children that started sessions of their own)."""
-    tree = _tree_pids(proc.pid)
+    tree = {pid: _start_time(pid) for pid in _tree_pids(proc.pid)[1:]}
     for sig, wait_s in ((signal.SIGTERM, 30), (signal.SIGKILL, 10)):
         try:
             os.killpg(proc.pid, sig)
@@ -149,9 +156,12 @@ def stop(proc: subprocess.Popen) -> None:
             break
         except subprocess.TimeoutExpired:
             continue
-    for pid in tree[1:]:
+    for pid, started in tree.items():
+        if started is None or _start_time(pid) != started:   # gone, or its pid reused since
+            continue
         try:
             os.kill(pid, signal.SIGKILL)
+            _log(f"killed pid {pid}, left running by the server it belonged to")
         except ProcessLookupError:
             pass
 
