@@ -59,16 +59,21 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _stat(pid: int) -> list[int] | None:
+    """/proc/PID/stat's numeric fields after the command name (field 4, ppid, first), or None if pid is gone."""
+    try:
+        return [int(v) for v in Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1:]]
+    except (OSError, IndexError, ValueError):
+        return None
+
+
 def _tree_pids(root: int) -> list[int]:
     """root and every process descended from it (a server's ranks may start sessions of their own)."""
     children: dict[int, list[int]] = {}
     for d in Path("/proc").iterdir():
-        try:
-            if d.name.isdigit():
-                ppid = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
-                children.setdefault(ppid, []).append(int(d.name))
-        except (OSError, IndexError, ValueError):
-            pass
+        stat = _stat(int(d.name)) if d.name.isdigit() else None
+        if stat is not None:
+            children.setdefault(stat[0], []).append(int(d.name))
     tree, todo = [], [root]
     while todo:
         pid = todo.pop()
@@ -78,21 +83,14 @@ def _tree_pids(root: int) -> list[int]:
 
 
 def _start_time(pid: int) -> int | None:
-    try:
-        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
-    except (OSError, IndexError, ValueError):
-        return None
+    stat = _stat(pid)
+    return None if stat is None else stat[18]
 
 
 def _tree_cpu(root: int) -> float:
     """CPU seconds the processes of root's tree (a server and its children) have used, their waited ones too."""
-    total = 0
-    for pid in _tree_pids(root):
-        try:
-            total += sum(int(v) for v in Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[11:15])
-        except (OSError, ValueError):
-            pass
-    return total / os.sysconf("SC_CLK_TCK")
+    stats = (_stat(pid) for pid in _tree_pids(root))
+    return sum(sum(s[10:14]) for s in stats if s is not None) / os.sysconf("SC_CLK_TCK")
 
 
 def server_command(a, server: str, dtype: str, port: int) -> tuple[list[str], dict]:
