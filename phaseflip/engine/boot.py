@@ -180,7 +180,8 @@ def make_plan(cfg: EngineConfig, mc: ModelConfig, model_dir: str) -> BootPlan:
         max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=budget,
         max_blocks_per_seq=-(-max_model_len // cfg.block_size), block_size=cfg.block_size,
         decode_buckets=cfg.decode_buckets or default_decode_buckets(cfg.max_num_seqs),
-        prefill_buckets=cfg.prefill_buckets or default_prefill_buckets(budget))
+        prefill_buckets=cfg.prefill_buckets or default_prefill_buckets(budget),
+        pp_micro_batches=cfg.pp_micro_batches or 2 * cfg.world_size)
     utilization = kv_utilization(cfg, device)
     num_blocks = None if utilization else _kv_blocks(cfg, mc, layout_plan, dtype, max_model_len)
     return BootPlan(model_dir, device, dtype, max_model_len, num_blocks, shapes, layout_plan,

@@ -47,6 +47,8 @@ class EngineConfig:
     flip_staging_mib: float | None = None  # the flip's KV staging (send + receive); None = the smaller
                                            # of 256 MiB and a tenth of the KV pool
     pp_split: tuple[int, ...] | None = None     # explicit PP layers per rank
+    pp_micro_batches: int | None = None  # pieces a PP prefill step is cut into, so that the stages
+                                         # compute at once; None = twice the stages, 1 = no cut
     tp_kv_split: tuple[int, ...] | None = None  # explicit TP KV heads per rank
     rank_budgets: tuple[float, ...] | None = None  # relative capacity per rank (CPU simulation)
     rank_memory_gib: tuple[float, ...] | None = None  # memory budget per rank for the ledger (CPU);
@@ -81,6 +83,8 @@ class EngineConfig:
                 f"park={self.park!r} is invalid: allowed are auto, always, never")
         require(self.flip_every_steps is None or self.flip_every_steps >= 1,
                 f"flip_every_steps={self.flip_every_steps} is invalid: must be >= 1 (or None)")
+        require(self.pp_micro_batches is None or (isinstance(self.pp_micro_batches, int) and self.pp_micro_batches >= 1),
+                f"pp_micro_batches={self.pp_micro_batches!r} is invalid: must be an integer >= 1 (or None)")
         require(self.flip_staging_mib is None or self.flip_staging_mib > 0,
                 f"flip_staging_mib={self.flip_staging_mib} is invalid: must be > 0 (or None)")
         self._check_layouts()

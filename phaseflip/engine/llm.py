@@ -197,6 +197,7 @@ class LLM:
             "captures_after_boot": sum(r.captures_after_boot for r in ranks),
             "eager_fallbacks": dict(ranks[-1].eager_fallbacks),  # every rank runs the same steps
             "chunked_runs": dict(ranks[-1].chunked_runs),
+            "micro_batched_runs": dict(ranks[-1].micro_batched_runs),
             "boot_ms": dict(self.boot_ms),
             "rank_boot_ms": [dict(r.boot_ms) for r in self.ranks.ready],
             "arena_bytes": [r.arena_bytes for r in ranks],

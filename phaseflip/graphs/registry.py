@@ -17,6 +17,7 @@ class GraphRegistry:
         self._buckets: dict[tuple[str, str], list[int]] = {}
         self.eager_fallbacks: Counter = Counter()   # (layout, phase) -> uncaptured runs
         self.chunked_runs: Counter = Counter()      # (layout, phase) -> runs as chunks of the largest bucket
+        self.micro_batched_runs: Counter = Counter()  # (layout, phase) -> PP steps run as micro-batches
         self.captures_at_boot = 0
         self.captures_after_boot = 0   # must stay 0: restore, never rebuild
         self._sealed = False

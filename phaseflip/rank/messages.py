@@ -228,6 +228,7 @@ class RankStats:
     captures_after_boot: int
     eager_fallbacks: dict[str, int]
     chunked_runs: dict[str, int]       # "layout:phase" -> batches run as chunks of the largest bucket
+    micro_batched_runs: dict[str, int]  # "layout:phase" -> PP steps run as micro-batches
     arena_ptr: int
     arena_bytes: int
 
@@ -251,6 +252,7 @@ class RankManifest:
     memory: dict                       # what was measured at the end of boot
     eager_fallbacks: dict[str, int]
     chunked_runs: dict[str, int]
+    micro_batched_runs: dict[str, int]
 
 
 @dataclass(frozen=True)

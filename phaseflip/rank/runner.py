@@ -28,6 +28,7 @@ from phaseflip.rank.forward import StepState, compute_logits, forward
 from phaseflip.rank.kvcache import KVView
 from phaseflip.rank.model_config import ModelConfig
 from phaseflip.rank.messages import Phase, SampledToken, StepBatch
+from phaseflip.rank.micro_batches import piece_sizes, split_step
 from phaseflip.rank.sampler import Sampler
 from phaseflip.rank.weights import RankWeights
 from phaseflip.rank.shard import RankShard
@@ -44,6 +45,7 @@ class StepShapes:
     block_size: int
     decode_buckets: tuple[int, ...]    # batch sizes (sequences)
     prefill_buckets: tuple[int, ...]   # tokens
+    pp_micro_batches: int = 1          # pieces a PP prefill step is cut into at most (micro_batches.py)
 
     @property
     def max_tokens(self) -> int:
@@ -211,7 +213,18 @@ class LayoutRunner:
         return hidden
 
     def execute(self, batch: StepBatch) -> list[SampledToken] | None:
-        """Run the step; the output rank returns the sampled tokens, the others None."""
+        """Run the step; the output rank returns the sampled tokens, the others None. A PP prefill step
+        runs as micro-batches that follow each other through the stages (micro_batches.py)."""
+        if not self.is_pp:
+            return self._execute(batch)
+        sizes = piece_sizes(batch.phase, batch.num_tokens, self.shapes.pp_micro_batches)
+        if len(sizes) == 1:
+            return self._execute(batch)
+        sampled = [self._execute(piece) for piece in split_step(batch, sizes)]
+        self.registry.micro_batched_runs[(self.layout, batch.phase.value)] += 1
+        return None if self.rank != self.output_rank else [s for part in sampled for s in part]
+
+    def _execute(self, batch: StepBatch) -> list[SampledToken] | None:
         meta, sample_rows = prepare_inputs(batch, self.shapes.block_size)
         if batch.phase is Phase.DECODE and self.samples_in_step:
             seq_ids = [c.seq_id for c in batch.chunks]

@@ -288,13 +288,15 @@ class RankRuntime:
             rank=self.rank, pid=os.getpid(), device=self.device, active_layout=self.active,
             boot_ms=dict(self.boot_ms), ledger={name: rank_ledger(self, name, num_blocks) for name in self.runners},
             steps=steps, compile={name: dict(r.compile.report) for name, r in self.runners.items()},
-            memory=dict(self.memory), eager_fallbacks=stats.eager_fallbacks, chunked_runs=stats.chunked_runs)
+            memory=dict(self.memory), eager_fallbacks=stats.eager_fallbacks, chunked_runs=stats.chunked_runs,
+            micro_batched_runs=stats.micro_batched_runs)
 
     def stats(self) -> RankStats:
         return RankStats(self.rank, self.active, self.registry.captures_at_boot,
                          self.registry.captures_after_boot,
                          {f"{k[0]}:{k[1]}": v for k, v in self.registry.eager_fallbacks.items()},
                          {f"{k[0]}:{k[1]}": v for k, v in self.registry.chunked_runs.items()},
+                         {f"{k[0]}:{k[1]}": v for k, v in self.registry.micro_batched_runs.items()},
                          self.arena.buffer.data_ptr(), self.arena.num_bytes)
 
 

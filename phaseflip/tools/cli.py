@@ -64,6 +64,9 @@ def _add_engine_options(f, budget: int):
         click.option("--layouts", default=None, help="Captured layouts: pp,tp | pp | tp (default: pp,tp when world size > 1)."),
         click.option("--park", default="auto", show_default=True, help="auto | always | never: where the inactive weight image waits."),
         click.option("--flip-every-steps", type=int, default=None, help="Force a flip every K steps (testing)."),
+        click.option("--pp-micro-batches", type=int, default=None,
+                     help="Pieces a PP step is cut into so that the stages compute at once (default: twice "
+                          "the stages; 1: whole steps)."),
         click.option("--compile", "compile_mode", type=click.Choice(["auto", "on", "off"]), default=None,
                      help="torch.compile: auto (keep it where measured faster at boot) | on | off "
                           "(default: $PHASEFLIP_COMPILE, else auto)."),
@@ -80,8 +83,8 @@ def _add_engine_options(f, budget: int):
 
 
 def _engine_kwargs(model, dtype, max_model_len, max_num_seqs, max_num_batched_tokens, seed, kv_cache_memory_gib,
-                   gpu_memory_utilization, world_size, layouts, park, flip_every_steps, compile_mode, remeasure,
-                   policy, ttft_budget_s) -> dict:
+                   gpu_memory_utilization, world_size, layouts, park, flip_every_steps, pp_micro_batches,
+                   compile_mode, remeasure, policy, ttft_budget_s) -> dict:
     """The engine options of the command line as LLM(...) keyword arguments."""
     from phaseflip.rank.comm import env_rank
     if world_size is None:
@@ -90,7 +93,7 @@ def _engine_kwargs(model, dtype, max_model_len, max_num_seqs, max_num_batched_to
                 max_num_batched_tokens=max_num_batched_tokens, seed=seed, kv_cache_memory_gib=kv_cache_memory_gib,
                 gpu_memory_utilization=gpu_memory_utilization, world_size=world_size,
                 layouts=tuple(layouts.split(",")) if layouts else None, park=park,
-                flip_every_steps=flip_every_steps, compile=compile_mode, remeasure=remeasure, policy=policy,
+                flip_every_steps=flip_every_steps, pp_micro_batches=pp_micro_batches, compile=compile_mode, remeasure=remeasure, policy=policy,
                 ttft_budget_s=ttft_budget_s)
 
 

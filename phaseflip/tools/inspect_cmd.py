@@ -42,7 +42,8 @@ def steps_table(m: dict) -> list[str]:
                      f"capture {ms:.1f} ms  pool {pool_txt}")
     lines.append(f"  total {len(m['steps'])} steps over {m['world_size']} rank(s); eager fallbacks so far: "
                  f"{m['eager_fallbacks'] or 'none'}; run as chunks of the largest bucket: "
-                 f"{m.get('chunked_runs') or 'none'}")
+                 f"{m.get('chunked_runs') or 'none'}; PP steps run as micro-batches (at most "
+                 f"{m.get('pp_micro_batches')} pieces): {m.get('micro_batched_runs') or 'none'}")
     return lines
 
 

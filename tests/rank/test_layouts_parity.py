@@ -85,3 +85,21 @@ def test_smollm2_two_ranks_uneven_tp_with_real_flips(smollm_reference):
     print(f"\n[parity] smollm2/world2 flips every 5: {msg}; flips {stats['flips']}")
     assert ok, msg
     assert stats["flips"] >= 4 and stats["captures_after_boot"] == 0
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_pp_micro_batches_match_hf(ref, world_size):
+    """PP steps cut into micro-batches (micro_batches.py): the first 512-token prefill step in pieces of
+    128 (chunks straddling the cuts), 32-sequence decodes in pieces of 16: HF's tokens, every sequence."""
+    d, _, _ = ref("llama")
+    prompts = parity_prompts(384)          # 1 to 200 tokens, 569 in all
+    expected = hf_greedy(d, prompts, NEW)
+    with LLM(model=str(d), dtype="float32", max_num_seqs=32, world_size=world_size, layouts=("pp",)) as llm:
+        outs = llm.generate(prompts * 4, GREEDY, use_tqdm=False)
+        stats = llm.stats()
+    ok, ties, msg = compare_greedy([o.outputs[0].token_ids for o in outs], expected * 4)
+    print(f"\n[parity] llama/pp{world_size} micro-batches: {msg}; {stats['micro_batched_runs']}")
+    assert ok, msg
+    assert stats["micro_batched_runs"].get("pp:prefill", 0) >= 1
+    assert stats["micro_batched_runs"].get("pp:decode", 0) >= 1
+    assert stats["free_kv_blocks"] == stats["num_kv_blocks"]

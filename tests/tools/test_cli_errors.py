@@ -17,6 +17,7 @@ ENGINE_OPTIONS = [  # (option, bad value, what the error line must name)
     ("--layouts", "pp,xx", "layouts=('pp', 'xx')"),
     ("--park", "sometimes", "park='sometimes'"),
     ("--flip-every-steps", "0", "flip_every_steps=0"),
+    ("--pp-micro-batches", "0", "pp_micro_batches=0"),
     ("--compile", "maybe", "'maybe' is not one of"),
     ("--model", "/no/such/model", "/no/such/model"),
 ]
