@@ -213,6 +213,50 @@ def test_unpriced_round_trip_follows_the_drain_rule_and_logs_none():
     assert d.numbers["round_trip_s"] is None and d.numbers["round_trip_provenance"] == "unpriced"
 
 
+def test_prefill_layout_prices_its_own_decode_before_sending_the_bundle():
+    """Drained with PP's decode never measured: decode here first (one pure decode step prices it), so the
+    bundle is not sent to TP on the home-layout rule alone; prefill still waiting keeps the drain rule."""
+    unmeasured = {"pp": LayoutRates("pp", 4000.0), "tp": RATES["tp"]}
+    d = decide(carried_in_pp(rates=unmeasured), PolicyConfig())
+    assert (d.action, d.reason, d.prefill, d.decode) == ("stay", "measure decode here", False, True)
+    assert d.numbers["work_here_s"] is None and d.numbers["work_there_s"] > 0
+    busy = decide(carried_in_pp(rates=unmeasured, pending_prefill_tokens=4096, admissible_prefill_tokens=4096),
+                  PolicyConfig())
+    assert busy.reason == "drain: prefill first"
+
+
+SLOW_TP = {"pp": LayoutRates("pp", 4000.0, ((1, 0.012), (64, 0.020))),
+           "tp": LayoutRates("tp", 1500.0, ((1, 0.040), (64, 0.060)))}
+
+
+def test_decode_layout_sends_the_bundle_back_where_it_was_measured_faster():
+    """A rig whose TP collectives cost more than they save (gloo on CPU cores): once both decode rates are
+    measured, a bundle that decodes faster in PP by more than a round trip goes back; within the bar,
+    or unpriced, it stays home."""
+    in_tp = dict(active="tp", num_running=8, num_carried_decodes=8, carried_decode_tokens=8 * 500)
+    d = decide(inputs(rates=SLOW_TP, **in_tp), PolicyConfig())
+    assert (d.action, d.target, d.reason) == ("flip", "pp", "decode cheaper there")
+    assert d.numbers["saving_s"] > d.numbers["round_trip_s"] == 2.0
+    assert decide(inputs(rates=SLOW_TP, legs=legs(10.0, 10.0), **in_tp), PolicyConfig()).reason == "decode"
+    unmeasured = {"pp": LayoutRates("pp", 4000.0), "tp": SLOW_TP["tp"]}
+    d = decide(inputs(rates=unmeasured, **in_tp), PolicyConfig())
+    assert (d.action, d.reason) == ("stay", "decode") and d.numbers["saving_s"] is None
+    assert decide(inputs(**in_tp), PolicyConfig()).reason == "decode"   # TP faster: home
+
+
+def test_one_measured_leg_prices_its_unmeasured_return():
+    """After the first flip only its own direction is measured: the way back is priced by it (mirrored),
+    so the bundle can return on the bar a round trip sets; a seed or nothing measured stays unpriced."""
+    in_tp = dict(active="tp", num_running=8, num_carried_decodes=8, carried_decode_tokens=8 * 500)
+    one_leg = {"pp->tp": LegCost("pp->tp", 0.6, 0.7, "measured", 1)}
+    d = decide(inputs(rates=SLOW_TP, legs=one_leg, **in_tp), PolicyConfig())
+    assert (d.action, d.reason) == ("flip", "decode cheaper there")
+    assert d.numbers["round_trip_s"] == pytest.approx(1.2) and d.numbers["round_trip_provenance"] == "half-measured"
+    seeded = {"pp->tp": LegCost("pp->tp", 0.6, 0.6, "seed", 0)}
+    d = decide(inputs(rates=SLOW_TP, legs=seeded, **in_tp), PolicyConfig())
+    assert (d.reason, d.numbers["round_trip_s"]) == ("decode", None)
+
+
 def test_min_dwell_vetoes_economic_flips_not_the_starvation_backstop():
     tracker = ProgressTracker(9.8)
     tracker.on_poll(9.8, 0, 0, 8, 0)

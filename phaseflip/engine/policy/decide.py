@@ -19,7 +19,7 @@ from types import MappingProxyType
 from typing import Mapping
 
 from phaseflip.engine.policy.estimators import (UNPRICED, LayoutRates, LegCost, Progress, RoundTrip, direction,
-                                                round_trip)
+                                                mirrored, round_trip)
 from phaseflip.engine.validate import is_number, require
 
 MODES = ("throughput", "latency")
@@ -134,6 +134,7 @@ class _View:
                 f"active layout {w.active!r} is neither {c.prefill_layout!r} nor {c.decode_layout!r}")
         here, there = w.active, c.other(w.active)
         out, back = _leg(w, here, there), _leg(w, there, here)
+        out, back = mirrored(out, back), mirrored(back, out)
         return cls(w, c, here, there, out, round_trip(out, back))
 
     def rates(self, layout: str) -> LayoutRates:
@@ -205,9 +206,19 @@ def _from_prefill_layout(v: _View) -> Decision:
     trigger, numbers = _prefill_side_trigger(v)
     if trigger is None:
         return v.stay("drain: prefill first", (True, False), numbers)
-    here_s = v.rates(v.here).decode_s(w.carried_decode_tokens, w.num_carried_decodes)
-    there_s = v.rates(v.there).decode_s(w.carried_decode_tokens, w.num_carried_decodes)
+    here_s, there_s = _bundle_decode_s(v)
+    if here_s is None and trigger in ("drained", "kv-full"):
+        # Nothing admissible: the next steps here are pure decodes, and one of them prices decoding here
+        # (a flip that never learned this price would leave for the home layout every time).
+        return v.stay("measure decode here", (False, True), {**numbers, "work_here_s": None, "work_there_s": there_s})
     return _flip_if_worth(v, trigger, here_s, there_s, numbers, backstop=trigger == "decode-starved")
+
+
+def _bundle_decode_s(v: _View) -> tuple[float | None, float | None]:
+    """Seconds to decode the carried bundle here and there, at its batch (None: unmeasured)."""
+    w = v.w
+    return tuple(v.rates(layout).decode_s(w.carried_decode_tokens, w.num_carried_decodes)
+                 for layout in (v.here, v.there))
 
 
 def _prefill_side_trigger(v: _View) -> tuple[str | None, dict]:
@@ -236,7 +247,7 @@ def _from_decode_layout(v: _View) -> Decision:
     here. Latency mode may leave earlier, at the oldest prompt's deadline."""
     w, c = v.w, v.c
     if w.admissible_prefill_tokens == 0:
-        return v.stay("decode", (False, True), {"admissible_prefill_tokens": 0})
+        return _decode_where_cheaper(v)
     if c.mode == "latency":
         decision = _ttft_deadline(v)
         if decision is not None:
@@ -263,6 +274,21 @@ def _from_decode_layout(v: _View) -> Decision:
     if decision.action == "stay":
         return v.stay("drain: decode the bundle", (False, True), decision.numbers)
     return decision
+
+
+def _decode_where_cheaper(v: _View) -> Decision:
+    """Nothing to prefill: decode here, unless the other layout was measured decoding this bundle faster
+    by more than a round trip (on a rig where the decode layout's collectives cost more than they save).
+    Unpriced, the decode layout is the bundle's home: it stays."""
+    here_s, there_s = _bundle_decode_s(v)
+    saving_s = _saving(here_s, there_s)
+    numbers = {"admissible_prefill_tokens": 0, "work_here_s": here_s, "work_there_s": there_s,
+               "saving_s": saving_s, "round_trip_s": v.rt.seconds, "round_trip_provenance": v.rt.provenance}
+    if saving_s is None or v.rt.seconds is None or saving_s <= v.rt.seconds:
+        return v.stay("decode", (False, True), numbers)
+    if v.dwell_left_s() > 0:
+        return v.stay("decode: min dwell", (False, True), {**numbers, **_dwell_numbers(v)})
+    return v.flip("decode cheaper there", numbers)
 
 
 def _place_prefill(v: _View, trigger: str, numbers: dict, backstop: bool = False) -> Decision:

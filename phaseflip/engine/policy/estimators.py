@@ -17,7 +17,7 @@ from typing import Mapping
 
 from phaseflip.engine.validate import is_number, require
 
-SEED, HALF, MEASURED, UNPRICED = "seed", "half-measured", "measured", "unpriced"
+SEED, HALF, MEASURED, UNPRICED, MIRRORED = "seed", "half-measured", "measured", "unpriced", "mirrored"
 
 
 def direction(source: str, target: str) -> str:
@@ -64,6 +64,15 @@ class FlipCostEstimator:
                            len(self._totals))
         provenance = UNPRICED if self.seed_s is None else SEED
         return LegCost(self.direction, self.seed_s, self.seed_s, provenance, 0)
+
+
+def mirrored(leg: LegCost, opposite: LegCost) -> LegCost:
+    """An unpriced leg priced by its measured opposite until it is measured itself: a flip carries the
+    same live KV either way and refills the other layout's weights, so the way back is the best figure
+    there is; without it the first flip could never be priced for its return."""
+    if leg.seconds is not None or opposite.provenance != MEASURED:
+        return leg
+    return LegCost(leg.direction, opposite.seconds, opposite.high_s, MIRRORED, 0)
 
 
 def round_trip(out: LegCost, back: LegCost) -> RoundTrip:
