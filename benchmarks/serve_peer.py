@@ -140,9 +140,13 @@ def start(a, server: str, dtype: str, log: Path) -> tuple[subprocess.Popen, int,
     return proc, port, time.perf_counter() - t0
 
 
+LINGER_S = 10.0   # how long a process of the server's tree may outlive it (issue 44: shutdown() + ~5 s)
+
+
 def stop(proc: subprocess.Popen) -> None:
-    """SIGTERM to the server's process group, SIGKILL after 30 s; then SIGKILL to anything left of its process
-    tree as it stood before the signal (children that started sessions of their own)."""
+    """SIGTERM to the server's process group, SIGKILL after 30 s; then anything left of its process tree as
+    it stood before the signal (children that started sessions of their own) gets LINGER_S to end by
+    itself, and SIGKILL after that, said in the log either way."""
     tree = {pid: _start_time(pid) for pid in _tree_pids(proc.pid)[1:]}
     for sig, wait_s in ((signal.SIGTERM, 30), (signal.SIGKILL, 10)):
         try:
@@ -154,14 +158,21 @@ def stop(proc: subprocess.Popen) -> None:
             break
         except subprocess.TimeoutExpired:
             continue
-    for pid, started in tree.items():
-        if started is None or _start_time(pid) != started:   # gone, or its pid reused since
-            continue
+    exited = time.perf_counter()
+    alive = lambda: [pid for pid, started in tree.items() if started is not None and _start_time(pid) == started]
+    left = alive()   # still running (not gone, and its pid not reused since)
+    while left and time.perf_counter() - exited < LINGER_S:
+        time.sleep(0.1)
+        left = alive()
+    lingered = time.perf_counter() - exited
+    for pid in left:
         try:
             os.kill(pid, signal.SIGKILL)
-            _log(f"killed pid {pid}, left running by the server it belonged to")
+            _log(f"killed pid {pid}, still running {lingered:.1f} s after the server it belonged to exited")
         except ProcessLookupError:
             pass
+    if tree and not left and lingered > 0.05:
+        _log(f"the server's last process ended {lingered:.1f} s after the server")
 
 
 def bench(a, port: int, rate: float, chat: bool, seed: int, out: Path, server_pid: int) -> dict:
