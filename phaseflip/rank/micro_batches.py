@@ -1,4 +1,4 @@
-"""Micro-batches of a pipeline-parallel prefill step: the step's tokens cut into pieces that follow each
+"""Micro-batches of a pipeline-parallel step: the step's tokens cut into pieces that follow each
 other through the stages, so that stage k computes piece i + 1 while stage k + 1 computes piece i.
 
 Owns: where a step is cut (`piece_sizes`, `split_step`). Without pieces a PP step keeps one stage busy at
@@ -11,18 +11,25 @@ from __future__ import annotations
 
 from phaseflip.rank.messages import Phase, SeqChunk, StepBatch
 
-# The smallest piece and the multiple pieces are cut in, per phase: smaller pieces would pay a step's
-# overheads (and a decode piece its read of the weights) for too little work; pieces fill whole buckets
-# (engine/boot.py's prefill steps of 32 tokens, decode batches of 8 from 24 up).
-MIN_PIECE = {Phase.PREFILL: 128, Phase.DECODE: 16}
+# The smallest piece per device and phase (None: never cut). A piece is worth cutting where its products
+# are bound by arithmetic, not by reading the stage's weights, which every piece reads again: on the CPU a
+# 16-row product is (a 64-sequence decode cut in four ran 22% faster); on a GPU a decode step is a read of
+# the weights (cut, it would cost a read per piece) and a prefill piece needs some hundreds of rows
+# (not measured there yet: 512 is the guess, say so when it is).
+MIN_PIECE = {"cpu": {Phase.PREFILL: 128, Phase.DECODE: 16}, "cuda": {Phase.PREFILL: 512, Phase.DECODE: None}}
+# Pieces fill whole buckets: engine/boot.py's prefill steps of 32 tokens, decode batches of 8 from 24 up.
 PIECE_ALIGN = {Phase.PREFILL: 32, Phase.DECODE: 8}
 
 
-def piece_sizes(phase: Phase, num_tokens: int, pieces: int) -> list[int]:
-    """Token counts of the pieces a step of num_tokens is cut into: at most `pieces` of them, each a
-    multiple of the phase's PIECE_ALIGN and at least its MIN_PIECE, except the last, which takes the rest."""
+def piece_sizes(phase: Phase, num_tokens: int, pieces: int, device: str = "cpu") -> list[int]:
+    """Token counts of the pieces a step of num_tokens is cut into on `device` ("cpu" or "cuda"): at most
+    `pieces` of them, each a multiple of the phase's PIECE_ALIGN and at least its MIN_PIECE, except the
+    last, which takes the rest."""
+    least = MIN_PIECE["cuda" if device.startswith("cuda") else "cpu"][phase]
+    if least is None:
+        return [num_tokens]
     per, align = -(-num_tokens // max(pieces, 1)), PIECE_ALIGN[phase]
-    per = max(MIN_PIECE[phase], -(-per // align) * align)
+    per = max(least, -(-per // align) * align)
     sizes = [per] * (num_tokens // per)
     if num_tokens % per:
         sizes.append(num_tokens % per)

@@ -217,7 +217,7 @@ class LayoutRunner:
         runs as micro-batches that follow each other through the stages (micro_batches.py)."""
         if not self.is_pp:
             return self._execute(batch)
-        sizes = piece_sizes(batch.phase, batch.num_tokens, self.shapes.pp_micro_batches)
+        sizes = piece_sizes(batch.phase, batch.num_tokens, self.shapes.pp_micro_batches, self.kv.tensor.device.type)
         if len(sizes) == 1:
             return self._execute(batch)
         sampled = [self._execute(piece) for piece in split_step(batch, sizes)]

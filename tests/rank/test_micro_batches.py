@@ -24,6 +24,14 @@ def test_decode_piece_sizes_keep_a_minimum_batch():
     assert piece_sizes(Phase.DECODE, 15, 4) == [15]
 
 
+def test_cuda_cuts_only_large_prefills():
+    """A GPU decode is a read of the weights, which each piece would read again: whole; prefill pieces of
+    at least 512 tokens."""
+    assert piece_sizes(Phase.DECODE, 64, 4, "cuda") == [64]
+    assert piece_sizes(Phase.PREFILL, 2048, 4, "cuda") == [512] * 4
+    assert piece_sizes(Phase.PREFILL, 600, 4, "cuda") == [512, 88]
+
+
 def chunk(seq_id, n, start=0, sample=True, decode=False):
     return SeqChunk(seq_id, tuple(range(100 * seq_id, 100 * seq_id + n)), start, (seq_id, seq_id + 10), sample, decode)
 
