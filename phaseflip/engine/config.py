@@ -47,7 +47,7 @@ class EngineConfig:
     flip_staging_mib: float | None = None  # the flip's KV staging (send + receive); None = the smaller
                                            # of 256 MiB and a tenth of the KV pool
     pp_split: tuple[int, ...] | None = None     # explicit PP layers per rank
-    pp_micro_batches: int | None = None  # pieces a PP prefill step is cut into, so that the stages
+    pp_micro_batches: int | None = None  # pieces a PP step is cut into at most, so that the stages
                                          # compute at once; None = twice the stages, 1 = no cut
     tp_kv_split: tuple[int, ...] | None = None  # explicit TP KV heads per rank
     rank_budgets: tuple[float, ...] | None = None  # relative capacity per rank (CPU simulation)

@@ -44,7 +44,7 @@ def build_manifest(llm, ranks: list) -> dict:
                "sized_by": llm.kv_sized_by, "sizing": llm.kv_sizing},
         "prefix_cache": llm.allocator.cache_stats(),
         "buckets": {"decode": list(plan.shapes.decode_buckets), "prefill": list(plan.shapes.prefill_buckets)},
-        "pp_micro_batches": plan.shapes.pp_micro_batches,   # pieces a PP step is cut into at most,
+        "pp_micro_batches": plan.shapes.pp_micro_batches,   # pieces a PP step is cut into at most
         "ranks": [{"rank": r.rank, "pid": r.pid, "device": r.device, "boot_ms": r.boot_ms,
                    "ledger": r.ledger, "compile": r.compile, "memory": r.memory} for r in ranks],
         "steps": steps,

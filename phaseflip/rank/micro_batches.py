@@ -13,9 +13,9 @@ from phaseflip.rank.messages import Phase, SeqChunk, StepBatch
 
 # The smallest piece per device and phase (None: never cut). A piece is worth cutting where its products
 # are bound by arithmetic, not by reading the stage's weights, which every piece reads again: on the CPU a
-# 16-row product is (a 64-sequence decode cut in four ran 22% faster); on a GPU a decode step is a read of
-# the weights (cut, it would cost a read per piece) and a prefill piece needs some hundreds of rows
-# (not measured there yet: 512 is the guess, say so when it is).
+# 16-row product is (docs/performance.md, "Two ranks with PP micro-batches"); on a GPU a decode step is a
+# read of the weights (cut, it would cost a read per piece) and a prefill piece needs some hundreds of
+# rows (not measured there yet: 512 is a guess until it is).
 MIN_PIECE = {"cpu": {Phase.PREFILL: 128, Phase.DECODE: 16}, "cuda": {Phase.PREFILL: 512, Phase.DECODE: None}}
 # Pieces fill whole buckets: engine/boot.py's prefill steps of 32 tokens, decode batches of 8 from 24 up.
 PIECE_ALIGN = {Phase.PREFILL: 32, Phase.DECODE: 8}

@@ -45,7 +45,7 @@ class StepShapes:
     block_size: int
     decode_buckets: tuple[int, ...]    # batch sizes (sequences)
     prefill_buckets: tuple[int, ...]   # tokens
-    pp_micro_batches: int = 1          # pieces a PP prefill step is cut into at most (micro_batches.py)
+    pp_micro_batches: int = 1          # pieces a PP step is cut into at most (micro_batches.py)
 
     @property
     def max_tokens(self) -> int:
@@ -213,8 +213,8 @@ class LayoutRunner:
         return hidden
 
     def execute(self, batch: StepBatch) -> list[SampledToken] | None:
-        """Run the step; the output rank returns the sampled tokens, the others None. A PP prefill step
-        runs as micro-batches that follow each other through the stages (micro_batches.py)."""
+        """Run the step; the output rank returns the sampled tokens, the others None. A large enough PP
+        step runs as micro-batches that follow each other through the stages (micro_batches.py)."""
         if not self.is_pp:
             return self._execute(batch)
         sizes = piece_sizes(batch.phase, batch.num_tokens, self.shapes.pp_micro_batches, self.kv.tensor.device.type)

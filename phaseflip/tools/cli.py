@@ -93,8 +93,8 @@ def _engine_kwargs(model, dtype, max_model_len, max_num_seqs, max_num_batched_to
                 max_num_batched_tokens=max_num_batched_tokens, seed=seed, kv_cache_memory_gib=kv_cache_memory_gib,
                 gpu_memory_utilization=gpu_memory_utilization, world_size=world_size,
                 layouts=tuple(layouts.split(",")) if layouts else None, park=park,
-                flip_every_steps=flip_every_steps, pp_micro_batches=pp_micro_batches, compile=compile_mode, remeasure=remeasure, policy=policy,
-                ttft_budget_s=ttft_budget_s)
+                flip_every_steps=flip_every_steps, pp_micro_batches=pp_micro_batches, compile=compile_mode,
+                remeasure=remeasure, policy=policy, ttft_budget_s=ttft_budget_s)
 
 
 def _llm(**engine):
