@@ -244,6 +244,19 @@ def test_decode_layout_sends_the_bundle_back_where_it_was_measured_faster():
     assert decide(inputs(**in_tp), PolicyConfig()).reason == "decode"   # TP faster: home
 
 
+def test_prefill_layout_decodes_alongside_prefill_where_the_bundle_is_not_faster_there():
+    """Prefill waiting, and the carried bundle measured decoding here no slower than there: holding it back
+    for a flip gains nothing, so its decodes ride the prefill steps; measured faster there (or unmeasured),
+    the drain rule holds them for the flip."""
+    busy = dict(pending_prefill_tokens=4096, admissible_prefill_tokens=4096)
+    d = decide(carried_in_pp(rates=SLOW_TP, **busy), PolicyConfig())
+    assert (d.action, d.reason, d.prefill, d.decode) == ("stay", "prefill, decode here: not faster there", True, True)
+    assert d.numbers["work_here_s"] <= d.numbers["work_there_s"]
+    assert decide(carried_in_pp(**busy), PolicyConfig()).reason == "drain: prefill first"
+    unmeasured = {"pp": SLOW_TP["pp"], "tp": LayoutRates("tp", 1500.0)}
+    assert decide(carried_in_pp(rates=unmeasured, **busy), PolicyConfig()).reason == "drain: prefill first"
+
+
 def test_one_measured_leg_prices_its_unmeasured_return():
     """After the first flip only its own direction is measured: the way back is priced by it (mirrored),
     so the bundle can return on the bar a round trip sets; a seed or nothing measured stays unpriced."""

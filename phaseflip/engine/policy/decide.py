@@ -140,6 +140,10 @@ class _View:
     def rates(self, layout: str) -> LayoutRates:
         return self.w.rates.get(layout) or LayoutRates(layout, None)
 
+    def rates_provenance(self) -> dict:
+        """Where the rates a priced rule compared came from (measured here, seeds of an earlier run)."""
+        return {layout: self.rates(layout).provenance for layout in (self.here, self.there)}
+
     def home(self, layout: str) -> tuple[bool, bool]:
         return (True, False) if layout == self.c.prefill_layout else (False, True)
 
@@ -199,14 +203,21 @@ def _settle(v: _View) -> Decision | None:
 
 def _from_prefill_layout(v: _View) -> Decision:
     """Drain: prefill until nothing admissible is left (or prefill stalls, or decodes starve), then send
-    the carried bundle to the decode layout if it saves more than a round trip, else decode it here."""
+    the carried bundle to the decode layout if it saves more than a round trip, else decode it here.
+    A bundle measured decoding here no slower than there is not held back: it decodes beside the prefill."""
     w = v.w
     if w.num_carried_decodes == 0:
         return v.stay("prefill", (True, False), {"num_carried_decodes": 0})
     trigger, numbers = _prefill_side_trigger(v)
-    if trigger is None:
-        return v.stay("drain: prefill first", (True, False), numbers)
     here_s, there_s = _bundle_decode_s(v)
+    if trigger is None:
+        if here_s is not None and there_s is not None and here_s <= there_s:
+            # the bundle decodes here no slower than there: holding it back for a flip gains nothing,
+            # and its decodes ride the prefill steps
+            return v.stay("prefill, decode here: not faster there", (True, True),
+                          {**numbers, "work_here_s": here_s, "work_there_s": there_s,
+                           "rates_provenance": v.rates_provenance()})
+        return v.stay("drain: prefill first", (True, False), numbers)
     if here_s is None and trigger in ("drained", "kv-full"):
         # Nothing admissible: the next steps here are pure decodes, and one of them prices decoding here
         # (a flip that never learned this price would leave for the home layout every time).
@@ -283,7 +294,8 @@ def _decode_where_cheaper(v: _View) -> Decision:
     here_s, there_s = _bundle_decode_s(v)
     saving_s = _saving(here_s, there_s)
     numbers = {"admissible_prefill_tokens": 0, "work_here_s": here_s, "work_there_s": there_s,
-               "saving_s": saving_s, "round_trip_s": v.rt.seconds, "round_trip_provenance": v.rt.provenance}
+               "saving_s": saving_s, "round_trip_s": v.rt.seconds, "round_trip_provenance": v.rt.provenance,
+               "rates_provenance": v.rates_provenance()}
     if saving_s is None or v.rt.seconds is None or saving_s <= v.rt.seconds:
         return v.stay("decode", (False, True), numbers)
     if v.dwell_left_s() > 0:
@@ -345,7 +357,8 @@ def _flip_if_worth(v: _View, trigger: str, here_s: float | None, there_s: float 
     saving_s = _saving(here_s, there_s)
     bar_s = None if v.rt.seconds is None else gain * v.rt.seconds
     numbers = {**numbers, "work_here_s": here_s, "work_there_s": there_s, "saving_s": saving_s,
-               "round_trip_s": v.rt.seconds, "round_trip_provenance": v.rt.provenance, "bar_s": bar_s}
+               "round_trip_s": v.rt.seconds, "round_trip_provenance": v.rt.provenance, "bar_s": bar_s,
+               "rates_provenance": v.rates_provenance()}
     if not _pays(v, here_s, there_s, gain):
         return v.stay(f"{trigger}: below break-even, run here", (True, True), numbers)
     if not backstop and v.dwell_left_s() > 0:
