@@ -3,14 +3,19 @@
 Owns: `cache_dir()`, read by everything that keeps files there (the converted default model, the CPU
 kernel build, the compile caches, the last boot manifest, the boot records and saved steps), and the
 bound on what accumulates there: `used` marks an entry as just used, `prune` keeps a directory's most
-recently used entries. Every change of phaseflip's sources, torch or the machine makes new keys, so
-without a bound the records, saved steps and kernel builds would grow with every edit. It imports
-nothing of the package, so any layer may read it.
+recently used entries, and keyed records (`read_record` / `write_record`: a JSON file named by its
+key's digest, holding the key, so a digest collision or an edited file is never taken for the key).
+Every change of phaseflip's sources, torch or the machine makes new keys, so without a bound the
+records, saved steps and kernel builds would grow with every edit. It imports nothing of the package,
+so any layer may read it.
 """
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import shutil
+import time
 from pathlib import Path
 
 
@@ -44,6 +49,36 @@ def prune(directory: Path, keep: int, protect: Path | None = None, suffix: str =
         else:
             p.unlink(missing_ok=True)
     return doomed
+
+
+def key_digest(key: dict) -> str:
+    """A key (JSON-able) as a short file name."""
+    return hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:20]
+
+
+def read_record(path: Path, key: dict, object_hook=None) -> dict | None:
+    """The record written at `path` for exactly `key` (compared as JSON gives it back: tuples as
+    lists), marked as used; None where there is none, it cannot be read, or it holds another key."""
+    try:
+        data = json.loads(path.read_text(), object_hook=object_hook)
+    except (OSError, ValueError):
+        return None
+    if not isinstance(data, dict) or data.get("key") != json.loads(json.dumps(key, default=str)):
+        return None
+    used(path)
+    return data
+
+
+def write_record(path: Path, key: dict, body: dict, keep: int) -> str:
+    """Write {key, made_at, **body} at `path` whole, then rename (a reader never sees half a record), and
+    keep the `keep` most recently used records of its directory; returns made_at."""
+    made_at = time.strftime("%Y-%m-%dT%H:%M:%S%z")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(json.dumps({"key": key, "made_at": made_at, **body}, indent=1, default=str))
+    os.replace(tmp, path)
+    prune(path.parent, keep, protect=path, suffix=".json")
+    return made_at
 
 
 def _mtime(path: Path) -> float:

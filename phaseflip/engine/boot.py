@@ -1,7 +1,7 @@
 """Boot planning: every value derived from the config, the model and the machine, computed once.
 
-Owns: BootPlan (device, dtype, max_model_len, KV block count, bucket sets, the two layouts) and the
-RankBoot message each rank boots from. Checkpoint problems are raised by the loader before any rank
+Owns: BootPlan (device, dtype, max_model_len, KV block count, bucket sets, the two layouts), the
+RankBoot message each rank boots from, and `policy_key` (what the policy's recorded rates depend on). Checkpoint problems are raised by the loader before any rank
 allocates its KV region, and a KV budget that cannot hold one sequence of max_model_len tokens is
 refused here, saying what to change. On CUDA, unless kv_cache_memory_gib or num_kv_blocks is given,
 the block count is left to the ranks: each measures what gpu_memory_utilization leaves after its
@@ -11,6 +11,7 @@ request's length limit (a warning says so).
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import os
@@ -212,3 +213,20 @@ def rank_boot(cfg: EngineConfig, plan: BootPlan) -> RankBoot:
                     remeasure=cfg.remeasure,
                     budgets_bytes=plan.budgets_bytes,
                     flip_staging_bytes=None if cfg.flip_staging_mib is None else int(cfg.flip_staging_mib * 2**20))
+
+
+# the options besides the plan that change a step's or a flip's time
+POLICY_KEY_OPTIONS = ("world_size", "layouts", "num_threads", "park", "flip_staging_mib", "enforce_eager")
+
+
+def policy_key(cfg: EngineConfig, plan: BootPlan, mc: ModelConfig) -> dict:
+    """What the layout policy's measured rates and flip costs depend on (engine/policy/record.py): the
+    machine and its GPUs, phaseflip's sources, torch, the model, the dtype and the whole plan (shapes,
+    shards, KV pool), the compile mode and the options that change a step's or a flip's time."""
+    from phaseflip.rank.boot_record import machine, source_digest
+    gpus = ([torch.cuda.get_device_name(i) for i in range(cfg.world_size)] if plan.device.startswith("cuda")
+            else None)
+    return {"version": 1, "machine": machine(), "gpus": gpus, "torch": torch.__version__,
+            "source": source_digest(), "model": repr(mc), "plan": repr(dataclasses.replace(plan, model_dir="")),
+            "compile": resolve_compile(cfg.compile),
+            "options": {name: getattr(cfg, name) for name in POLICY_KEY_OPTIONS}}

@@ -20,7 +20,7 @@ import torch
 from tqdm.auto import tqdm
 
 from phaseflip.engine.blocks import BlockAllocator
-from phaseflip.engine.boot import kv_reason, make_plan, rank_boot
+from phaseflip.engine.boot import kv_reason, make_plan, policy_key, rank_boot
 from phaseflip.engine.config import EngineConfig
 from phaseflip.engine.core import EngineCore
 from phaseflip.engine.policy.control import LayoutControl
@@ -35,6 +35,7 @@ from phaseflip.engine.requests import RequestOutput, Sequence
 from phaseflip.engine.sampling_params import SamplingParams
 from phaseflip.engine.scheduler import Scheduler, SchedulerConfig
 from phaseflip.engine.manifest import build_manifest
+from phaseflip.engine.policy.record import PolicyRecord
 from phaseflip.engine.policy.rules import make_rule
 from phaseflip.rank.messages import ForgetRequests, LiveStateQuery, ManifestQuery, StatsQuery
 from phaseflip.rank.timing import timed
@@ -73,8 +74,13 @@ class LLM:
                                               max_num_batched_tokens=shapes.max_num_batched_tokens,
                                               max_prefill_chunk=shapes.max_num_batched_tokens,
                                               block_size=shapes.block_size), self.allocator)
+        self.policy_record = (PolicyRecord.load(policy_key(cfg, self.plan, mc), cfg.layouts, cfg.remeasure)
+                              if cfg.policy != "drain" and len(cfg.layouts) > 1 else None)
+        if self.policy_record is not None and self.policy_record.used:
+            log.info("policy: rates and flip costs seeded from %s (made %s)", self.policy_record.path,
+                     self.policy_record.made_at)
         rule = make_rule(cfg.policy, cfg.ttft_budget_s, cfg.layouts, cfg.flip_every_steps, scheduler,
-                         self.plan.max_model_len)
+                         self.plan.max_model_len, self.policy_record)
         self.control = LayoutControl(self.ranks, cfg.layouts, rule, self.allocator.carried_blocks)
         eos = set(mc.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
@@ -231,6 +237,10 @@ class LLM:
     def shutdown(self) -> None:
         if not self._closed:
             self._closed = True
+            try:
+                self.control.rule.keep()
+            except OSError as e:   # the cache unwritable: the next boot measures again
+                log.warning("the policy's measurements were not kept: %s", e)
             self.ranks.shutdown()
 
     def __del__(self):

@@ -52,6 +52,7 @@ def build_manifest(llm, ranks: list) -> dict:
         "flips": list(llm.control.flip_log),
         "num_flips": llm.control.num_flips, "num_failed_flips": llm.control.num_failed_flips,
         "decisions": list(llm.control.rule.decisions),
+        "policy_record": llm.policy_record.summary() if llm.policy_record else None,
         "eager_fallbacks": fallbacks,
         "chunked_runs": dict(ranks[-1].chunked_runs),   # batches above every bucket, run as its chunks
         "micro_batched_runs": dict(ranks[-1].micro_batched_runs),   # PP steps run as micro-batches

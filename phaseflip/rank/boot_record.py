@@ -13,16 +13,14 @@ from __future__ import annotations
 import dataclasses
 import functools
 import hashlib
-import json
 import os
 import platform
-import time
 from pathlib import Path
 
 import torch
 
 import phaseflip
-from phaseflip.cache import cache_dir, prune, used
+from phaseflip.cache import cache_dir, key_digest, prune, read_record, used, write_record
 from phaseflip.kernels.cpu import library
 
 RECORD_VERSION = 1
@@ -87,10 +85,6 @@ def record_key(runner, device: str, compile_mode: str, kernels: str | None) -> d
 NOT_IN_GRAPHS = ("shapes", "samples_in_step", "compile")
 
 
-def key_digest(key: dict) -> str:
-    return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
-
-
 @dataclasses.dataclass
 class BootRecord:
     """One layout's measured choices for one key; `reports` is empty where nothing was recorded."""
@@ -104,16 +98,10 @@ class BootRecord:
         """The record of `key` under root (the phaseflip cache's records/), empty where there is none
         (or remeasure, or it cannot be read)."""
         path = (root or cache_dir() / "records") / f"{key_digest(key)}.json"
-        if remeasure or not path.is_file():
-            return cls(key, path)
-        try:
-            data = json.loads(path.read_text(), object_hook=_int_keys)
-        except (OSError, ValueError):
-            return cls(key, path)
-        if data.get("key") != json.loads(json.dumps(key)):   # as JSON gives it back: tuples as lists
+        data = None if remeasure else read_record(path, key, object_hook=_int_keys)
+        if data is None:
             return cls(key, path)
         record = cls(key, path, data.get("reports", {}), data.get("made_at"))
-        used(path)
         used(record.steps_dir)
         return record
 
@@ -130,13 +118,7 @@ class BootRecord:
     def save(self, reports: dict) -> None:
         """Keep `reports` (what -> report) under this key: written whole, then renamed."""
         self.reports = {what: reports[what] for what in RECORDED if what in reports}
-        self.made_at = time.strftime("%Y-%m-%dT%H:%M:%S%z")
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self.path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps({"key": self.key, "made_at": self.made_at, "reports": self.reports},
-                                  indent=1, default=str))
-        os.replace(tmp, self.path)
-        prune(self.path.parent, KEEP_RECORDS, protect=self.path, suffix=".json")
+        self.made_at = write_record(self.path, self.key, {"reports": self.reports}, KEEP_RECORDS)
         prune(self.steps_dir.parent, KEEP_STEPS, protect=self.steps_dir)
 
     def summary(self, used: bool) -> dict:

@@ -95,6 +95,18 @@ def _timed_choice(t: dict) -> str:
     return f"{t['choice']} (compiled {ms(t['compiled_ms'])} ms, eager {ms(t['eager_ms'])} ms)"
 
 
+def policy_line(m: dict) -> list[str]:
+    """Where the policy's rates and flip costs started from (absent from older manifests)."""
+    if "policy_record" not in m:
+        return []
+    rec = m["policy_record"]
+    if rec is None:
+        return ["policy record: none (one layout, forced flips or the drain rule: nothing is priced)"]
+    if rec["used"]:
+        return [f"policy rates and flip costs: seeded from the record made {rec['made_at']}: {rec['path']}"]
+    return [f"policy rates and flip costs: measured in this run, kept at shutdown in {rec['path']}"]
+
+
 def flips_table(m: dict) -> list[str]:
     if not m["flips"]:
         return ["flips: none yet"]
@@ -137,7 +149,7 @@ def render_text(m: dict) -> str:
                     f"{pc['evictions']} evicted")
     elif pc is not None:
         head.append("  prefix cache: off")
-    sections = [head, steps_table(m), ledger_table(m), boot_table(m), flips_table(m)]
+    sections = [head, steps_table(m), ledger_table(m), boot_table(m), policy_line(m) + flips_table(m)]
     return "\n\n".join("\n".join(s) for s in sections)
 
 

@@ -86,10 +86,13 @@ def round_trip(out: LegCost, back: LegCost) -> RoundTrip:
 # -- layout speed (calibrated at boot, updated online) -----------------------------------------------
 @dataclass(frozen=True)
 class LayoutRates:
-    """One layout's speed: prefill tokens/s and decode step seconds per batch size (None: unmeasured)."""
+    """One layout's speed: prefill tokens/s and decode step seconds per batch size (None: unmeasured),
+    and where they came from: measured in this run, seeds (an earlier run's record, the simulator's
+    rig), both, or unpriced (nothing known)."""
     layout: str
     prefill_tok_s: float | None
     decode_step_s: tuple[tuple[int, float], ...] = ()   # (batch, seconds), batch ascending
+    provenance: str = MEASURED
 
     def prefill_s(self, tokens: int) -> float | None:
         return None if self.prefill_tok_s is None else tokens / self.prefill_tok_s
@@ -121,7 +124,9 @@ class LayoutRates:
 
 class RateEstimator:
     """One layout's rates: an EMA of prefill tokens/s and of decode step seconds per batch size. Mixed
-    steps (prefill and decode together, the fallback) are not attributed: they teach neither rate."""
+    steps (prefill and decode together, the fallback) are not attributed: they teach neither rate.
+    Values given at construction are seeds: their provenance is "seed" until a step of their kind
+    measures them (the EMA then starts from the seed)."""
 
     def __init__(self, layout: str, prefill_tok_s: float | None = None,
                  decode_step_s: Mapping[int, float] | None = None, alpha: float = 0.25):
@@ -134,6 +139,7 @@ class RateEstimator:
         for batch, seconds in (decode_step_s or {}).items():
             self._check_step(int(batch), seconds)
             self._step_s[int(batch)] = float(seconds)
+        self._seeds: set = set(self._step_s) | ({"prefill"} if prefill_tok_s is not None else set())
 
     def _check_step(self, batch: int, seconds: float) -> None:
         require(batch >= 1 and is_number(seconds) and seconds > 0,
@@ -147,12 +153,17 @@ class RateEstimator:
             return  # an empty or a mixed step
         if prefill_tokens > 0:
             self.prefill_tok_s = self._ema(self.prefill_tok_s, prefill_tokens / seconds)
+            self._seeds.discard("prefill")
         else:
             self._check_step(decode_batch, seconds)
             self._step_s[decode_batch] = self._ema(self._step_s.get(decode_batch), seconds)
+            self._seeds.discard(decode_batch)
 
     def reading(self) -> LayoutRates:
-        return LayoutRates(self.layout, self.prefill_tok_s, tuple(sorted(self._step_s.items())))
+        known = len(self._step_s) + (self.prefill_tok_s is not None)
+        provenance = (UNPRICED if known == 0 else MEASURED if not self._seeds else SEED if len(self._seeds) == known
+                      else f"{SEED}+{MEASURED}")
+        return LayoutRates(self.layout, self.prefill_tok_s, tuple(sorted(self._step_s.items())), provenance)
 
 
 class OutputLengthEstimator:
@@ -253,6 +264,24 @@ class Meters:
 
     @classmethod
     def unseeded(cls, layouts: tuple[str, ...], now_s: float) -> Meters:
-        return cls(ProgressTracker(now_s), {name: RateEstimator(name) for name in layouts},
-                   {direction(a, b): FlipCostEstimator(direction(a, b)) for a in layouts for b in layouts if a != b},
+        return cls.seeded(layouts, now_s, {})
+
+    @classmethod
+    def seeded(cls, layouts: tuple[str, ...], now_s: float, seeds: Mapping) -> Meters:
+        """Meters whose rates and flip legs start from `seeds` (what `seeds()` of an earlier run's meters
+        returned; a layout or leg it lacks starts unpriced)."""
+        rates, legs = seeds.get("rates", {}), seeds.get("legs", {})
+        return cls(ProgressTracker(now_s),
+                   {name: RateEstimator(name, rates.get(name, {}).get("prefill_tok_s"),
+                                        rates.get(name, {}).get("decode_step_s")) for name in layouts},
+                   {d: FlipCostEstimator(d, legs.get(d)) for d in (direction(a, b) for a in layouts for b in layouts
+                                                                    if a != b)},
                    OutputLengthEstimator())
+
+    def seeds(self) -> dict:
+        """What this run's meters know, as the next run's seeds (JSON-able): each layout's rates and each
+        flip direction's price (median of the measured, else its own seed)."""
+        rates = {name: {"prefill_tok_s": r.prefill_tok_s, "decode_step_s": dict(r.decode_step_s)}
+                 for name, r in ((n, e.reading()) for n, e in self.rates.items())}
+        legs = {d: leg.seconds for d, leg in ((d, e.reading()) for d, e in self.legs.items()) if leg.seconds is not None}
+        return {"rates": rates, "legs": legs}

@@ -4,7 +4,8 @@ Owns: `Rule` (what LayoutControl asks: the phases open now and whether to flip f
 right after a step or when nothing could run, and what each flip measured), `DrainRule` (policy="drain",
 and any run with one layout or forced flips) and `PolicyRule` (policy="throughput" | "latency": the
 meters fed from real steps and flips, decide.py's decision per step, and the decision log), and
-`make_rule`, which picks one from the engine's options.
+`make_rule`, which picks one from the engine's options. The policy's meters start from an earlier run's
+record of the same engine where there is one (record.py) and `keep()` writes what they learned back.
 
 The decision log keeps every change of action/reason/phases with the numbers used; a repeat only bumps
 the last record's count; the last MAX_DECISIONS records are kept (a long-running engine must not grow
@@ -20,6 +21,7 @@ from typing import Protocol
 from phaseflip.engine.policy.decide import Decision, PolicyConfig, decide
 from phaseflip.engine.policy.estimators import Meters
 from phaseflip.engine.policy.inputs import measure
+from phaseflip.engine.policy.record import PolicyRecord
 
 MAX_DECISIONS = 256  # decision records kept, the newest
 FALLBACK_STEPS = 32  # steps a failed flip's fallback lasts (drain rule) before it may flip again
@@ -53,6 +55,9 @@ class Rule(Protocol):
 
     def observe_flip(self, entry: dict) -> None:
         """A flip ran (LayoutControl's log entry: ok, direction, total_ms, ...)."""
+
+    def keep(self) -> None:
+        """The engine shuts down: keep what the rule measured for the next boot (if anything)."""
 
 
 class DrainRule:
@@ -89,14 +94,20 @@ class DrainRule:
     def observe_flip(self, entry: dict) -> None:
         self.fallback_until = -1 if entry["ok"] else self._steps + FALLBACK_STEPS
 
+    def keep(self) -> None:
+        pass   # it measures nothing
+
 
 class PolicyRule:
     """policy="throughput" | "latency": each decision measures its inputs (inputs.py) and is decide.py's;
-    the meters learn from every step, idle poll and flip."""
+    the meters learn from every step, idle poll and flip, starting from `record`'s seeds if it has any."""
 
-    def __init__(self, config: PolicyConfig, layouts: tuple[str, ...], scheduler, max_model_len: int):
+    def __init__(self, config: PolicyConfig, layouts: tuple[str, ...], scheduler, max_model_len: int,
+                 record: PolicyRecord | None = None):
         self.config, self.scheduler, self.max_model_len = config, scheduler, max_model_len
-        self.meters = Meters.unseeded(layouts, time.perf_counter())
+        self.record = record
+        self.meters = Meters.seeded(layouts, time.perf_counter(), record.seeds if record else {})
+        self._measured = False   # a step or flip taught the meters something in this run
         self.decisions: deque[dict] = deque(maxlen=MAX_DECISIONS)
         self.num_decisions = 0  # records ever logged, including those the log has dropped
 
@@ -120,6 +131,7 @@ class PolicyRule:
     def after_step(self, active: str, s: StepSummary) -> None:
         if s.seconds > 0 and (s.prefill_tokens == 0 or s.decode_tokens == 0):
             self.meters.rates[active].observe_step(s.prefill_tokens, s.decode_tokens, s.seconds)
+            self._measured = True
         for n in s.finished_output_lengths:
             self.meters.outputs.observe(n)
         self._poll(active, s.prefill_tokens, s.decode_tokens)
@@ -136,13 +148,19 @@ class PolicyRule:
         if entry["ok"]:
             self.meters.legs[entry["direction"]].observe(entry["total_ms"] / 1e3)
             self.meters.tracker.on_cutover(time.perf_counter())
+            self._measured = True
         else:
             self.meters.tracker.on_flip_failed()
 
+    def keep(self) -> None:
+        if self.record is not None and self._measured:
+            self.record.save(self.meters.seeds())
+
 
 def make_rule(policy: str, ttft_budget_s: float | None, layouts: tuple[str, ...], flip_every_steps: int | None,
-              scheduler, max_model_len: int) -> Rule:
+              scheduler, max_model_len: int, record: PolicyRecord | None = None) -> Rule:
     """The policy where it has a choice to make (two layouts, no forced flips), else the drain rule."""
     if policy == "drain" or len(layouts) < 2 or flip_every_steps:
         return DrainRule(layouts, flip_every_steps)
-    return PolicyRule(PolicyConfig(mode=policy, ttft_budget_s=ttft_budget_s), layouts, scheduler, max_model_len)
+    return PolicyRule(PolicyConfig(mode=policy, ttft_budget_s=ttft_budget_s), layouts, scheduler, max_model_len,
+                      record)
