@@ -321,6 +321,19 @@ def test_latency_mode_leaves_at_the_oldest_prompts_deadline():
     assert n["bar_s"] == pytest.approx(8.0 - n["leg_high_s"] - n["queue_there_s"]) and n["oldest_wait_s"] >= n["bar_s"]
 
 
+def test_latency_deadline_after_the_first_flip_prices_the_way_back_by_its_opposite():
+    """Only pp->tp measured (the first flip): the deadline's leg back is that flip's worst total, marked
+    mirrored, so the deadline is priced; with nothing measured it is unpriced and leaves at the budget."""
+    cfg = PolicyConfig(mode="latency", ttft_budget_s=8.0)
+    base = dict(active="tp", num_running=60, num_carried_decodes=60, pending_prefill_tokens=400_000,
+                admissible_prefill_tokens=4000, oldest_wait_s=6.5)
+    d = decide(inputs(legs={"pp->tp": LegCost("pp->tp", 0.6, 0.9, "measured", 1)}, **base), cfg)
+    assert (d.action, d.reason) == ("flip", "ttft-deadline")
+    assert (d.numbers["leg_high_s"], d.numbers["leg_provenance"]) == (0.9, "mirrored")
+    d = decide(inputs(legs={}, **base), cfg)
+    assert (d.action, d.reason, d.numbers["leg_high_s"]) == ("flip", "ttft-deadline (unpriced)", None)
+
+
 def test_latency_mode_prefills_here_when_no_cycle_fits_the_budget():
     cfg = PolicyConfig(mode="latency", ttft_budget_s=8.0)
     d = decide(inputs(active="tp", num_running=60, num_carried_decodes=60, pending_prefill_tokens=600,
