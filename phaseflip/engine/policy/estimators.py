@@ -283,5 +283,6 @@ class Meters:
         flip direction's price (median of the measured, else its own seed)."""
         rates = {name: {"prefill_tok_s": r.prefill_tok_s, "decode_step_s": dict(r.decode_step_s)}
                  for name, r in ((n, e.reading()) for n, e in self.rates.items())}
-        legs = {d: leg.seconds for d, leg in ((d, e.reading()) for d, e in self.legs.items()) if leg.seconds is not None}
+        legs = {d: leg.seconds for d, leg in ((d, e.reading()) for d, e in self.legs.items())
+                if leg.seconds is not None}
         return {"rates": rates, "legs": legs}
