@@ -20,14 +20,22 @@ import time
 import torch
 
 
-def import_compiler() -> threading.Thread:
+def import_compiler(device: str, cache_root: str | None) -> threading.Thread:
     """Import dynamo and inductor's compiler (what loading or compiling a step imports first: about 2 s
     on the CPU) in a thread, started now; the caller joins it before it compiles. The imports run
     Python while the caller's first phases (packing weights, filling the arena) run torch ops, which
-    leave the interpreter to it."""
+    leave the interpreter to it. On the CPU the thread then points inductor at the boot's cache
+    (use_cache_dir) and has it probe which vector ISAs build and load (a compiler and a child Python
+    per ISA, ~1 s with its builds cached, cached for the process): loading a saved step would
+    otherwise do that on the caller's time."""
     def imports():
         import torch._dynamo  # noqa: F401
         import torch._inductor.compile_fx  # noqa: F401
+        if device == "cpu":
+            if cache_root is not None:
+                use_cache_dir(cache_root)
+            from torch._inductor import cpu_vec_isa
+            cpu_vec_isa.valid_vec_isa_list()
     thread = threading.Thread(target=imports, name="phaseflip-import-compiler", daemon=True)
     thread.start()
     return thread

@@ -72,7 +72,8 @@ class RankRuntime:
         if self.device != "cpu":
             torch.cuda.set_device(self.device)
         self.memory_at_start = measure_memory(self.device)  # the ledger's framework overhead
-        self.compiler_import = import_compiler() if boot.compile != "off" else None
+        self.compiler_import = (import_compiler(self.device, boot.compile_cache_dir) if boot.compile != "off"
+                                else None)
         dtype = getattr(torch, boot.dtype)
         with self._timed("load"):
             self.cfg, hf = load(boot.model_dir, dtype)
