@@ -36,7 +36,7 @@ from phaseflip.engine.sampling_params import SamplingParams
 from phaseflip.engine.scheduler import Scheduler, SchedulerConfig
 from phaseflip.engine.manifest import build_manifest
 from phaseflip.engine.policy.record import PolicyRecord
-from phaseflip.engine.policy.rules import make_rule
+from phaseflip.engine.policy.rules import has_choice, make_rule
 from phaseflip.rank.messages import ForgetRequests, LiveStateQuery, ManifestQuery, StatsQuery
 from phaseflip.rank.timing import timed
 
@@ -75,7 +75,7 @@ class LLM:
                                               max_prefill_chunk=shapes.max_num_batched_tokens,
                                               block_size=shapes.block_size), self.allocator)
         self.policy_record = (PolicyRecord.load(policy_key(cfg, self.plan, mc), cfg.layouts, cfg.remeasure)
-                              if cfg.policy != "drain" and len(cfg.layouts) > 1 else None)
+                              if has_choice(cfg.policy, cfg.layouts, cfg.flip_every_steps) else None)
         if self.policy_record is not None and self.policy_record.used:
             log.info("policy: rates and flip costs seeded from %s (made %s)", self.policy_record.path,
                      self.policy_record.made_at)

@@ -90,3 +90,5 @@ def test_an_engine_keeps_its_policy_measurements_for_the_next_boot(tiny_model_di
         assert not third.policy_record.used
     with LLM(**{**kw, "max_num_seqs": 4}) as other:
         assert not other.policy_record.used and other.policy_record.path != path
+    with LLM(**kw, flip_every_steps=2) as forced:   # the drain rule prices nothing: no record read or kept
+        assert forced.policy_record is None and forced.inspect()["policy_record"] is None

@@ -157,10 +157,16 @@ class PolicyRule:
             self.record.save(self.meters.seeds())
 
 
+def has_choice(policy: str, layouts: tuple[str, ...], flip_every_steps: int | None) -> bool:
+    """Whether the policy chooses the layout (and so prices it): two layouts, no forced flips, not the
+    drain rule. Only then is there a record of its measurements to read or keep."""
+    return policy != "drain" and len(layouts) >= 2 and not flip_every_steps
+
+
 def make_rule(policy: str, ttft_budget_s: float | None, layouts: tuple[str, ...], flip_every_steps: int | None,
               scheduler, max_model_len: int, record: PolicyRecord | None = None) -> Rule:
-    """The policy where it has a choice to make (two layouts, no forced flips), else the drain rule."""
-    if policy == "drain" or len(layouts) < 2 or flip_every_steps:
+    """The policy where it has a choice to make (has_choice), else the drain rule."""
+    if not has_choice(policy, layouts, flip_every_steps):
         return DrainRule(layouts, flip_every_steps)
     return PolicyRule(PolicyConfig(mode=policy, ttft_budget_s=ttft_budget_s), layouts, scheduler, max_model_len,
                       record)
