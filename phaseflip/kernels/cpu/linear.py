@@ -75,6 +75,8 @@ def form(m: int, dtype: torch.dtype, traced: bool = False) -> str:
     if traced:
         if m <= GEMV_ROWS and forms.one_row == "reduction":   # the one-row graph (its row count is static)
             return "reduction"
+        if _kernel_everywhere(forms, dtype):   # no test of m: one graph serves every row count
+            return "kernel"
         small = _small(forms, m, dtype) if isinstance(m, int) and 1 <= m <= SMALL_BATCH else None
         return small if small in ("library", "kernel") else "opaque"   # inductor calls those two itself
     if 1 <= m <= SMALL_BATCH:
@@ -83,6 +85,15 @@ def form(m: int, dtype: torch.dtype, traced: bool = False) -> str:
     if m > SMALL_BATCH and wide == "kernel" and serves("kernel", dtype):
         return "kernel"
     return ladder_form(dtype)
+
+
+def _kernel_everywhere(forms: Forms, dtype: torch.dtype) -> bool:
+    """Whether every row count a compiled step may multiply (above GEMV_ROWS where those reduce) takes
+    the kernel: then the traced form does not compare m with SMALL_BATCH, which would make dynamo
+    specialise the step's row dimension (a graph for 2 rows, one for 3-4, one above)."""
+    rows = [m for m in MEASURED_ROWS if m > GEMV_ROWS or forms.one_row != "reduction"]
+    return (all(_small(forms, m, dtype) == "kernel" for m in rows)
+            and all(forms.wide.get(r) == "kernel" for r in WIDE_ROWS) and serves("kernel", dtype))
 
 
 def ladder_form(dtype: torch.dtype) -> str:
