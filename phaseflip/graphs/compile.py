@@ -1,7 +1,8 @@
 """Compiling a step's repeated unit with inductor, and measuring whether it pays (CPU).
 
 Owns: `import_compiler` (dynamo's and inductor's imports started in a thread, for a boot to overlap
-with its first phases), `compile_region` (torch.compile with a dynamic token dimension, applied to one
+with its first phases), `vec_isas` (inductor's probe of the CPU's vector ISAs, recorded and trusted),
+`compile_region` (torch.compile with a dynamic token dimension, applied to one
 decoder layer so that identical layers and every bucket share one compiled graph), `compile_whole_step` (the same for a
 CPU decode step as a whole, its wrapper in C++) and `DirectStep` (such a step bound to a bucket's
 views and replayed without dynamo), `use_cache_dir` and `cache_dirs` (inductor's and
@@ -16,6 +17,7 @@ import os
 import statistics
 import threading
 import time
+from pathlib import Path
 
 import torch
 
@@ -25,20 +27,45 @@ def import_compiler(device: str, cache_root: str | None) -> threading.Thread:
     on the CPU) in a thread, started now; the caller joins it before it compiles. The imports run
     Python while the caller's first phases (packing weights, filling the arena) run torch ops, which
     leave the interpreter to it. On the CPU the thread then points inductor at the boot's cache
-    (use_cache_dir) and has it probe which vector ISAs build and load (a compiler and a child Python
-    per ISA, ~1 s with its builds cached, cached for the process): loading a saved step would
-    otherwise do that on the caller's time."""
+    (use_cache_dir) and settles which vector ISAs inductor generates code for (vec_isas: a recorded
+    probe, or the probe itself), which loading a saved step would otherwise do on the caller's time."""
     def imports():
         import torch._dynamo  # noqa: F401
         import torch._inductor.compile_fx  # noqa: F401
         if device == "cpu":
             if cache_root is not None:
                 use_cache_dir(cache_root)
-            from torch._inductor import cpu_vec_isa
-            cpu_vec_isa.valid_vec_isa_list()
+            vec_isas(cache_root)
     thread = threading.Thread(target=imports, name="phaseflip-import-compiler", daemon=True)
     thread.start()
     return thread
+
+
+def vec_isas(cache_root: str | None) -> list[str]:
+    """The vector ISAs inductor generates CPU code for here, probed once for the process: inductor's
+    probe builds a test per ISA the CPU names and loads each in a child Python (~1 s with the builds
+    cached). Where an earlier probe with this key (torch, the compiler, the CPU's flags) is recorded
+    under cache_root, inductor is told to trust the CPU's flags instead (its config.cpp.vec_isa_ok)
+    and the list that gives is kept only if it is the recorded one: else the probe runs after all."""
+    from torch._inductor import config, cpu_vec_isa
+    from phaseflip.cache import cpu_flags, key_digest, read_record, write_record
+
+    def probed() -> list[str]:
+        return [type(isa).__name__ for isa in cpu_vec_isa.valid_vec_isa_list()]
+    if cache_root is None or getattr(config.cpp, "vec_isa_ok", False) is not None:   # none kept; the user's setting
+        return probed()
+    key = {"torch": torch.__version__, "cxx": os.environ.get("CXX"), "cpu": cpu_flags()}
+    path = Path(cache_root) / "vec_isa" / f"{key_digest(key)}.json"
+    record = read_record(path, key)
+    if record is not None:
+        config.cpp.vec_isa_ok = True
+        if probed() == record["isas"]:
+            return record["isas"]
+        config.cpp.vec_isa_ok = None
+        cpu_vec_isa.valid_vec_isa_list.cache_clear()
+    isas = probed()
+    write_record(path, key, {"isas": isas}, keep=8)
+    return isas
 
 
 def compile_region(fn):

@@ -5,6 +5,7 @@ into the KV region, the layer compiles once whatever the number of layers, and n
 boot. Slow-marked where inductor compiles cold for tens of seconds on 2 cores."""
 import dataclasses
 import functools
+import json
 import os
 import subprocess
 import sys
@@ -51,10 +52,33 @@ def test_compile_caches_go_below_the_phaseflip_cache_in_a_fresh_process(tmp_path
     assert run(env={**env, "TORCHINDUCTOR_CACHE_DIR": mine}).stdout.strip() == mine
 
 
+@pytest.mark.skipif(sys.platform != "linux", reason="inductor probes vector ISAs on Linux and Windows only")
+def test_the_vector_isa_probe_is_recorded_and_then_trusted(tmp_path):
+    """A first probe is recorded; the next process (here: the list's cache cleared) trusts the CPU's flags
+    with that record (no build, no child Python) and gets the same list; a record that differs from
+    what trusting gives (a probe found fewer) is not trusted: the probe runs and is recorded anew."""
+    from torch._inductor import config, cpu_vec_isa
+    from phaseflip.graphs.compile import vec_isas
+    cpu_vec_isa.valid_vec_isa_list.cache_clear()
+    with config.patch({"cpp.vec_isa_ok": None}):
+        probed = vec_isas(str(tmp_path))
+        assert config.cpp.vec_isa_ok is None and probed
+        (record,) = (tmp_path / "vec_isa").glob("*.json")
+        cpu_vec_isa.valid_vec_isa_list.cache_clear()
+        assert vec_isas(str(tmp_path)) == probed and config.cpp.vec_isa_ok is True
+        edited = json.loads(record.read_text())
+        record.write_text(json.dumps({**edited, "isas": probed[-1:] + ["VecNone"]}))
+        config.cpp.vec_isa_ok = None
+        cpu_vec_isa.valid_vec_isa_list.cache_clear()
+        assert vec_isas(str(tmp_path)) == probed and config.cpp.vec_isa_ok is None
+        assert json.loads(record.read_text())["isas"] == probed
+    cpu_vec_isa.valid_vec_isa_list.cache_clear()
+
+
 def test_auto_measures_each_bucket_matches_hf_and_writes_no_kv(tiny_model_dir, compiled_cache, monkeypatch):
     """compile="auto", the default: each probed bucket timed compiled against eager (but the 1-row decode
-    where the fused layers run it), the faster kept and replayed, HF's tokens. The model is the next test's (its graphs, compiled in this process,
-    serve both: one cold compile for the two)."""
+    where the fused layers run it), the faster kept and replayed, HF's tokens. The model is the next
+    test's (its graphs, compiled in this process, serve both: one cold compile for the two)."""
     d = tiny_model_dir("llama", num_layers=6)
     prompts = parity_prompts(384)[:4]
     expected = hf_greedy(d, prompts, 16)

@@ -43,7 +43,7 @@ from pathlib import Path
 
 import torch
 
-from phaseflip.cache import cache_dir, prune, used
+from phaseflip.cache import cache_dir, cpu_flags, prune, used
 
 log = logging.getLogger(__name__)
 
@@ -126,19 +126,9 @@ def _flags() -> list[str]:
 def _library_path(compiler: str) -> Path:
     key = hashlib.sha256()
     sources = (src.read_bytes() for src in SOURCES + HEADERS)
-    for part in (*sources, torch.__version__, compiler, " ".join(_flags()), _cpu_flags()):
+    for part in (*sources, torch.__version__, compiler, " ".join(_flags()), cpu_flags()):
         key.update(part if isinstance(part, bytes) else part.encode())
     return cache_dir() / "kernels" / f"cpu_kernels-{key.hexdigest()[:16]}.so"
-
-
-def _cpu_flags() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return line
-    except OSError:
-        pass
-    return platform.processor()
 
 
 def _build(compiler: str, path: Path) -> None:
@@ -179,8 +169,3 @@ def _disagreement() -> str | None:
                 return f"disagrees with F.linear ({dtype}, {m} rows): max error {(got - want).abs().max():.3g}"
     return None
 
-
-if __name__ == "__main__":   # `make setup`: build them into the cache once, and say what happened
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
-    _loaded()
-    print("CPU kernels:", kernel_report())
