@@ -1,11 +1,12 @@
-"""The CPU kernels of our own (gemv.cpp, decode.cpp, prefill.cpp, layer.cpp): built for
+"""The CPU kernels of our own (gemv.cpp, decode.cpp, prefill.cpp, layer.cpp, quant.cpp): built for
 this machine on first use, loaded as torch ops.
 
 Owns: `few_rows_op` (`phaseflip::cpu_few_rows_linear`), `paged_attention_op`
 (`phaseflip::cpu_paged_attention`: phaseflip::paged_attention in C++, every CPU step of float32 or
 bfloat16, eager or compiled), `decode_layers_op` (`phaseflip::cpu_decode_layers`: one token through the
-decoder layers, kernels/cpu/fused_layer.py), each None where the kernels cannot be built or give a wrong
-answer, and `kernel_report` (whether they are there, why not, where they live, what the build cost).
+decoder layers, kernels/cpu/fused_layer.py), `quant_linear_op` (`phaseflip::cpu_quant_linear`: products on
+weights in a GGUF block format, kernels/cpu/quant.py), each None where the kernels cannot be built or
+give a wrong answer, and `kernel_report` (whether they are there, why not, where they live, what the build cost).
 
 Why a few-rows product of our own: a decode step's projections multiply one to four rows by every weight,
 a pass over the whole model that should run at the memory's read speed. Neither the library's GEMM
@@ -47,7 +48,8 @@ from phaseflip.cache import cache_dir, cpu_flags, prune, used
 
 log = logging.getLogger(__name__)
 
-SOURCES = tuple(Path(__file__).with_name(name) for name in ("gemv.cpp", "decode.cpp", "prefill.cpp", "layer.cpp"))
+SOURCES = tuple(Path(__file__).with_name(name)
+                for name in ("gemv.cpp", "decode.cpp", "prefill.cpp", "layer.cpp", "quant.cpp"))
 HEADERS = tuple(Path(__file__).with_name(name)   # included by the sources (part of the build's key)
                 for name in ("simd.h", "dtype.h", "parallel.h", "dot.h", "tile.h", "paged.h", "wide.h"))
 KEEP_BUILDS = 8   # the most recently used builds kept in the cache (each source edit makes a new one)
@@ -77,6 +79,12 @@ def decode_layers_op():
     """torch.ops.phaseflip.cpu_decode_layers (layer.cpp: one token through a stack of decoder
     layers); None where the kernels are not here (kernel_report)."""
     return torch.ops.phaseflip.cpu_decode_layers if _loaded() else None
+
+
+def quant_linear_op():
+    """torch.ops.phaseflip.cpu_quant_linear (quant.cpp: x @ W^T, W in a GGUF block format); None where the
+    kernels are not here (kernel_report)."""
+    return torch.ops.phaseflip.cpu_quant_linear if _loaded() else None
 
 
 def _loaded() -> bool:
@@ -151,6 +159,8 @@ def _register_fake() -> None:
         torch.library.register_fake("phaseflip::cpu_few_rows_linear")(
             lambda x, weight: x.new_empty((x.shape[0], weight.shape[0])))
         torch.library.register_fake("phaseflip::cpu_paged_attention")(lambda q, *rest: torch.empty_like(q))
+        torch.library.register_fake("phaseflip::cpu_quant_linear")(
+            lambda x, blocks, type_id: x.new_empty((x.shape[0], blocks.shape[0])))
         _faked = True
 
 

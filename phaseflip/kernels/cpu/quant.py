@@ -1,0 +1,49 @@
+"""Products on weights kept in a GGUF block format (kernels/cpu/quant.cpp): the formats served, their
+geometry, and `quant_linear` (x @ W^T with W's blocks as the file holds them).
+
+Owns: `FORMATS` (name -> `BlockFormat`: GGML's type id, values and bytes a block), `block_format`
+(a name, checked: another names what is served) and `quant_linear`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from phaseflip.kernels.cpu import library
+
+
+@dataclass(frozen=True)
+class BlockFormat:
+    """One GGUF block format: GGML's id for it, the values a block holds and the bytes it takes."""
+    name: str
+    type_id: int
+    block_values: int
+    block_bytes: int
+
+    def row_bytes(self, k: int) -> int:
+        """The bytes of a weight row of k values (k a whole number of blocks)."""
+        if k % self.block_values:
+            raise ValueError(f"{self.name}: a row of {k} values is not a whole number of "
+                             f"{self.block_values}-value blocks")
+        return k // self.block_values * self.block_bytes
+
+
+FORMATS = {f.name: f for f in (BlockFormat("Q8_0", 8, 32, 34),)}
+
+
+def block_format(name: str) -> BlockFormat:
+    """The format named `name`; another name is an error naming the served ones."""
+    if name not in FORMATS:
+        raise ValueError(f"block format {name!r} is not served (served: {', '.join(FORMATS)})")
+    return FORMATS[name]
+
+
+def quant_linear(x: torch.Tensor, blocks: torch.Tensor, fmt: BlockFormat) -> torch.Tensor:
+    """x [M, K] (float32 or bfloat16) @ W^T, W [N, K] held as `blocks` [N, fmt.row_bytes(K)] uint8: the
+    product in x's dtype, summed in float32."""
+    op = library.quant_linear_op()
+    if op is None:
+        raise RuntimeError(f"the CPU kernels are not here ({library.kernel_report().get('reason')}): "
+                           "quantized weights need them")
+    return op(x, blocks, fmt.type_id)

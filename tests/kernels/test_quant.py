@@ -1,0 +1,67 @@
+"""kernels/cpu/quant.cpp: products on GGUF block-format weights against gguf's own decoder
+(gguf.quants.dequantize) followed by F.linear, over random blocks, 1-300 rows of x, float32 and
+bfloat16 activations; a format not served, and rows that are not whole blocks, are refused by name."""
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+gguf = pytest.importorskip("gguf", reason="the gguf package (a dependency) is not installed")
+from gguf import quants  # noqa: E402
+
+from phaseflip.kernels.cpu import library  # noqa: E402
+from phaseflip.kernels.cpu import quant  # noqa: E402
+
+KERNELS = pytest.mark.skipif(library.quant_linear_op() is None,
+                             reason=f"the CPU kernels did not build here: {library.kernel_report().get('reason')}")
+
+
+def _blocks(fmt: quant.BlockFormat, n: int, k: int, seed: int):
+    """Random weights [n, k] quantized by gguf itself: (the blocks as a uint8 tensor, gguf's decoding)."""
+    rng = np.random.default_rng(seed)
+    w = (rng.standard_normal((n, k)) * rng.uniform(0.01, 2.0, (n, 1))).astype(np.float32)
+    raw = quants.quantize(w, gguf.GGMLQuantizationType[fmt.name])
+    decoded = quants.dequantize(raw, gguf.GGMLQuantizationType[fmt.name])
+    return torch.from_numpy(np.ascontiguousarray(raw)), torch.from_numpy(np.ascontiguousarray(decoded))
+
+
+@KERNELS
+@pytest.mark.parametrize("name", sorted(quant.FORMATS))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 17, 64, 300])
+def test_matches_gguf_dequantize_then_f_linear(name, dtype, rows):
+    fmt = quant.block_format(name)
+    blocks, w = _blocks(fmt, 96, 576, seed=rows)
+    assert blocks.shape == (96, fmt.row_bytes(576)) and blocks.dtype == torch.uint8
+    x = torch.randn(rows, 576, generator=torch.Generator().manual_seed(rows)).to(dtype)
+    got = quant.quant_linear(x, blocks, fmt)
+    want = F.linear(x.float(), w)
+    assert got.dtype == dtype and got.shape == (rows, 96)
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got.float(), want, rtol=tol, atol=tol * want.abs().max().item())
+
+
+@KERNELS
+def test_a_strided_x_and_no_rows():
+    fmt = quant.block_format("Q8_0")
+    blocks, w = _blocks(fmt, 40, 64, seed=1)
+    x = torch.randn(64, 6)[:, :].t()          # rows 1 apart, values 6 apart
+    torch.testing.assert_close(quant.quant_linear(x, blocks, fmt), F.linear(x, w), rtol=1e-4, atol=1e-4)
+    assert quant.quant_linear(torch.empty(0, 64), blocks, fmt).shape == (0, 40)
+
+
+@KERNELS
+def test_bad_geometry_is_refused_by_name():
+    fmt = quant.block_format("Q8_0")
+    blocks, _ = _blocks(fmt, 8, 64, seed=2)
+    with pytest.raises(RuntimeError, match="bytes of blocks a row"):
+        quant.quant_linear(torch.randn(2, 96), blocks, fmt)
+    with pytest.raises(RuntimeError, match="block format 99 is not served"):
+        library.quant_linear_op()(torch.randn(2, 64), blocks, 99)
+
+
+def test_a_format_not_served_is_named():
+    with pytest.raises(ValueError, match=r"'IQ2_XS' is not served \(served: Q8_0"):
+        quant.block_format("IQ2_XS")
+    with pytest.raises(ValueError, match="not a whole number of 32-value blocks"):
+        quant.block_format("Q8_0").row_bytes(100)
