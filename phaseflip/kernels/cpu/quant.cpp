@@ -1,5 +1,7 @@
 // Products x @ W^T with W in a GGUF block format, as the file holds it: each weight row a run of
-// blocks, each block a scale and small integers (Q8_0: an fp16 scale d and 32 int8 q, w = d * q).
+// blocks of 32 values, each block scales and small integers. Q8_0: fp16 d, 32 int8 q, w = d * q.
+// Q4_0: fp16 d, 16 bytes of 4-bit q (value j in byte j's low half, value j + 16 in its high half),
+// w = d * (q - 8). Q4_1: fp16 d, fp16 m, the same 16 bytes, w = d * q + m.
 // x [M, K] float32 or bfloat16 (the output is x's dtype), float32 sums. The weight is read once a
 // product, at its quantized size: what a decode step's time is (it reads every weight). Up to
 // FUSED_ROWS rows of x, each block is decoded in registers and multiplied with every row as it is
@@ -21,84 +23,126 @@
 
 namespace {
 
-// GGML's type ids of the block formats decoded here
-constexpr int64_t Q8_0 = 8;
 constexpr int64_t FUSED_ROWS = 4;   // rows of x up to which a block is decoded in registers for all of them
+constexpr int QK = 32;              // values a block
 
-struct Format {
-  int64_t block_values, block_bytes;
-};
-
-Format format_of(int64_t type) {
-  TORCH_CHECK(type == Q8_0, "quant_linear: block format ", type, " is not served (served: Q8_0 = 8)");
-  return {32, 34};
-}
-
-inline float half_to_float(const uint8_t* p) {
+inline float half_at(const uint8_t* p) {
   c10::Half h;
   std::memcpy(&h, p, 2);
   return static_cast<float>(h);
 }
 
-// one Q8_0 block (fp16 d, then 32 int8 q) as 32 float32 values d * q
-inline void decode_q8_0(const uint8_t* block, float* out) {
-  const float d = half_to_float(block);
-  const int8_t* q = reinterpret_cast<const int8_t*>(block + 2);
-#if PF_LANES == 16
-  const __m512 vd = _mm512_set1_ps(d);
-  for (int h = 0; h < 2; ++h) {
-    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 16 * h));
-    _mm512_storeu_ps(out + 16 * h, _mm512_mul_ps(vd, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b))));
-  }
-#elif PF_LANES == 8
-  const __m256 vd = _mm256_set1_ps(d);
-  for (int h = 0; h < 4; ++h) {
-    const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + 8 * h));
-    _mm256_storeu_ps(out + 8 * h, _mm256_mul_ps(vd, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b))));
-  }
-#else
-  for (int i = 0; i < 32; ++i) out[i] = d * q[i];
-#endif
-}
-
 #ifdef PF_LANES
-// LANES int8 values as float32
-inline pf::vf load_i8(const int8_t* q) {
-#if PF_LANES == 16
-  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q))));
-#else
-  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q))));
-#endif
-}
+constexpr int H = QK / pf::LANES;   // vectors a block
 
-// out[m] = (one Q8_0 weight row) . x[m] for M (<= FUSED_ROWS) rows of x, K apart: each block's values
-// scaled in registers and multiplied with every row of x as they are, nothing stored between
-template <int M>
-void q8_0_dot(const uint8_t* row, int64_t blocks, const float* x, int64_t K, float* out) {
-  constexpr int H = 32 / pf::LANES;   // vectors a block
-  pf::vf acc[M][2];
-#pragma GCC unroll 8
-  for (int m = 0; m < M; ++m) acc[m][0] = acc[m][1] = pf::zero();
-  for (int64_t b = 0; b < blocks; ++b) {
-    const uint8_t* block = row + b * 34;
-    const pf::vf d = pf::set1(half_to_float(block));
-    const int8_t* q = reinterpret_cast<const int8_t*>(block + 2);
-#pragma GCC unroll 8
-    for (int h = 0; h < H; ++h) {
-      const pf::vf w = pf::mul(d, load_i8(q + h * pf::LANES));
-      const float* xb = x + b * 32 + h * pf::LANES;
-#pragma GCC unroll 8
-      for (int m = 0; m < M; ++m) acc[m][h & 1] = pf::fma(w, pf::load(xb + m * K), acc[m][h & 1]);
+// LANES bytes from p as float32: signed (int8) or not (4-bit pairs, split below)
+#if PF_LANES == 16
+using vi = __m512i;
+inline __m128i load16(const uint8_t* p) { return _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)); }
+inline vi bytes_i8(const uint8_t* p) { return _mm512_cvtepi8_epi32(load16(p)); }
+inline vi bytes_u8(const uint8_t* p) { return _mm512_cvtepu8_epi32(load16(p)); }
+inline vi low4(vi v) { return _mm512_and_si512(v, _mm512_set1_epi32(0xF)); }
+inline vi high4(vi v) { return _mm512_srli_epi32(v, 4); }
+inline pf::vf to_float(vi v) { return _mm512_cvtepi32_ps(v); }
+#else
+using vi = __m256i;
+inline __m128i load8(const uint8_t* p) { return _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)); }
+inline vi bytes_i8(const uint8_t* p) { return _mm256_cvtepi8_epi32(load8(p)); }
+inline vi bytes_u8(const uint8_t* p) { return _mm256_cvtepu8_epi32(load8(p)); }
+inline vi low4(vi v) { return _mm256_and_si256(v, _mm256_set1_epi32(0xF)); }
+inline vi high4(vi v) { return _mm256_srli_epi32(v, 4); }
+inline pf::vf to_float(vi v) { return _mm256_cvtepi32_ps(v); }
+#endif
+
+// the 4-bit values of a block's 16 bytes q as float32 vectors in value order: the low halves of the
+// bytes are values 0-15, the high halves 16-31
+inline void nibbles(const uint8_t* q, pf::vf* v) {
+#pragma GCC unroll 4
+  for (int h = 0; h < H / 2; ++h) {
+    const vi b = bytes_u8(q + h * pf::LANES);
+    v[h] = to_float(low4(b));
+    v[h + H / 2] = to_float(high4(b));
+  }
+}
+#endif
+
+// Each format: its GGML type id, the bytes of a block, and a block decoded as 32 float32 values,
+// into vectors (`vectors`, where simd.h has them) or into memory (`values`)
+struct Q8_0 {
+  static constexpr int64_t id = 8, bytes = 34;
+#ifdef PF_LANES
+  static void vectors(const uint8_t* b, pf::vf* v) {
+    const pf::vf d = pf::set1(half_at(b));
+#pragma GCC unroll 4
+    for (int h = 0; h < H; ++h) v[h] = pf::mul(d, to_float(bytes_i8(b + 2 + h * pf::LANES)));
+  }
+#endif
+  static void values(const uint8_t* b, float* out) {
+    const float d = half_at(b);
+    for (int i = 0; i < QK; ++i) out[i] = d * static_cast<int8_t>(b[2 + i]);
+  }
+};
+
+struct Q4_0 {
+  static constexpr int64_t id = 2, bytes = 18;
+#ifdef PF_LANES
+  static void vectors(const uint8_t* b, pf::vf* v) {
+    const pf::vf d = pf::set1(half_at(b)), eight = pf::set1(8.f);
+    nibbles(b + 2, v);
+#pragma GCC unroll 4
+    for (int h = 0; h < H; ++h) v[h] = pf::mul(d, pf::sub(v[h], eight));
+  }
+#endif
+  static void values(const uint8_t* b, float* out) {
+    const float d = half_at(b);
+    for (int j = 0; j < QK / 2; ++j) {
+      out[j] = d * ((b[2 + j] & 0xF) - 8);
+      out[j + QK / 2] = d * ((b[2 + j] >> 4) - 8);
     }
   }
-#pragma GCC unroll 8
-  for (int m = 0; m < M; ++m) out[m] = pf::sum(pf::add(acc[m][0], acc[m][1]));
-}
-#endif
+};
 
-void decode_row(int64_t type, const uint8_t* row, int64_t K, float* out) {
-  const Format f = format_of(type);
-  for (int64_t b = 0; b < K / f.block_values; ++b) decode_q8_0(row + b * f.block_bytes, out + b * f.block_values);
+struct Q4_1 {
+  static constexpr int64_t id = 3, bytes = 20;
+#ifdef PF_LANES
+  static void vectors(const uint8_t* b, pf::vf* v) {
+    const pf::vf d = pf::set1(half_at(b)), m = pf::set1(half_at(b + 2));
+    nibbles(b + 4, v);
+#pragma GCC unroll 4
+    for (int h = 0; h < H; ++h) v[h] = pf::fma(d, v[h], m);
+  }
+#endif
+  static void values(const uint8_t* b, float* out) {
+    const float d = half_at(b), m = half_at(b + 2);
+    for (int j = 0; j < QK / 2; ++j) {
+      out[j] = d * (b[4 + j] & 0xF) + m;
+      out[j + QK / 2] = d * (b[4 + j] >> 4) + m;
+    }
+  }
+};
+
+// fn(B()) for the format with GGML type id `type`; another id an error naming the served ones
+template <typename Fn>
+decltype(auto) with_format(int64_t type, Fn&& fn) {
+  if (type == Q8_0::id) return fn(Q8_0());
+  if (type == Q4_0::id) return fn(Q4_0());
+  TORCH_CHECK(type == Q4_1::id, "quant_linear: block format ", type,
+              " is not served (served: Q4_0 = 2, Q4_1 = 3, Q8_0 = 8)");
+  return fn(Q4_1());
+}
+
+// a weight row of K values decoded into out
+template <typename B>
+void decode_row(const uint8_t* row, int64_t K, float* out) {
+  for (int64_t b = 0; b < K / QK; ++b) {
+#ifdef PF_LANES
+    pf::vf v[H];
+    B::vectors(row + b * B::bytes, v);
+    for (int h = 0; h < H; ++h) pf::store(out + b * QK + h * pf::LANES, v[h]);
+#else
+    B::values(row + b * B::bytes, out + b * QK);
+#endif
+  }
 }
 
 inline float dot(const float* a, const float* b, int64_t K) {
@@ -119,6 +163,60 @@ inline float dot(const float* a, const float* b, int64_t K) {
 #endif
 }
 
+#ifdef PF_LANES
+// out[m] = (one weight row) . x[m] for M (<= FUSED_ROWS) rows of x, K apart: each block decoded in
+// registers and multiplied with every row of x as it is, nothing stored between
+template <typename B, int M>
+void fused_dot(const uint8_t* row, int64_t K, const float* x, float* out) {
+  pf::vf acc[M][2];
+#pragma GCC unroll 8
+  for (int m = 0; m < M; ++m) acc[m][0] = acc[m][1] = pf::zero();
+  for (int64_t b = 0; b < K / QK; ++b) {
+    pf::vf w[H];
+    B::vectors(row + b * B::bytes, w);
+#pragma GCC unroll 4
+    for (int h = 0; h < H; ++h) {
+      const float* xb = x + b * QK + h * pf::LANES;
+#pragma GCC unroll 8
+      for (int m = 0; m < M; ++m) acc[m][h & 1] = pf::fma(w[h], pf::load(xb + m * K), acc[m][h & 1]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int m = 0; m < M; ++m) out[m] = pf::sum(pf::add(acc[m][0], acc[m][1]));
+}
+
+template <typename B>
+void fused_rows(const uint8_t* row, int64_t K, const float* x, int64_t M, float* out) {
+  switch (M) {
+    case 1: return fused_dot<B, 1>(row, K, x, out);
+    case 2: return fused_dot<B, 2>(row, K, x, out);
+    case 3: return fused_dot<B, 3>(row, K, x, out);
+    default: return fused_dot<B, 4>(row, K, x, out);
+  }
+}
+#endif
+
+// y's columns n0..n1 (weight rows) for the M rows of x
+template <typename B, typename X>
+void rows(const uint8_t* wp, int64_t ldw, const float* xf, int64_t M, int64_t K, X* yp, int64_t N, int64_t n0,
+          int64_t n1) {
+#ifdef PF_LANES
+  if (M <= FUSED_ROWS) {
+    float out[FUSED_ROWS];
+    for (int64_t n = n0; n < n1; ++n) {
+      fused_rows<B>(wp + n * ldw, K, xf, M, out);
+      for (int64_t m = 0; m < M; ++m) yp[m * N + n] = static_cast<X>(out[m]);
+    }
+    return;
+  }
+#endif
+  std::vector<float> row(K);
+  for (int64_t n = n0; n < n1; ++n) {
+    decode_row<B>(wp + n * ldw, K, row.data());
+    for (int64_t m = 0; m < M; ++m) yp[m * N + n] = static_cast<X>(dot(row.data(), xf + m * K, K));
+  }
+}
+
 // x's rows as float32, K apart
 template <typename X>
 std::vector<float> float_rows(const at::Tensor& x) {
@@ -130,56 +228,30 @@ std::vector<float> float_rows(const at::Tensor& x) {
   return out;
 }
 
-// y's rows n0..n1 for M rows of x: fused where the format and M allow (few rows), else each weight row
-// decoded into `row` and dotted with every row of x
-template <typename X>
-void rows(int64_t type, const uint8_t* wp, int64_t ldw, const float* xf, int64_t M, int64_t K, X* yp, int64_t N,
-          int64_t n0, int64_t n1) {
-#ifdef PF_LANES
-  if (type == Q8_0 && M <= FUSED_ROWS) {
-    float out[FUSED_ROWS];
-    for (int64_t n = n0; n < n1; ++n) {
-      switch (M) {
-        case 1: q8_0_dot<1>(wp + n * ldw, K / 32, xf, K, out); break;
-        case 2: q8_0_dot<2>(wp + n * ldw, K / 32, xf, K, out); break;
-        case 3: q8_0_dot<3>(wp + n * ldw, K / 32, xf, K, out); break;
-        default: q8_0_dot<4>(wp + n * ldw, K / 32, xf, K, out);
-      }
-      for (int64_t m = 0; m < M; ++m) yp[m * N + n] = static_cast<X>(out[m]);
-    }
-    return;
-  }
-#endif
-  std::vector<float> row(K);
-  for (int64_t n = n0; n < n1; ++n) {
-    decode_row(type, wp + n * ldw, K, row.data());
-    for (int64_t m = 0; m < M; ++m) yp[m * N + n] = static_cast<X>(dot(row.data(), xf + m * K, K));
-  }
-}
-
-template <typename X>
-void run(const at::Tensor& x, const at::Tensor& w, int64_t type, at::Tensor& y) {
+template <typename B, typename X>
+void run(const at::Tensor& x, const at::Tensor& w, at::Tensor& y) {
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0), ldw = w.stride(0);
   const std::vector<float> xf = float_rows<X>(x);
   const uint8_t* wp = w.data_ptr<uint8_t>();
   X* yp = y.data_ptr<X>();
   const int64_t grain = std::max<int64_t>(1, 65536 / std::max<int64_t>(1, w.size(1)));  // ~64 KiB of blocks a task
-  par::ranges(N, grain, [&](int64_t n0, int64_t n1) { rows<X>(type, wp, ldw, xf.data(), M, K, yp, N, n0, n1); });
+  par::ranges(N, grain, [&](int64_t n0, int64_t n1) { rows<B, X>(wp, ldw, xf.data(), M, K, yp, N, n0, n1); });
 }
 
 at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& w, int64_t type) {
-  const Format f = format_of(type);
+  const int64_t block_bytes = with_format(type, [](auto b) { return decltype(b)::bytes; });
   TORCH_CHECK(x.dim() == 2 && w.dim() == 2, "quant_linear: x [M, K] and blocks [N, bytes] expected, got ",
               x.sizes(), " and ", w.sizes());
   TORCH_CHECK(w.scalar_type() == at::kByte, "quant_linear: blocks of uint8 expected, got ", w.scalar_type());
-  TORCH_CHECK(x.size(1) % f.block_values == 0 && w.size(1) == x.size(1) / f.block_values * f.block_bytes,
-              "quant_linear: x's K = ", x.size(1), " takes ", x.size(1) / f.block_values * f.block_bytes,
-              " bytes of blocks a row, got ", w.size(1));
+  TORCH_CHECK(x.size(1) % QK == 0 && w.size(1) == x.size(1) / QK * block_bytes, "quant_linear: x's K = ",
+              x.size(1), " takes ", x.size(1) / QK * block_bytes, " bytes of blocks a row, got ", w.size(1));
   TORCH_CHECK(w.stride(1) == 1, "quant_linear: each row's blocks must be contiguous");
   TORCH_CHECK(!x.is_cuda() && !w.is_cuda(), "quant_linear: CPU tensors only");
   at::Tensor y = at::empty({x.size(0), w.size(0)}, x.options());
   if (x.size(0) > 0)
-    dtype::dispatch("quant_linear", x.scalar_type(), [&](auto zero) { run<decltype(zero)>(x, w, type, y); });
+    with_format(type, [&](auto b) {
+      dtype::dispatch("quant_linear", x.scalar_type(), [&](auto zero) { run<decltype(b), decltype(zero)>(x, w, y); });
+    });
   return y;
 }
 

@@ -29,7 +29,8 @@ class BlockFormat:
         return k // self.block_values * self.block_bytes
 
 
-FORMATS = {f.name: f for f in (BlockFormat("Q8_0", 8, 32, 34),)}
+FORMATS = {f.name: f for f in (BlockFormat("Q4_0", 2, 32, 18), BlockFormat("Q4_1", 3, 32, 20),
+                                BlockFormat("Q8_0", 8, 32, 34))}
 
 
 def block_format(name: str) -> BlockFormat:
