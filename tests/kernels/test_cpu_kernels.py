@@ -2,9 +2,6 @@
 its refusals, the build reused (the decode attention kernel: tests/kernels/test_attention.py)."""
 from __future__ import annotations
 
-import platform
-import shutil
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -14,12 +11,8 @@ from phaseflip.kernels.cpu import library
 
 
 @pytest.fixture(scope="module")
-def op():
-    op = library.few_rows_op()
-    if op is None and (platform.system() != "Linux" or shutil.which("g++") is None):
-        pytest.skip(f"no few-rows kernel here: {library.kernel_report()['reason']}")
-    assert op is not None, library.kernel_report()   # Linux with g++: it must build
-    return op
+def op(cpu_kernels):
+    return cpu_kernels.few_rows_op()
 
 
 @pytest.mark.parametrize("dtype", library.DTYPES)

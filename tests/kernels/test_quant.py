@@ -1,9 +1,6 @@
 """kernels/cpu/quant.cpp: products on GGUF block-format weights against gguf's own decoder
 (gguf.quants.dequantize) followed by F.linear, over random blocks, 1-300 rows of x, float32 and
 bfloat16 activations; a format not served, and rows that are not whole blocks, are refused by name."""
-import platform
-import shutil
-
 import numpy as np
 import pytest
 import torch
@@ -12,19 +9,12 @@ import torch.nn.functional as F
 gguf = pytest.importorskip("gguf", reason="the gguf package (a dependency) is not installed")
 from gguf import quants  # noqa: E402
 
-from phaseflip.kernels.cpu import library  # noqa: E402
 from phaseflip.kernels.cpu import quant  # noqa: E402
 
 
-
 @pytest.fixture(scope="module")
-def op():
-    """The op, built at the first test (not at collection: the suite's private cache is set by then)."""
-    op = library.quant_linear_op()
-    if op is None and (platform.system() != "Linux" or shutil.which("g++") is None):
-        pytest.skip(f"no CPU kernels here: {library.kernel_report()['reason']}")
-    assert op is not None, library.kernel_report()   # Linux with g++: they must build
-    return op
+def op(cpu_kernels):
+    return cpu_kernels.quant_linear_op()
 
 
 def _blocks(fmt: quant.BlockFormat, n: int, k: int, seed: int):
