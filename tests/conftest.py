@@ -1,7 +1,11 @@
-"""Session-wide fixtures: tiny random checkpoints built once per test session (see tests/models.py)."""
+"""Session-wide fixtures: tiny random checkpoints built once per test session (see tests/models.py); the
+private cache; the CPU kernels built for the tests that call them (`cpu_kernels`: at the first such
+test, not at collection, when the private cache is set), or those tests skipped where they cannot build."""
 from __future__ import annotations
 
 import os
+import platform
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -36,6 +40,17 @@ def _private_cache(tmp_path_factory):
         for name, path in cache_dirs(os.path.join(tempfile.gettempdir(), "phaseflip-tests-compile")).items():
             mp.setenv(name, path)
         yield users
+
+
+@pytest.fixture(scope="session")
+def cpu_kernels():
+    """kernels/cpu/library.py with its kernels loaded; skipped without Linux and g++, where they cannot
+    build (with both, they must)."""
+    from phaseflip.kernels.cpu import library
+    if library.few_rows_op() is None and (platform.system() != "Linux" or shutil.which("g++") is None):
+        pytest.skip(f"no CPU kernels here: {library.kernel_report()['reason']}")
+    assert library.few_rows_op() is not None, library.kernel_report()
+    return library
 
 
 @pytest.fixture(autouse=True, scope="session")

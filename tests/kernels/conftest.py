@@ -1,6 +1,4 @@
-"""The CPU kernels built once for the tests that call them (`cpu_kernels`: at the first such test, not at
-collection, when the suite's private cache is set), or those tests skipped where they cannot build.
-The Triton kernel cases run in ONE subprocess per session: on CUDA when present, else on the CPU
+"""The Triton kernel cases run in ONE subprocess per session: on CUDA when present, else on the CPU
 through Triton's interpreter. TRITON_INTERPRET must be set before triton is first imported (triton's
 own @jit helpers are built then), so it is set in that subprocess only: no other test sees it, and an
 earlier `import triton` in this process cannot spoil it."""
@@ -9,8 +7,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import platform
-import shutil
 import subprocess
 import sys
 
@@ -18,17 +14,6 @@ import pytest
 import torch
 
 CASE_TEST = "test_kernel_matches_reference"
-
-
-@pytest.fixture(scope="session")
-def cpu_kernels():
-    """kernels/cpu/library.py with its kernels loaded; skipped without Linux and g++, where they cannot
-    build (with both, they must)."""
-    from phaseflip.kernels.cpu import library
-    if library.few_rows_op() is None and (platform.system() != "Linux" or shutil.which("g++") is None):
-        pytest.skip(f"no CPU kernels here: {library.kernel_report()['reason']}")
-    assert library.few_rows_op() is not None, library.kernel_report()
-    return library
 
 
 @pytest.fixture(scope="session")

@@ -1,0 +1,55 @@
+"""The tensors of a GGUF file as the file stores them, memory-mapped by the `gguf` package's reader.
+
+Owns: `GGUFTensor` (a tensor's name, its shape in HF's order, rows first, the type the file stores it
+in, and its data: float values for F32 / F16 / BF16, or for a block format the engine serves
+(kernels/cpu/quant.py) its blocks as they lie, uint8 [rows, bytes a row], which the quantized products
+read without decoding them first) and `read_tensors` (every tensor, in file order). A tensor of any
+other type is a CheckpointError naming it and its type, raised before any data is touched. Nothing
+here turns a file into a model: names, llama.cpp's Q/K row order and the config are the loader's.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from phaseflip.engine.checkpoint.loader import CheckpointError
+from phaseflip.kernels.cpu.quant import FORMATS, BlockFormat
+
+FLOAT_TYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+
+
+@dataclass(frozen=True)
+class GGUFTensor:
+    """One tensor of a GGUF file: `data` holds float values (`fmt` None) or fmt's blocks, uint8
+    [shape[0], fmt.row_bytes(shape[1])] (views of the memory-mapped file: read-only)."""
+    name: str
+    shape: tuple[int, ...]
+    stored: str
+    data: torch.Tensor
+    fmt: BlockFormat | None = None
+
+
+def read_tensors(path: str | Path) -> list[GGUFTensor]:
+    """Every tensor of the GGUF file at path, in file order (see the module docstring)."""
+    from gguf import GGUFReader   # at the call: no import-time work
+    reader = GGUFReader(str(path), "c")   # copy-on-write: arrays torch can wrap, the file never written
+    for t in reader.tensors:   # every type checked before any data is wrapped
+        if t.tensor_type.name not in FLOAT_TYPES and t.tensor_type.name not in FORMATS:
+            raise CheckpointError(f"{path}: tensor {t.name!r} is stored as {t.tensor_type.name}, which is "
+                                  f"neither loaded ({', '.join(FLOAT_TYPES)}) nor served in its blocks "
+                                  f"({', '.join(FORMATS)})")
+    return [_tensor(t) for t in reader.tensors]
+
+
+def _tensor(t) -> GGUFTensor:
+    shape = tuple(int(n) for n in reversed(t.shape))   # GGUF lists the fastest-moving dimension first
+    stored = t.tensor_type.name
+    if stored in FLOAT_TYPES:
+        data = torch.from_numpy(t.data).view(FLOAT_TYPES[stored]).reshape(shape)
+        return GGUFTensor(t.name, shape, stored, data)
+    fmt = FORMATS[stored]
+    rows = 1 if len(shape) == 1 else int(torch.tensor(shape[:-1]).prod())
+    data = torch.from_numpy(t.data).reshape(rows, fmt.row_bytes(shape[-1]))
+    return GGUFTensor(t.name, shape, stored, data, fmt)
