@@ -9,6 +9,7 @@ here turns a file into a model: names, llama.cpp's Q/K row order and the config 
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -50,6 +51,6 @@ def _tensor(t) -> GGUFTensor:
         data = torch.from_numpy(t.data).view(FLOAT_TYPES[stored]).reshape(shape)
         return GGUFTensor(t.name, shape, stored, data)
     fmt = FORMATS[stored]
-    rows = 1 if len(shape) == 1 else int(torch.tensor(shape[:-1]).prod())
+    rows = math.prod(shape[:-1])   # 1 for a vector
     data = torch.from_numpy(t.data).reshape(rows, fmt.row_bytes(shape[-1]))
     return GGUFTensor(t.name, shape, stored, data, fmt)
