@@ -63,3 +63,19 @@ def test_a_format_not_served_is_named():
         quant.block_format("IQ2_XS")
     with pytest.raises(ValueError, match="not a whole number of 32-value blocks"):
         quant.block_format("Q8_0").row_bytes(100)
+
+
+@pytest.mark.parametrize("name", sorted(quant.FORMATS))
+def test_rows_by_index_are_gguf_s_decoding(op, name):
+    """A quantized embedding's lookup: the rows asked for (repeats too), as gguf decodes them; an id
+    outside the rows is refused by value."""
+    fmt = quant.block_format(name)
+    blocks, w = _blocks(fmt, 50, 128, seed=3)
+    ids = torch.tensor([0, 49, 7, 7, 23])
+    got = quant.quant_rows(blocks, ids, fmt)
+    assert got.dtype == torch.float32 and got.shape == (5, 128)
+    torch.testing.assert_close(got, w[ids], rtol=1e-6, atol=1e-6)
+    with pytest.raises(RuntimeError, match="id 50 is outside the 50 rows"):
+        quant.quant_rows(blocks, torch.tensor([1, 50]), fmt)
+    traced = torch.compile(lambda i: quant.quant_rows(blocks, i, fmt), fullgraph=True, backend="eager")
+    torch.testing.assert_close(traced(ids), got)

@@ -153,7 +153,8 @@ def _build(compiler: str, path: Path) -> None:
 
 
 def _register_fake() -> None:
-    """The shapes for tracing of what compiled steps call: the product, and the paged attention (q's)."""
+    """The shapes for tracing of what compiled steps call: the products, the paged attention (q's), the
+    quantized rows' lookup."""
     global _faked
     if not _faked:   # once per process (a second registration is an error)
         torch.library.register_fake("phaseflip::cpu_few_rows_linear")(
@@ -161,7 +162,14 @@ def _register_fake() -> None:
         torch.library.register_fake("phaseflip::cpu_paged_attention")(lambda q, *rest: torch.empty_like(q))
         torch.library.register_fake("phaseflip::cpu_quant_linear")(
             lambda x, blocks, type_id: x.new_empty((x.shape[0], blocks.shape[0])))
+        torch.library.register_fake("phaseflip::cpu_quant_rows")(_quant_rows_shape)
         _faked = True
+
+
+def _quant_rows_shape(blocks: torch.Tensor, ids: torch.Tensor, type_id: int) -> torch.Tensor:
+    from phaseflip.kernels.cpu.quant import FORMATS   # quant.py calls this module: imported at the call
+    fmt = next(f for f in FORMATS.values() if f.type_id == type_id)
+    return blocks.new_empty((ids.shape[0], blocks.shape[1] // fmt.block_bytes * fmt.block_values), dtype=torch.float32)
 
 
 def _disagreement() -> str | None:

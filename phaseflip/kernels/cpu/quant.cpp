@@ -7,6 +7,7 @@
 // FUSED_ROWS rows of x, each block is decoded in registers and multiplied with every row as it is
 // (nothing stored between); more rows, each weight row is decoded into float32 in this thread's buffer
 // and dotted with every row of x (at 32 rows slower than the float32 kernel: docs/performance.md).
+// Also rows of W decoded to float32 by index (`quant_rows`: a quantized embedding's lookup).
 // Vectors of AVX-512 or AVX2 (simd.h), plain loops on a CPU with neither. Built with the other kernels
 // by phaseflip/kernels/cpu/library.py; rows split over torch's threads (parallel.h's ranges).
 #include <ATen/core/Tensor.h>
@@ -255,9 +256,34 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& w, int64_t type) 
   return y;
 }
 
+// rows `ids` of W (an embedding's lookup) decoded into float32 [len(ids), K]
+at::Tensor quant_rows(const at::Tensor& w, const at::Tensor& ids, int64_t type) {
+  const int64_t block_bytes = with_format(type, [](auto b) { return decltype(b)::bytes; });
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kByte && w.stride(1) == 1 && w.size(1) % block_bytes == 0,
+              "quant_rows: blocks uint8 [N, whole blocks a row] with contiguous rows expected, got ", w.sizes());
+  TORCH_CHECK(ids.dim() == 1 && ids.scalar_type() == at::kLong, "quant_rows: ids int64 [T] expected, got ",
+              ids.scalar_type(), " ", ids.sizes());
+  const int64_t N = w.size(0), K = w.size(1) / block_bytes * QK, T = ids.size(0);
+  const at::Tensor idc = ids.contiguous();
+  const int64_t* ip = idc.data_ptr<int64_t>();
+  for (int64_t t = 0; t < T; ++t)
+    TORCH_CHECK(ip[t] >= 0 && ip[t] < N, "quant_rows: id ", ip[t], " is outside the ", N, " rows");
+  at::Tensor out = at::empty({T, K}, w.options().dtype(at::kFloat));
+  float* op = out.data_ptr<float>();
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  with_format(type, [&](auto b) {
+    par::ranges(T, 16, [&](int64_t t0, int64_t t1) {
+      for (int64_t t = t0; t < t1; ++t) decode_row<decltype(b)>(wp + ip[t] * w.stride(0), K, op + t * K);
+    });
+  });
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(phaseflip, m) {
   m.def("cpu_quant_linear(Tensor x, Tensor blocks, int type) -> Tensor");
   m.impl("cpu_quant_linear", c10::DispatchKey::CPU, TORCH_FN(quant_linear));
+  m.def("cpu_quant_rows(Tensor blocks, Tensor ids, int type) -> Tensor");
+  m.impl("cpu_quant_rows", c10::DispatchKey::CPU, TORCH_FN(quant_rows));
 }

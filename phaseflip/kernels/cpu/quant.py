@@ -2,7 +2,8 @@
 geometry, and `quant_linear` (x @ W^T with W's blocks as the file holds them).
 
 Owns: `FORMATS` (name -> `BlockFormat`: GGML's type id, values and bytes a block), `block_format`
-(a name, checked: another names what is served) and `quant_linear`.
+(a name, checked: another names what is served), `quant_linear` and `quant_rows` (rows of W decoded by
+index: a quantized embedding's lookup).
 """
 from __future__ import annotations
 
@@ -43,8 +44,17 @@ def block_format(name: str) -> BlockFormat:
 def quant_linear(x: torch.Tensor, blocks: torch.Tensor, fmt: BlockFormat) -> torch.Tensor:
     """x [M, K] (float32 or bfloat16) @ W^T, W [N, K] held as `blocks` [N, fmt.row_bytes(K)] uint8: the
     product in x's dtype, summed in float32."""
-    op = library.quant_linear_op()
-    if op is None:
+    return _kernels().cpu_quant_linear(x, blocks, fmt.type_id)
+
+
+def quant_rows(blocks: torch.Tensor, ids: torch.Tensor, fmt: BlockFormat) -> torch.Tensor:
+    """Rows `ids` (int64 [T]) of W, held as `blocks` [N, fmt.row_bytes(K)] uint8, as float32 [T, K]."""
+    return _kernels().cpu_quant_rows(blocks, ids, fmt.type_id)
+
+
+def _kernels():
+    """torch.ops.phaseflip where the CPU kernels are here; else an error saying why they are not."""
+    if library.quant_linear_op() is None:
         raise RuntimeError(f"the CPU kernels are not here ({library.kernel_report().get('reason')}): "
                            "quantized weights need them")
-    return op(x, blocks, fmt.type_id)
+    return torch.ops.phaseflip
