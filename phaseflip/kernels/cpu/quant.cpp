@@ -127,7 +127,7 @@ template <typename Fn>
 decltype(auto) with_format(int64_t type, Fn&& fn) {
   if (type == Q8_0::id) return fn(Q8_0());
   if (type == Q4_0::id) return fn(Q4_0());
-  TORCH_CHECK(type == Q4_1::id, "quant_linear: block format ", type,
+  TORCH_CHECK(type == Q4_1::id, "quant: block format ", type,
               " is not served (served: Q4_0 = 2, Q4_1 = 3, Q8_0 = 8)");
   return fn(Q4_1());
 }
