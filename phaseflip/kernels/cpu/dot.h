@@ -1,10 +1,14 @@
 // The dot product of one weight row with up to a few rows of x, and a range of weight rows so dotted
 // (`gemv_range`): what the few-rows product (gemv.cpp) and the one-token decoder layer
-// (layer.cpp) stream the weights through. float32 or bfloat16 weights; x float32, or bfloat16 where
-// the CPU's bf16 pair-dot instruction serves (Lanes<W>::X); sums in float32.
+// (layer.cpp) stream the weights through, and x's rows as they read them (`dense_rows`). float32 or
+// bfloat16 weights; x float32, or bfloat16 where the CPU's bf16 pair-dot instruction serves
+// (Lanes<W>::X); sums in float32.
 #pragma once
+#include <ATen/core/Tensor.h>
 #include <c10/util/BFloat16.h>
 #include <cstdint>
+#include <type_traits>
+#include <vector>
 #include "simd.h"
 
 namespace dot {
@@ -82,6 +86,21 @@ inline void row_dot(const W* w, const float* x, int64_t K, float* out) {
   }
 }
 #endif
+
+// x's rows (of dtype W, any strides) as the dot reads them, X values K apart: x itself where it already is,
+// else widened into buf by this thread (Tensor::to's copy would take a dispatch and a parallel region for
+// a few KiB, once per product of a step)
+template <typename X, typename W>
+const X* dense_rows(const at::Tensor& x, std::vector<X>& buf) {
+  const int64_t M = x.size(0), K = x.size(1), s0 = x.stride(0), s1 = x.stride(1);
+  const W* p = x.data_ptr<W>();
+  if constexpr (std::is_same<X, W>::value)
+    if (s1 == 1 && (s0 == K || M == 1)) return p;
+  buf.resize(M * K);
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t k = 0; k < K; ++k) buf[m * K + k] = static_cast<X>(p[m * s0 + k * s1]);
+  return buf.data();
+}
 
 template <typename W, int M>
 void gemv_range(const W* w, int64_t ldw, const typename Lanes<W>::X* x, int64_t K, W* y, int64_t N, int64_t n0,

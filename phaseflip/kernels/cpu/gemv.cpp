@@ -26,22 +26,8 @@ constexpr int64_t MAX_ROWS = 256;   // rows of x a pass: more are taken MAX_ROWS
 constexpr int64_t ONE_PASS = 4;
 
 using dot::Lanes;
+using dot::dense_rows;
 using dot::gemv_range;
-
-// x's rows (of W, any strides) as the dot reads them, X values K apart: x itself where it already is,
-// else widened into buf by this thread (Tensor::to's copy would take a dispatch and a parallel region for
-// a few KiB, once per product of a step)
-template <typename X, typename W>
-const X* dense_rows(const at::Tensor& x, std::vector<X>& buf) {
-  const int64_t M = x.size(0), K = x.size(1), s0 = x.stride(0), s1 = x.stride(1);
-  const W* p = x.data_ptr<W>();
-  if constexpr (std::is_same<X, W>::value)
-    if (s1 == 1 && (s0 == K || M == 1)) return p;
-  buf.resize(M * K);
-  for (int64_t m = 0; m < M; ++m)
-    for (int64_t k = 0; k < K; ++k) buf[m * K + k] = static_cast<X>(p[m * s0 + k * s1]);
-  return buf.data();
-}
 
 template <typename W, int M>
 void run(const at::Tensor& x, const at::Tensor& w, at::Tensor& y) {

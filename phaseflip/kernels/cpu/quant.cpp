@@ -18,6 +18,7 @@
 #include <algorithm>
 #include <cstring>
 #include <vector>
+#include "dot.h"
 #include "dtype.h"
 #include "parallel.h"
 #include "simd.h"
@@ -146,24 +147,6 @@ void decode_row(const uint8_t* row, int64_t K, float* out) {
   }
 }
 
-inline float dot(const float* a, const float* b, int64_t K) {
-#ifdef PF_LANES
-  pf::vf acc0 = pf::zero(), acc1 = pf::zero();
-  int64_t k = 0;
-  for (; k + 2 * pf::LANES <= K; k += 2 * pf::LANES) {
-    acc0 = pf::fma(pf::load(a + k), pf::load(b + k), acc0);
-    acc1 = pf::fma(pf::load(a + k + pf::LANES), pf::load(b + k + pf::LANES), acc1);
-  }
-  float s = pf::sum(pf::add(acc0, acc1));
-  for (; k < K; ++k) s += a[k] * b[k];
-  return s;
-#else
-  float s = 0.f;
-  for (int64_t k = 0; k < K; ++k) s += a[k] * b[k];
-  return s;
-#endif
-}
-
 #ifdef PF_LANES
 // out[m] = (one weight row) . x[m] for M (<= FUSED_ROWS) rows of x, K apart: each block decoded in
 // registers and multiplied with every row of x as it is, nothing stored between
@@ -212,31 +195,25 @@ void rows(const uint8_t* wp, int64_t ldw, const float* xf, int64_t M, int64_t K,
   }
 #endif
   std::vector<float> row(K);
+  float out;
   for (int64_t n = n0; n < n1; ++n) {
     decode_row<B>(wp + n * ldw, K, row.data());
-    for (int64_t m = 0; m < M; ++m) yp[m * N + n] = static_cast<X>(dot(row.data(), xf + m * K, K));
+    for (int64_t m = 0; m < M; ++m) {
+      dot::row_dot<float, 1>(row.data(), xf + m * K, K, &out);
+      yp[m * N + n] = static_cast<X>(out);
+    }
   }
-}
-
-// x's rows as float32, K apart
-template <typename X>
-std::vector<float> float_rows(const at::Tensor& x) {
-  const int64_t M = x.size(0), K = x.size(1), s0 = x.stride(0), s1 = x.stride(1);
-  const X* p = x.data_ptr<X>();
-  std::vector<float> out(M * K);
-  for (int64_t m = 0; m < M; ++m)
-    for (int64_t k = 0; k < K; ++k) out[m * K + k] = static_cast<float>(p[m * s0 + k * s1]);
-  return out;
 }
 
 template <typename B, typename X>
 void run(const at::Tensor& x, const at::Tensor& w, at::Tensor& y) {
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0), ldw = w.stride(0);
-  const std::vector<float> xf = float_rows<X>(x);
+  std::vector<float> buf;
+  const float* xf = dot::dense_rows<float, X>(x, buf);
   const uint8_t* wp = w.data_ptr<uint8_t>();
   X* yp = y.data_ptr<X>();
   const int64_t grain = std::max<int64_t>(1, 65536 / std::max<int64_t>(1, w.size(1)));  // ~64 KiB of blocks a task
-  par::ranges(N, grain, [&](int64_t n0, int64_t n1) { rows<B, X>(wp, ldw, xf.data(), M, K, yp, N, n0, n1); });
+  par::ranges(N, grain, [&](int64_t n0, int64_t n1) { rows<B, X>(wp, ldw, xf, M, K, yp, N, n0, n1); });
 }
 
 at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& w, int64_t type) {
