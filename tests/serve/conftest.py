@@ -44,14 +44,6 @@ def descendants(pid: int) -> list[int]:
     return found
 
 
-def alive(pid: int) -> bool:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat.rsplit(")", 1)[1].split()[0] != "Z"
-
-
 class Server:
     def __init__(self, log_dir: Path, *args: str, env: dict | None = None):
         self.port = free_port()

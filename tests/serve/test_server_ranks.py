@@ -14,7 +14,8 @@ import httpx
 import pytest
 
 from phaseflip import LLM, SamplingParams
-from tests.serve.conftest import alive, descendants
+from tests.reliability.support import wait_gone
+from tests.serve.conftest import descendants
 
 ENGINE = ("--kv-cache-memory-gib", "0.05", "--max-model-len", "256", "--world-size", "2", "--layouts", "pp,tp")
 
@@ -84,10 +85,7 @@ def test_sigterm_during_16_streams_ends_them_in_time_and_leaves_no_process(start
         assert "error" in last or last["choices"][0]["finish_reason"] == "length"
     assert any("error" in json.loads(lines[-2][6:]) for lines in results)   # cut at the deadline (240
     # tokens each take 16 streams ~3 s over two ranks here: 0.5 s cannot finish them)
-    gone = time.monotonic() + 10
-    while any(alive(p) for p in procs) and time.monotonic() < gone:
-        time.sleep(0.1)
-    assert not [p for p in procs if alive(p)], "processes outlived the server"
+    assert wait_gone(procs, 10.0) == [], "processes outlived the server by 10 s"
 
 
 def test_a_dead_rank_ends_the_streams_with_an_error_and_the_server_exits_non_zero(start_server, model):
@@ -119,7 +117,7 @@ def test_a_dead_rank_ends_the_streams_with_an_error_and_the_server_exits_non_zer
     except httpx.HTTPError:
         pass                                     # already gone: it exits at once
     assert server.proc.wait(30) == 1, server.output()
-    assert not [p for p in procs if alive(p)], "processes outlived the server"
+    assert wait_gone(procs, 10.0) == [], "processes outlived the server by 10 s"
 
 
 def _parent(pid: int) -> int:
