@@ -2,7 +2,8 @@
 everywhere else (the CPU path, and the oracle the kernels are tested against); for products, the
 library's on CUDA and the CPU's measured forms (kernels/cpu/linear.py) elsewhere.
 
-Owns: the entry points the model maths calls for the projections (`linear`) and the pointwise kernels
+Owns: the entry points the model maths calls for the projections (`linear`), the embedding's lookup
+(`embedding`: a quantized table's rows decoded on the CPU) and the pointwise kernels
 (`rms_norm`, `add_rms_norm`, `apply_rotary`, `silu_and_mul`), and the ops (`phaseflip::<name>`, defined
 with kernels/op_registry.py like every Python-bodied op of ours) that wrap the pointwise Triton launches so
 torch.compile treats each as one opaque call and a CUDA graph captures it. Attention and the KV store
@@ -20,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from phaseflip.kernels.cpu import linear as cpu_linear
+from phaseflip.kernels.cpu import quant
 from phaseflip.kernels.op_registry import define_op
 from phaseflip.kernels.reference import activation, norm, rotary
 
@@ -60,6 +62,15 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if x.is_cuda:
         return F.linear(x, weight, bias)
     return cpu_linear.linear(x, weight, bias)
+
+
+def embedding(ids: torch.Tensor, weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Rows `ids` of an embedding weight, in dtype: a weight in a GGUF block format has its rows decoded
+    (the CPU's quantized kernels: kernels/cpu/quant.py)."""
+    fmt = quant.weight_format(weight)
+    if fmt is not None:
+        return quant.quant_rows(weight.flatten(1), ids, fmt).to(dtype)
+    return F.embedding(ids, weight)
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:

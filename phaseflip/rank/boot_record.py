@@ -1,8 +1,8 @@
 """What a rank's boot measured for one layout, kept under the phaseflip cache for the next boot.
 
 Owns: `record_key` (what the measured choices and the compiled graphs depend on: the machine, the
-model, the dtype, the layout and this rank's shard of it, the step shapes, torch, the CPU kernels'
-build and phaseflip's own source), `key_digest` (the key as a short name), and `BootRecord` (one
+model, the dtype, how the weights are stored, the layout and this rank's shard of it, the step shapes,
+torch, the CPU kernels' build and phaseflip's own source), `key_digest` (the key as a short name), and `BootRecord` (one
 layout's record: the product forms, the one-row form, the LM head and the compile choice per role and
 bucket, each report with the numbers it was made from, and when it was made). A boot whose key finds a
 record takes its choices from it and measures nothing; `--remeasure` (EngineConfig.remeasure) or any
@@ -21,7 +21,7 @@ import torch
 
 import phaseflip
 from phaseflip.cache import cache_dir, key_digest, prune, read_record, used, write_record
-from phaseflip.kernels.cpu import library
+from phaseflip.kernels.cpu import library, quant
 
 RECORD_VERSION = 1
 # the most recently used records and saved-step directories kept (each source edit makes new keys; a
@@ -72,8 +72,8 @@ def record_key(runner, device: str, compile_mode: str, kernels: str | None) -> d
     gpu = torch.cuda.get_device_name(torch.device(device)) if device.startswith("cuda") else None
     return {"version": RECORD_VERSION, "machine": machine(), "gpu": gpu, "threads": torch.get_num_threads(),
             "torch": torch.__version__, "kernels": kernels, "source": source_digest(),
-            "model": repr(runner.cfg), "dtype": str(runner.weights.layers[0].qkv_proj.dtype
-                                                    if runner.weights.layers else runner.weights.lm_head.dtype),
+            "model": repr(runner.cfg), "dtype": str(runner.weights.dtype),
+            "weights": sorted({quant.storage(t) for t in runner.weights.tensors().values()}),
             "layout": runner.layout, "shard": repr(runner.shard), "ranks": len(runner.shards),
             "block_table": (runner.shapes.max_blocks_per_seq, runner.shapes.block_size),
             "shapes": repr(runner.shapes), "samples_in_step": runner.samples_in_step,

@@ -23,7 +23,7 @@ from phaseflip.graphs.buffers import StaticBuffers
 from phaseflip.graphs.capture import StepKey, capture_cuda
 from phaseflip.graphs.compile import compile_region, compile_whole_step, time_alternating, time_replays
 from phaseflip.graphs.saved_steps import SavedLayer, SavedSteps, wrapper_options
-from phaseflip.kernels.cpu import fused_layer
+from phaseflip.kernels.cpu import fused_layer, quant
 from phaseflip.kernels.cpu import linear as cpu_linear
 from phaseflip.kernels.cpu.linear import GEMV_ROWS
 from phaseflip.rank.forward import StepState, compute_logits, decoder_layer, forward
@@ -177,6 +177,9 @@ class CompileChoice:
         the head where it is measured faster (or compile="on"; or so recorded), else the eager product.
         Where one-row products were measured faster eager (forms.choose_gemv) a compiled head is
         the same call: none."""
+        if quant.weight_format(self.state.weights.lm_head) is not None:
+            self.report["head"] = {"choice": "eager", "reason": "the head is in a GGUF block format (its kernel)"}
+            return
         if cpu_linear.form(GEMV_ROWS, self.state.weights.lm_head.dtype, traced=True) != "reduction":
             self.report["head"] = {"choice": "eager",
                                            "reason": "one-row products run eager (measured)"}

@@ -13,11 +13,10 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import torch
-import torch.nn.functional as F
 
 from phaseflip.kernels.attention import attend
 from phaseflip.kernels.cpu import fused_layer
-from phaseflip.kernels.dispatch import add_rms_norm, apply_rotary, linear, rms_norm, silu_and_mul
+from phaseflip.kernels.dispatch import add_rms_norm, apply_rotary, embedding, linear, rms_norm, silu_and_mul
 from phaseflip.rank.kvcache import KVView
 from phaseflip.rank.model_config import ModelConfig
 from phaseflip.rank.weights import LayerWeights, RankWeights
@@ -32,10 +31,10 @@ def embed(w: RankWeights, shard: RankShard, input_ids: torch.Tensor, comm: Comm)
     # input_ids: [T] -> [T, H]
     v = shard.vocab
     if shard.tp_size == 1:
-        return F.embedding(input_ids, w.embed_tokens)
+        return embedding(input_ids, w.embed_tokens, w.dtype)
     local = input_ids - v.start
     outside = (local < 0) | (local >= v.count)
-    x = F.embedding(local.clamp(0, v.count - 1), w.embed_tokens) * ~outside[:, None]
+    x = embedding(local.clamp(0, v.count - 1), w.embed_tokens, w.dtype) * ~outside[:, None]
     return comm.all_reduce(x)
 
 
@@ -95,7 +94,8 @@ def forward(state: StepState, meta: dict[str, torch.Tensor], layer_fn=decoder_la
     residual = embed(w, shard, meta["input_ids"], comm) if shard.has_embed else meta["hidden_in"]  # [T, H]
     cos_sin = state.rope_table[meta["positions"]]                    # [T, D]
     delta = None  # the last block's output, not yet added to the residual stream (fused add + norm)
-    if w.layers and fused_layer.serves(residual, shard.tp_size, kv.tensor, meta["block_tables"]):
+    if w.layers and fused_layer.serves(residual, w.layers[0].qkv_proj.dtype, shard.tp_size, kv.tensor,
+                                       meta["block_tables"]):
         delta, residual = fused_layer.decoder_layers(w.layers, cfg.rms_norm_eps, cfg.head_dim ** -0.5, residual,
                                                      meta, kv.tensor, cos_sin)   # one token, every layer, one call
     else:

@@ -21,6 +21,7 @@ from phaseflip.graphs.capture import StepKey, capture_cuda, capture_eager
 from phaseflip.graphs.compile import DirectStep
 from phaseflip.graphs.registry import GraphRegistry
 from phaseflip.graphs.saved_steps import SavedSteps
+from phaseflip.kernels.cpu import quant
 from phaseflip.kernels.cpu.linear import GEMV_ROWS
 from phaseflip.rank.comm import NoComm, RankComm
 from phaseflip.rank.compile_choice import CompileChoice
@@ -108,18 +109,21 @@ class LayoutRunner:
         return sampling_variants(fn, self.head) if self.samples_in_step else fn
 
     def layer_projections(self) -> list[tuple[torch.Tensor, ...]]:
-        """Each layer's projection weights, in the order a step multiplies them."""
-        return [(lw.qkv_proj, lw.o_proj, lw.gate_up_proj, lw.down_proj) for lw in self.weights.layers]
+        """Each layer's float projection weights, in the order a step multiplies them (none where the
+        layers are quantized: their products take the quantized kernels, no measured forms)."""
+        layers = [(lw.qkv_proj, lw.o_proj, lw.gate_up_proj, lw.down_proj) for lw in self.weights.layers]
+        return [ws for ws in layers if not any(quant.weight_format(w) for w in ws)]
 
     def projections(self):
-        """(weight, bias, most rows it multiplies) of every projection this layout runs: the step's up
-        to max_tokens rows, the head's one row per sampled sequence."""
+        """(weight, bias, most rows it multiplies) of every float projection this layout runs: the step's
+        up to max_tokens rows, the head's one row per sampled sequence (quantized ones: none of the
+        forms' measurements or GEMMs apply)."""
         rows = self.shapes.max_tokens
-        for lw in self.weights.layers:
-            yield from ((lw.qkv_proj, lw.qkv_bias, rows), (lw.o_proj, None, rows),
-                        (lw.gate_up_proj, None, rows), (lw.down_proj, None, rows))
+        found = [(w, b, rows) for lw in self.weights.layers for w, b in
+                 ((lw.qkv_proj, lw.qkv_bias), (lw.o_proj, None), (lw.gate_up_proj, None), (lw.down_proj, None))]
         if self.shard.has_head:
-            yield self.weights.lm_head, None, self.shapes.max_num_seqs
+            found.append((self.weights.lm_head, None, self.shapes.max_num_seqs))
+        return [p for p in found if quant.weight_format(p[0]) is None]
 
     def capture_all(self, pool=None, stream=None) -> None:
         """Record one step per bucket of both phases (boot only): CUDA graphs when a pool is given."""

@@ -212,7 +212,7 @@ class RankRuntime:
             with self._timed(f"gemm_warm:{name}"), _rss_growth() as grown:
                 kernels = kernels_build(self.device)   # loads the CPU kernels (once) the products call
                 record = BootRecord.load(record_key(runner, self.device, boot.compile, kernels), boot.remeasure)
-                if not cuda and runner.weights.layers:   # bf16's ladder form decides what `warm` builds
+                if not cuda and runner.layer_projections():   # bf16's ladder form decides what `warm` builds
                     runner.compile.report["ladder"] = forms.choose_ladder_form(
                         list(runner.layer_projections()[0]), model=runner.cfg, recorded=record.get("ladder"))
                 gemms = linear.warm(runner.projections())
@@ -245,11 +245,12 @@ class RankRuntime:
         """The product forms of this layout's weights (CPU): measured, or taken from the record."""
         weights = [w for w, _, _ in runner.projections()]
         report = runner.compile.report
-        report["small_rows"] = forms.choose_small_forms(weights, model=runner.cfg,
-                                                               recorded=record.get("small_rows"))
-        report["wide_rows"] = forms.choose_wide_forms(weights, model=runner.cfg,
-                                                             recorded=record.get("wide_rows"))
-        if boot.compile != "off" and runner.weights.layers:
+        if weights:   # none where every product is on quantized weights (the quantized kernels)
+            report["small_rows"] = forms.choose_small_forms(weights, model=runner.cfg,
+                                                            recorded=record.get("small_rows"))
+            report["wide_rows"] = forms.choose_wide_forms(weights, model=runner.cfg,
+                                                          recorded=record.get("wide_rows"))
+        if boot.compile != "off" and runner.layer_projections():
             report["gemv"] = forms.choose_gemv(runner.layer_projections(), model=runner.cfg,
                                                       recorded=record.get("gemv"))
         if runner.weights.layers:

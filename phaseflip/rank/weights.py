@@ -3,8 +3,8 @@
 Owns: RankWeights / LayerWeights and `shard_weights`, which describes this rank's fused tensors
 (qkv_proj = [q; k; v] rows of its heads, gate_up_proj = [gate; up] rows of its MLP share) as views of
 the HF-named checkpoint tensors and `Stacked` row blocks: nothing is copied here; packing (arena.py)
-copies each source once, straight into its place. Module names follow the checkpoint so loading is a
-mapping, not a search.
+copies each source once, straight into its place. A weight in a GGUF block format is shared on whole
+blocks. Module names follow the checkpoint so loading is a mapping, not a search.
 """
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from dataclasses import dataclass, fields
 
 import torch
 
+from phaseflip.kernels.cpu import quant
 from phaseflip.rank.model_config import ModelConfig
 from phaseflip.rank.shard import RankShard
 
@@ -60,6 +61,12 @@ class RankWeights:
     norm: torch.Tensor | None                # [H]
     lm_head: torch.Tensor | None             # [V_rank, H]
 
+    @property
+    def dtype(self) -> torch.dtype:
+        """The compute dtype: its norms' (every rank holds a layer or the final norm; a projection or the
+        embedding may be in a GGUF block format)."""
+        return self.layers[0].input_layernorm.dtype if self.layers else self.norm.dtype
+
     def tensors(self) -> dict[str, torch.Tensor]:
         out = {n: t for n, t in (("embed_tokens", self.embed_tokens), ("norm", self.norm),
                                  ("lm_head", self.lm_head)) if t is not None}
@@ -80,6 +87,18 @@ def _rows(t: torch.Tensor, start: int, count: int) -> torch.Tensor:
     return t[start:start + count]
 
 
+def _cols(t: torch.Tensor, start: int, count: int) -> torch.Tensor:
+    """Columns [start, start + count) of a weight; of one in a GGUF block format (uint8 [rows, blocks,
+    block bytes]), the blocks that hold them, which a split must not cut."""
+    fmt = quant.weight_format(t)
+    if fmt is None:
+        return t[:, start:start + count]
+    if start % fmt.block_values or count % fmt.block_values:
+        raise ValueError(f"a {fmt.name} weight's columns [{start}, {start + count}) are not whole "
+                         f"{fmt.block_values}-value blocks: this split cannot share it")
+    return t[:, start // fmt.block_values:(start + count) // fmt.block_values]
+
+
 def _layer(hf: dict, cfg: ModelConfig, shard: RankShard, i: int) -> LayerWeights:
     p = f"model.layers.{i}."
     d = cfg.head_dim
@@ -98,11 +117,11 @@ def _layer(hf: dict, cfg: ModelConfig, shard: RankShard, i: int) -> LayerWeights
         qkv_bias=qkv("bias") if cfg.qkv_bias else None,
         q_norm=hf[p + "self_attn.q_norm.weight"] if cfg.qk_norm else None,
         k_norm=hf[p + "self_attn.k_norm.weight"] if cfg.qk_norm else None,
-        o_proj=hf[p + "self_attn.o_proj.weight"][:, q_rows[0]:q_rows[0] + q_rows[1]],
+        o_proj=_cols(hf[p + "self_attn.o_proj.weight"], *q_rows),
         post_attention_layernorm=hf[p + "post_attention_layernorm.weight"],
         gate_up_proj=Stacked((_rows(hf[p + "mlp.gate_proj.weight"], mlp.start, mlp.count),
                               _rows(hf[p + "mlp.up_proj.weight"], mlp.start, mlp.count))),
-        down_proj=hf[p + "mlp.down_proj.weight"][:, mlp.start:mlp.stop],
+        down_proj=_cols(hf[p + "mlp.down_proj.weight"], mlp.start, mlp.count),
     )
 
 

@@ -101,21 +101,24 @@ def test_which_calls_run_fused(monkeypatch):
     monkeypatch.setattr(linear, "_chosen", {})   # this test's forms; the process's come back after it
     for dtype in (torch.float32, torch.float16):
         linear.follow(dtype, small={1: "kernel", 2: "kernel", 4: "kernel"})   # what the boot measured fastest
+    F32 = torch.float32
     x, kv, tables = torch.zeros(1, H), torch.zeros(1, 1, 2, BLOCK, HKV, D), torch.zeros(1, 4, dtype=torch.long)
-    assert fused_layer.serves(x, 1, kv, tables)
-    assert not fused_layer.serves(torch.zeros(2, H), 1, kv, tables)          # two tokens
-    assert not fused_layer.serves(x, 1, kv, torch.zeros(2, 4, dtype=torch.long))   # two sequences
-    assert not fused_layer.serves(x, 2, kv, tables)                           # tensor-parallel partial sums
-    assert not fused_layer.serves(x.half(), 1, kv, tables)
+    assert fused_layer.serves(x, F32, 1, kv, tables)
+    assert not fused_layer.serves(torch.zeros(2, H), F32, 1, kv, tables)          # two tokens
+    assert not fused_layer.serves(x, F32, 1, kv, torch.zeros(2, 4, dtype=torch.long))   # two sequences
+    assert not fused_layer.serves(x, F32, 2, kv, tables)                           # tensor-parallel partial sums
+    assert not fused_layer.serves(x.half(), torch.float16, 1, kv, tables)
+    assert not fused_layer.serves(x, torch.uint8, 1, kv, tables)                # weights in GGUF blocks
+    assert "GGUF block format" in fused_layer.report(torch.uint8, 1)["reason"]
     with monkeypatch.context() as traced:
         traced.setattr(torch.compiler, "is_compiling", lambda: True)         # a traced step: inductor's
-        assert not fused_layer.serves(x, 1, kv, tables)
+        assert not fused_layer.serves(x, F32, 1, kv, tables)
     linear.follow(torch.float32, small={1: "library", 2: "library", 4: "library"})
-    assert not fused_layer.serves(x, 1, kv, tables)                           # the boot measured another faster
+    assert not fused_layer.serves(x, F32, 1, kv, tables)                           # the boot measured another faster
     report = fused_layer.report(torch.float32, 1)
     assert report["choice"] == "operators" and "'library'" in report["reason"]
     monkeypatch.setattr(linear, "_chosen", {})
-    assert not fused_layer.serves(x, 1, kv, tables)                           # nothing measured
+    assert not fused_layer.serves(x, F32, 1, kv, tables)                           # nothing measured
     assert fused_layer.report(torch.float32, 2)["reason"].startswith("layers split over 2 ranks")
 
 

@@ -34,7 +34,9 @@ def convert_gguf(gguf_path, out_dir) -> Path:
     config = _plain_config(model.config, transformers)
     _save_config(config, out_dir)
     _save_weights(model.state_dict(), config, out_dir / "model.safetensors", torch)
-    _save_tokenizer(tokenizer, config, out_dir)
+    if not tokenizer.chat_template:
+        raise ValueError("the GGUF carries no chat template (tokenizer.chat_template)")
+    save_tokenizer(tokenizer, config.max_position_embeddings, out_dir)
     _save_generation_config(model, out_dir)
     validate_converted(out_dir)
     return out_dir
@@ -111,22 +113,23 @@ def _save_weights(state_dict, config, path: Path, torch) -> None:
     path.chmod(0o644)  # safetensors creates it 0600; make it as readable as the other files
 
 
-def _save_tokenizer(tokenizer, config, out_dir: Path) -> None:
-    """tokenizer.json + tokenizer_config.json; the chat template goes into BOTH tokenizer_config.json
+def save_tokenizer(tokenizer, max_length: int | None, out_dir: Path) -> None:
+    """tokenizer.json + tokenizer_config.json; a chat template goes into BOTH tokenizer_config.json
     and chat_template.jinja (transformers 5 writes only the latter) so either loader path finds it."""
     template = tokenizer.chat_template
-    if not template:
-        raise ValueError("the GGUF carries no chat template (tokenizer.chat_template)")
     tokenizer.save_pretrained(out_dir)
     path = out_dir / "tokenizer_config.json"
     tok_config = json.loads(path.read_text())
     for key in _CALL_ONLY_KEYS:
         tok_config.pop(key, None)
     # PreTrainedTokenizerFast: a name transformers 4 and 5 both resolve (5 writes TokenizersBackend).
-    tok_config.update(tokenizer_class="PreTrainedTokenizerFast", chat_template=template,
-                      model_max_length=config.max_position_embeddings)
+    tok_config.update(tokenizer_class="PreTrainedTokenizerFast")
+    if max_length is not None:
+        tok_config.update(model_max_length=int(max_length))
+    if template:
+        tok_config.update(chat_template=template)
+        (out_dir / "chat_template.jinja").write_text(template)
     path.write_text(json.dumps(tok_config, indent=2, ensure_ascii=False) + "\n")
-    (out_dir / "chat_template.jinja").write_text(template)
 
 
 def _save_generation_config(model, out_dir: Path) -> None:

@@ -1,4 +1,4 @@
-"""The tensors of a GGUF file as the file stores them, memory-mapped by the `gguf` package's reader.
+"""The tensors of a GGUF file as the file stores them, memory-mapped (gguf_file.py reads the index).
 
 Owns: `GGUFTensor` (a tensor's name, its shape in HF's order, rows first, the type the file stores it
 in, and its data: float values for F32 / F16 / BF16, or for a block format the engine serves
@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from phaseflip.engine.checkpoint.gguf_file import TensorInfo, read_gguf
 from phaseflip.engine.checkpoint.loader import CheckpointError
 from phaseflip.kernels.cpu.quant import FORMATS, BlockFormat
 
@@ -34,23 +35,22 @@ class GGUFTensor:
 
 def read_tensors(path: str | Path) -> list[GGUFTensor]:
     """Every tensor of the GGUF file at path, in file order (see the module docstring)."""
-    from gguf import GGUFReader   # at the call: no import-time work
-    reader = GGUFReader(str(path), "c")   # copy-on-write: arrays torch can wrap, the file never written
-    for t in reader.tensors:   # every type checked before any data is wrapped
-        if t.tensor_type.name not in FLOAT_TYPES and t.tensor_type.name not in FORMATS:
-            raise CheckpointError(f"{path}: tensor {t.name!r} is stored as {t.tensor_type.name}, which is "
-                                  f"neither loaded ({', '.join(FLOAT_TYPES)}) nor served in its blocks "
-                                  f"({', '.join(FORMATS)})")
-    return [_tensor(t) for t in reader.tensors]
+    from gguf import GGMLQuantizationType   # at the call: no import-time work
+    file = read_gguf(path)
+    stored = {name: GGMLQuantizationType(info.type_id).name for name, info in file.tensors.items()}
+    for name, kind in stored.items():   # every type checked before any data is wrapped
+        if kind not in FLOAT_TYPES and kind not in FORMATS:
+            raise CheckpointError(f"{path}: tensor {name!r} is stored as {kind}, which is neither loaded "
+                                  f"({', '.join(FLOAT_TYPES)}) nor served in its blocks ({', '.join(FORMATS)})")
+    mapped = torch.from_numpy(file.mapped())
+    return [_tensor(info, stored[name], mapped) for name, info in file.tensors.items()]
 
 
-def _tensor(t) -> GGUFTensor:
-    shape = tuple(int(n) for n in reversed(t.shape))   # GGUF lists the fastest-moving dimension first
-    stored = t.tensor_type.name
+def _tensor(info: TensorInfo, stored: str, mapped: torch.Tensor) -> GGUFTensor:
+    shape = tuple(reversed(info.dims))   # GGUF lists the fastest-moving dimension first
+    data = mapped[info.offset:info.offset + info.num_bytes]
     if stored in FLOAT_TYPES:
-        data = torch.from_numpy(t.data).view(FLOAT_TYPES[stored]).reshape(shape)
-        return GGUFTensor(t.name, shape, stored, data)
+        return GGUFTensor(info.name, shape, stored, data.view(FLOAT_TYPES[stored]).reshape(shape))
     fmt = FORMATS[stored]
     rows = math.prod(shape[:-1])   # 1 for a vector
-    data = torch.from_numpy(t.data).reshape(rows, fmt.row_bytes(shape[-1]))
-    return GGUFTensor(t.name, shape, stored, data, fmt)
+    return GGUFTensor(info.name, shape, stored, data.reshape(rows, fmt.row_bytes(shape[-1])), fmt)

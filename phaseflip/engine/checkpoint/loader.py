@@ -48,7 +48,11 @@ class CheckpointError(ValueError):
 # ---------------------------------------------------------------------------------------------- config
 
 def load_model_config(model_dir: str | Path) -> ModelConfig:
-    """Parse <model_dir>/config.json into a ModelConfig (HF defaults for omitted optional fields)."""
+    """Parse <model_dir>/config.json into a ModelConfig (HF defaults for omitted optional fields); a GGUF
+    file's from its metadata (gguf_model.py)."""
+    from phaseflip.engine.checkpoint import gguf_model   # it builds on this module
+    if gguf_model.is_gguf(model_dir):
+        return gguf_model.load_gguf_config(model_dir)
     path = Path(model_dir) / CONFIG_FILE
     raw = read_json(path)
     archs = raw.get("architectures")
@@ -249,7 +253,11 @@ def expected_tensor_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
 
 
 def load_weights(model_dir: str | Path, config: ModelConfig, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """Read the checkpoint's tensors (HF names) cast to dtype, after checking every needed one is there."""
+    """Read the checkpoint's tensors (HF names) cast to dtype, after checking every needed one is there;
+    a GGUF file's quantized tensors stay in their blocks (gguf_model.py)."""
+    from phaseflip.engine.checkpoint import gguf_model   # it builds on this module
+    if gguf_model.is_gguf(model_dir):
+        return gguf_model.load_gguf_weights(model_dir, config, dtype)
     model_dir = Path(model_dir)
     expected = expected_tensor_shapes(config)
     weights: dict[str, torch.Tensor] = {}
@@ -266,6 +274,17 @@ def load_weights(model_dir: str | Path, config: ModelConfig, dtype: torch.dtype)
         raise CheckpointError(f"{model_dir}: tensor {missing[0]!r} is missing from the checkpoint "
                               f"({len(missing)} missing in all; read: {read})")
     return weights
+
+
+def check_shapes(path: Path, shapes: dict[str, tuple[int, ...]], config: ModelConfig) -> None:
+    """Every tensor the architecture needs is among `shapes` (HF names, the file's shapes), with the
+    shape the config gives it."""
+    expected = expected_tensor_shapes(config)
+    for name, shape in expected.items():
+        if name not in shapes:
+            raise CheckpointError(f"{path}: tensor {name!r} is missing")
+        if tuple(shapes[name]) != shape:
+            raise CheckpointError(f"{path}: tensor {name!r} has shape {tuple(shapes[name])}, expected {shape}")
 
 
 def safetensors_files(model_dir: Path) -> list[Path]:

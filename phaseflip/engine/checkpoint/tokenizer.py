@@ -78,6 +78,11 @@ class Tokenizer:
 
 
 def load_tokenizer(model_dir: str | Path) -> Tokenizer:
+    """The tokenizer of an HF-format directory, or of a GGUF file (gguf_model.gguf_tokenizer_dir)."""
+    from phaseflip.cache import cache_dir
+    from phaseflip.engine.checkpoint import gguf_model
+    if gguf_model.is_gguf(model_dir):
+        return Tokenizer(gguf_model.gguf_tokenizer_dir(model_dir, cache_dir()))
     return Tokenizer(model_dir)
 
 

@@ -26,11 +26,13 @@ from phaseflip.kernels.cpu import library, linear
 DTYPES = (torch.float32, torch.bfloat16)
 
 
-def serves(residual: torch.Tensor, tp_size: int, kv_cache: torch.Tensor, block_tables: torch.Tensor) -> bool:
-    """Whether forward's layers run as one decode_layers call (see the module's "When")."""
-    if residual.is_cuda or torch.compiler.is_compiling() or kv_cache.dim() != 6:
+def serves(residual: torch.Tensor, weight_dtype: torch.dtype, tp_size: int, kv_cache: torch.Tensor,
+           block_tables: torch.Tensor) -> bool:
+    """Whether forward's layers, their projections' weights of weight_dtype, run as one decode_layers call
+    (see the module's "When")."""
+    if residual.is_cuda or torch.compiler.is_compiling() or kv_cache.dim() != 6 or residual.dtype != weight_dtype:
         return False
-    return residual.shape[0] == 1 and block_tables.shape[0] == 1 and _why_not(residual.dtype, tp_size) is None
+    return residual.shape[0] == 1 and block_tables.shape[0] == 1 and _why_not(weight_dtype, tp_size) is None
 
 
 def decoder_layers(layers: list, eps: float, scale: float, residual: torch.Tensor, meta: dict[str, torch.Tensor],
@@ -56,6 +58,8 @@ def _why_not(dtype: torch.dtype, tp_size: int) -> str | None:
     """Why one token's steps of this dtype on a rank of tp_size do not run fused (None: they do)."""
     if tp_size != 1:
         return f"layers split over {tp_size} ranks (partial sums reduced between phases)"
+    if dtype == torch.uint8:
+        return "weights in a GGUF block format (the fused layers read float weights)"
     if dtype not in DTYPES:
         return f"{dtype} (float32 and bfloat16 only)"
     if library.decode_layers_op() is None:

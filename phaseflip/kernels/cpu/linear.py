@@ -33,7 +33,7 @@ from typing import Iterable, Mapping
 import torch
 import torch.nn.functional as F
 
-from phaseflip.kernels.cpu import library
+from phaseflip.kernels.cpu import library, quant
 from phaseflip.kernels.op_registry import define_op
 
 GEMV_ROWS = 1     # rows a compiled CPU step may multiply with inductor's own reduction
@@ -42,6 +42,7 @@ SMALL_FORMS = ("stationary", "library", "kernel")
 MEASURED_ROWS = (1, 2, SMALL_BATCH)   # the row counts timed at boot; 3 takes SMALL_BATCH's form
 WIDE_ROWS = (8, 16, 32, 64, 128, 256, 512)   # timed at boot: m rows take the first >= m, else the last
 WIDEN_BYTES = 32 * 2**20  # the most float32 weight a widened ladder product holds at once
+QUANT_KERNEL_ROWS = 4     # rows up to which a quantized weight's product takes the quantized kernel
 
 
 @dataclass(frozen=True)
@@ -121,7 +122,10 @@ def kernel_serves(weight: torch.Tensor) -> bool:
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [M, K] @ weight [N, K]^T (+ bias) on the CPU, in the form chosen for M rows."""
+    """x [M, K] @ weight [N, K]^T (+ bias) on the CPU, in the form chosen for M rows (a weight in a GGUF
+    block format: `quantized`)."""
+    if weight.dtype == torch.uint8:
+        return quantized(x, weight, bias)
     if x.dim() != 2:
         return F.linear(x, weight, bias)
     return product(form(x.shape[0], x.dtype, torch.compiler.is_compiling()), x, weight, bias)
@@ -176,6 +180,19 @@ def _widened(x, weight, bias):
     xf, rows = x.float(), max(1, WIDEN_BYTES // (4 * weight.shape[1]))
     parts = [_ladder(xf, weight[n:n + rows].float(), None if bias is None else bias[n:n + rows].float())
              for n in range(0, weight.shape[0], rows)]
+    return (parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)).to(x.dtype)
+
+
+def quantized(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x [M, K] @ W^T (+ bias), W in a GGUF block format (uint8 [N, blocks, block bytes], quant.py): the
+    quantized kernel up to QUANT_KERNEL_ROWS rows; above, where one pass of decoding the weight is small
+    beside the product, W decoded to float32 WIDEN_BYTES of rows at a time and multiplied on the ladder."""
+    fmt, blocks = quant.weight_format(weight), weight.flatten(1)
+    if x.shape[0] <= QUANT_KERNEL_ROWS:
+        return _with_bias(quant.quant_linear(x, blocks, fmt), bias)
+    xf, rows = x.float(), max(1, WIDEN_BYTES // (4 * x.shape[1]))
+    parts = [_ladder(xf, quant.dequantize(blocks[n:n + rows], fmt), None if bias is None else bias[n:n + rows].float())
+             for n in range(0, blocks.shape[0], rows)]
     return (parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)).to(x.dtype)
 
 

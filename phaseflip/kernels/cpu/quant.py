@@ -2,8 +2,10 @@
 geometry, and `quant_linear` (x @ W^T with W's blocks as the file holds them).
 
 Owns: `FORMATS` (name -> `BlockFormat`: GGML's type id, values and bytes a block), `block_format`
-(a name, checked: another names what is served), `quant_linear` and `quant_rows` (rows of W decoded by
-index: a quantized embedding's lookup).
+(a name, checked: another names what is served), `weight_format` and `storage` (what a weight of the
+arena holds: a quantized one is uint8 [rows, blocks, block bytes], and the bytes a block takes name its
+format), `quant_linear`, `quant_rows` (rows of W decoded by index: a quantized embedding's lookup) and
+`dequantize`.
 """
 from __future__ import annotations
 
@@ -41,6 +43,25 @@ def block_format(name: str) -> BlockFormat:
     return FORMATS[name]
 
 
+_BY_BLOCK_BYTES = {f.block_bytes: f for f in FORMATS.values()}   # each format's block has its own size
+
+
+def weight_format(weight: torch.Tensor) -> BlockFormat | None:
+    """The block format of a quantized weight (uint8 [rows, blocks, block bytes]); None for a float one."""
+    if weight.dtype != torch.uint8:
+        return None
+    if weight.dim() != 3 or weight.shape[-1] not in _BY_BLOCK_BYTES:
+        raise ValueError(f"a quantized weight is uint8 [rows, blocks, block bytes] with block bytes one of "
+                         f"{sorted(_BY_BLOCK_BYTES)}, got {tuple(weight.shape)}")
+    return _BY_BLOCK_BYTES[weight.shape[-1]]
+
+
+def storage(weight: torch.Tensor) -> str:
+    """What a weight is stored as: its block format's name, else its dtype's ("float32", "bfloat16")."""
+    fmt = weight_format(weight)
+    return fmt.name if fmt is not None else str(weight.dtype).removeprefix("torch.")
+
+
 def quant_linear(x: torch.Tensor, blocks: torch.Tensor, fmt: BlockFormat) -> torch.Tensor:
     """x [M, K] (float32 or bfloat16) @ W^T, W [N, K] held as `blocks` [N, fmt.row_bytes(K)] uint8: the
     product in x's dtype, summed in float32."""
@@ -50,6 +71,11 @@ def quant_linear(x: torch.Tensor, blocks: torch.Tensor, fmt: BlockFormat) -> tor
 def quant_rows(blocks: torch.Tensor, ids: torch.Tensor, fmt: BlockFormat) -> torch.Tensor:
     """Rows `ids` (int64 [T]) of W, held as `blocks` [N, fmt.row_bytes(K)] uint8, as float32 [T, K]."""
     return _kernels().cpu_quant_rows(blocks, ids, fmt.type_id)
+
+
+def dequantize(blocks: torch.Tensor, fmt: BlockFormat) -> torch.Tensor:
+    """Every row of W, held as `blocks` [N, fmt.row_bytes(K)] uint8, as float32 [N, K]."""
+    return quant_rows(blocks, torch.arange(blocks.shape[0]), fmt)
 
 
 def _kernels():

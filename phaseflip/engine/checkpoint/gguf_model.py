@@ -1,0 +1,179 @@
+"""A GGUF file as a model: its config from the metadata, its weights under HF's names with the quantized
+ones kept in their blocks, and where its tokenizer is.
+
+Owns: `is_gguf` (a path names a GGUF file), `load_gguf_config` (ModelConfig from the `<arch>.*` keys of
+llama, mistral, qwen2 and qwen3 files), `load_gguf_weights` (HF-named tensors: F32 / F16 / BF16 cast to
+the compute dtype; Q8_0 / Q4_0 / Q4_1 as uint8 [rows, blocks, block bytes], the layout the quantized
+products read, kernels/cpu/quant.py) and `gguf_tokenizer_dir`. llama.cpp's converter interleaves the
+rows of a llama's q and k projections for its rotary; they are put back in HF's order here, whole rows
+of blocks at a time (a permutation of rows never touches a block). What the engine cannot serve as the
+file has it (another architecture, rope scaling, a tensor type without a kernel) is a CheckpointError
+naming it, raised before any weight is read.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+
+from phaseflip.engine.checkpoint.gguf_file import read_gguf
+from phaseflip.engine.checkpoint.gguf_tensors import FLOAT_TYPES, read_tensors
+from phaseflip.engine.checkpoint.loader import CheckpointError, check_shapes
+from phaseflip.rank.model_config import ModelConfig
+
+GGUF_MAGIC = b"GGUF"
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
+                 "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+PERMUTED_QK = ("llama", "mistral")   # llama.cpp's converter interleaves these families' q/k rows
+# GGUF tensor names -> HF's (the layer part of each)
+_LAYER_NAMES = {
+    "attn_norm.weight": "input_layernorm.weight", "ffn_norm.weight": "post_attention_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight", "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight", "attn_output.weight": "self_attn.o_proj.weight",
+    "attn_q.bias": "self_attn.q_proj.bias", "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.bias": "self_attn.v_proj.bias", "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight", "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight", "ffn_down.weight": "mlp.down_proj.weight",
+}
+_MODEL_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
+                "output.weight": "lm_head.weight"}
+
+
+def is_gguf(path: str | Path) -> bool:
+    """Whether path is a file that starts with GGUF's magic."""
+    path = Path(path)
+    if not path.is_file():
+        return False
+    with open(path, "rb") as f:
+        return f.read(4) == GGUF_MAGIC
+
+
+def _field(file, key: str, default=None):
+    return file.metadata.get(key, default)
+
+
+def load_gguf_config(path: str | Path) -> ModelConfig:
+    """The ModelConfig of the GGUF file at path, from its metadata."""
+    path = Path(path)
+    file = read_gguf(path)
+    arch = _field(file, "general.architecture")
+    if arch not in ARCHITECTURES:
+        raise CheckpointError(f"{path}: general.architecture={arch!r} is not served; served: {', '.join(ARCHITECTURES)}")
+    scaling = _field(file, f"{arch}.rope.scaling.type", "none")
+    if scaling != "none" or "rope_freqs.weight" in file.tensors:
+        raise CheckpointError(f"{path}: rope scaling ({scaling if scaling != 'none' else 'rope_freqs'}) in a GGUF "
+                              "file is not served; allowed: plain rope")
+
+    def need(key: str):
+        value = _field(file, f"{arch}.{key}")
+        if value is None:
+            raise CheckpointError(f"{path}: metadata key {arch}.{key} is missing")
+        return value
+
+    hidden, heads = int(need("embedding_length")), int(need("attention.head_count"))
+    names = file.tensors
+    if "token_embd.weight" not in names:
+        raise CheckpointError(f"{path}: tensor 'token_embd.weight' is missing")
+    vocab = _field(file, f"{arch}.vocab_size") or names["token_embd.weight"].dims[-1]
+    eos = _field(file, "tokenizer.ggml.eos_token_id")
+    try:
+        return ModelConfig(
+            architecture=ARCHITECTURES[arch], vocab_size=int(vocab), hidden_size=hidden,
+            intermediate_size=int(need("feed_forward_length")), num_layers=int(need("block_count")),
+            num_heads=heads, num_kv_heads=int(_field(file, f"{arch}.attention.head_count_kv", heads)),
+            head_dim=int(_field(file, f"{arch}.attention.key_length", hidden // heads)),
+            rms_norm_eps=float(need("attention.layer_norm_rms_epsilon")),
+            rope_theta=float(_field(file, f"{arch}.rope.freq_base", 10_000.0)),
+            max_position_embeddings=int(need("context_length")),
+            tie_word_embeddings="output.weight" not in names, qkv_bias=arch == "qwen2", qk_norm=arch == "qwen3",
+            bos_token_id=_field(file, "tokenizer.ggml.bos_token_id"),
+            eos_token_ids=() if eos is None else (int(eos),), torch_dtype=None)
+    except ValueError as e:
+        raise CheckpointError(f"{path}: {e}") from e
+
+
+def hf_name(gguf_name: str) -> str | None:
+    """The HF name of a GGUF tensor name (None: a tensor the engine does not read)."""
+    if gguf_name in _MODEL_NAMES:
+        return _MODEL_NAMES[gguf_name]
+    parts = gguf_name.split(".", 2)
+    if len(parts) == 3 and parts[0] == "blk" and parts[2] in _LAYER_NAMES:
+        return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}"
+    return None
+
+
+def quantized_types(path: str | Path) -> set[str]:
+    """The block formats the model's tensors are stored in (none for floats, or a directory of safetensors)."""
+    if not is_gguf(path):
+        return set()
+    from gguf import GGMLQuantizationType   # at the call: no import-time work
+    kinds = {GGMLQuantizationType(info.type_id).name for name, info in read_gguf(path).tensors.items()
+             if hf_name(name) is not None}
+    return kinds - set(FLOAT_TYPES)
+
+
+def load_gguf_weights(path: str | Path, cfg: ModelConfig, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """The GGUF file's tensors under HF's names (see the module docstring), shapes checked first."""
+    path = Path(path)
+    tensors = {name: t for t in read_tensors(path) if (name := hf_name(t.name)) is not None}
+    check_shapes(path, {name: t.shape for name, t in tensors.items()}, cfg)
+    permuted = _field(read_gguf(path), "general.architecture") in PERMUTED_QK
+    weights = {}
+    for name, t in tensors.items():
+        data = t.data.to(dtype) if t.fmt is None else t.data.view(t.shape[0], -1, t.fmt.block_bytes)
+        if permuted and name.endswith(("q_proj.weight", "k_proj.weight")):
+            data = _unpermute(data, cfg.num_heads if "q_proj" in name else cfg.num_kv_heads)
+        weights[name] = data
+    return weights
+
+
+def _unpermute(rows: torch.Tensor, heads: int) -> torch.Tensor:
+    """HF's row order of a q or k projection from llama.cpp's: within each head, its converter put the
+    rows of the rotary's first half and second half alternately; whole rows move (a copy)."""
+    n = rows.shape[0]
+    return rows.reshape(heads, n // heads // 2, 2, *rows.shape[1:]).transpose(1, 2).reshape(rows.shape)
+
+
+def gguf_tokenizer_dir(path: str | Path, cache_root: Path) -> Path:
+    """A directory holding the GGUF file's tokenizer: the file's own directory where a tokenizer.json lies
+    next to it, else one extracted from its metadata once (by transformers' GGUF converter, a one-time
+    conversion like `phaseflip convert`) under cache_root, keyed by the file's size and mtime and name."""
+    path = Path(path)
+    if (path.parent / "tokenizer.json").is_file():
+        return path.parent
+    stat = path.stat()
+    key = hashlib.sha256(json.dumps([str(path.resolve()), stat.st_size, stat.st_mtime_ns]).encode()).hexdigest()[:16]
+    target = cache_root / "gguf-tokenizers" / key
+    if (target / "tokenizer.json").is_file():
+        return target
+    _extract_tokenizer(path, target)
+    return target
+
+
+def _extract_tokenizer(path: Path, target: Path) -> None:
+    """Write tokenizer.json, tokenizer_config.json and chat_template.jinja of the GGUF file into target."""
+    try:
+        import transformers
+    except ImportError as e:
+        raise CheckpointError(f"{path}: its tokenizer is read from the GGUF metadata by transformers, which is "
+                              f"not installed ({e}); put the model's tokenizer.json next to the file, or "
+                              "pip install transformers gguf") from e
+    from phaseflip.engine.checkpoint.gguf_convert import save_tokenizer
+    file = read_gguf(path)
+    max_length = _field(file, f"{_field(file, 'general.architecture')}.context_length")
+    tokenizer = transformers.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=".tokenizer-", dir=target.parent))
+    try:
+        save_tokenizer(tokenizer, max_length, staging)
+        os.rename(staging, target)
+    except OSError:   # another process extracted it first
+        if not (target / "tokenizer.json").is_file():
+            raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
