@@ -45,7 +45,8 @@ class EngineCore:
         """Run one step on every rank in the active layout; the output rank's sampled tokens."""
         layout = self.control.active
         replies = self.ranks.call(RunStep(layout, batch))
-        return StepResult(batch.step_id, replies[self.output_ranks[layout]].sampled or ())
+        reply = replies[self.output_ranks[layout]]
+        return StepResult(batch.step_id, reply.sampled or (), reply.prompt_logprobs)
 
     def add(self, seq: Sequence) -> None:
         self.seqs[seq.seq_id] = seq
@@ -75,6 +76,8 @@ class EngineCore:
         now = time.perf_counter()
         decodes = sum(1 for c in batch.chunks if c.decode)
         sampled = {s.seq_id: s.token_id for s in result.sampled}
+        for part in result.prompt_logprobs:
+            self._record_prompt(part)
         self.scheduler.on_step_done(batch, sampled)
         self.num_steps += 1
         advanced = []
@@ -101,6 +104,14 @@ class EngineCore:
             if seq.logprobs is None:
                 seq.logprobs = []
             seq.logprobs.append(s.top_logprobs or {s.token_id: s.logprob})
+
+    def _record_prompt(self, part) -> None:
+        """A chunk's prompt logprobs into its sequence's (by position: a chunk computed again after a
+        preemption writes the same values again)."""
+        seq = self.seqs.get(part.seq_id)
+        if seq is None or seq.prompt_logprobs is None:   # [None] * prompt tokens where asked (LLM.submit)
+            return
+        seq.prompt_logprobs[part.start_pos + 1:part.start_pos + 1 + len(part.logprobs)] = part.logprobs
 
     def abort(self, seq_ids) -> None:
         """Finish these sequences now ("abort"): their KV blocks are free for the next step, and the

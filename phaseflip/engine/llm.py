@@ -139,7 +139,8 @@ class LLM:
         request_id = str(next(self._request_ids)) if request_id is None else request_id
         now = time.perf_counter()
         seqs = [Sequence(seq_id=next(self._ids), request_id=request_id, prompt_token_ids=p.token_ids,
-                         params=params, arrival_time=now, prompt_text=p.prompt)
+                         params=params, arrival_time=now, prompt_text=p.prompt,
+                         prompt_logprobs=None if params.prompt_logprobs is None else [None] * len(p.token_ids))
                 for params in samples(p.params)]
         for seq in seqs:
             self.core.add(seq)

@@ -1,7 +1,8 @@
 """The boot manifest: what was planned, captured and measured, as one JSON-ready dict.
 
 Owns: assembling the manifest from the controller's plan and boot phases and every rank's report
-(RankManifest): model and dtype, both layouts per rank, the memory ledger per rank and layout, every
+(RankManifest): model and dtype, both layouts per rank, the memory ledger per rank and layout, how each
+rank's weights are stored and the bytes a decode token reads, every
 captured step, compile choices, boot phases, the last flips with their components (the flip log keeps
 the last MAX_FLIP_LOG; num_flips and num_failed_flips count them all) and eager-fallback counts.
 `llm.inspect()` returns it live; `phaseflip boot --manifest FILE` writes it; `phaseflip inspect` reads it.
@@ -46,7 +47,8 @@ def build_manifest(llm, ranks: list) -> dict:
         "buckets": {"decode": list(plan.shapes.decode_buckets), "prefill": list(plan.shapes.prefill_buckets)},
         "pp_micro_batches": plan.shapes.pp_micro_batches,   # pieces a PP step is cut into at most
         "ranks": [{"rank": r.rank, "pid": r.pid, "device": r.device, "boot_ms": r.boot_ms,
-                   "ledger": r.ledger, "compile": r.compile, "memory": r.memory} for r in ranks],
+                   "ledger": r.ledger, "compile": r.compile, "memory": r.memory, "weights": r.weights}
+                  for r in ranks],
         "steps": steps,
         "boot_ms": dict(llm.boot_ms),
         "flips": list(llm.control.flip_log),

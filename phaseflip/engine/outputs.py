@@ -37,7 +37,8 @@ def request_output(request_id: str, seqs: list[Sequence], tokenizer) -> RequestO
     first = seqs[0]
     return RequestOutput(request_id, first.prompt_text, list(first.prompt_token_ids),
                          [completion(s, i, tokenizer) for i, s in enumerate(seqs)],
-                         all(s.is_finished for s in seqs), metrics(first))
+                         all(s.is_finished for s in seqs), metrics(first),
+                         next((s.prompt_logprobs for s in seqs if s.prompt_logprobs is not None), None))
 
 
 class TextStream:

@@ -40,6 +40,7 @@ class Sequence:
     num_preemptions: int = 0
     output_text: str = ""
     logprobs: list[dict[int, float]] | None = None
+    prompt_logprobs: list[dict[int, float] | None] | None = None   # [None, then one per prompt token]
     first_token_time: float | None = None
     token_times: list[float] = field(default_factory=list)
 
@@ -97,3 +98,4 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: RequestMetrics | None = None
+    prompt_logprobs: list[dict[int, float] | None] | None = None   # where asked: None for the first token

@@ -46,6 +46,7 @@ class SamplingParams:
     stop_token_ids: list[int] | tuple[int, ...] | None = None  # stored as tuple[int, ...]
     ignore_eos: bool = False
     logprobs: int | None = None      # top-N logprobs per generated token (0: the sampled token only)
+    prompt_logprobs: int | None = None   # top-N per prompt token after the first (0: the prompt token only)
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     presence_penalty: float = 0.0    # in [-2, 2]: subtracted once from each token already generated
@@ -92,10 +93,10 @@ class SamplingParams:
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}={getattr(self, name)!r} is invalid: must be True or False")
-        if self.logprobs is not None and (not _is_int(self.logprobs)
-                                          or not 0 <= self.logprobs <= MAX_LOGPROBS):
-            raise ValueError(f"logprobs={self.logprobs!r} is invalid: must be an int in [0, {MAX_LOGPROBS}] "
-                             f"or None")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (not _is_int(value) or not 0 <= value <= MAX_LOGPROBS):
+                raise ValueError(f"{name}={value!r} is invalid: must be an int in [0, {MAX_LOGPROBS}] or None")
 
     @property
     def greedy(self) -> bool:
@@ -107,12 +108,13 @@ class SamplingParams:
 
     @property
     def needs_prompt_tokens(self) -> bool:
-        """The repetition penalty reads the prompt's tokens; the other options do not."""
-        return self.repetition_penalty != 1
+        """The repetition penalty and the prompt's logprobs read the prompt's tokens on the ranks; the other
+        options do not."""
+        return self.repetition_penalty != 1 or self.prompt_logprobs is not None
 
     @property
     def counts_output_tokens(self) -> bool:
-        return self.needs_prompt_tokens or self.presence_penalty != 0 or self.frequency_penalty != 0
+        return self.repetition_penalty != 1 or self.presence_penalty != 0 or self.frequency_penalty != 0
 
     @property
     def adjusts_logits(self) -> bool:

@@ -169,7 +169,7 @@ class Scheduler:
         """With prefix caching, start seq on the cached blocks of its longest cached prefix: they count
         as computed. Returns how many blocks it reused."""
         cache = self.allocator.cache
-        if cache is None:
+        if cache is None or seq.params.prompt_logprobs is not None:   # its prompt's logprobs need every row
             return 0
         hits = cache.match(seq)
         self.allocator.share(hits)
@@ -180,7 +180,9 @@ class Scheduler:
     def uncached_tokens(self, seq: Sequence) -> int:
         """Tokens a waiting seq would compute if admitted now (all of them without prefix caching)."""
         cache = self.allocator.cache
-        return seq.num_tokens - (len(cache.match(seq)) * self.config.block_size if cache else 0)
+        if cache is None or seq.params.prompt_logprobs is not None:
+            return seq.num_tokens
+        return seq.num_tokens - len(cache.match(seq)) * self.config.block_size
 
     def _drop_blocks(self, seq: Sequence) -> None:
         """seq gives back every block and every computed token (preemption, a failed admission)."""

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from phaseflip.kernels.cpu.quant import storage_name
 from phaseflip.rank.weights import RankWeights, Stacked, replace_tensors
 
 ALIGN = 256  # bytes; every tensor starts on an aligned offset
@@ -47,6 +48,26 @@ class HostImage:
     @property
     def num_bytes(self) -> int:
         return self.data.numel()
+
+
+def weight_report(image: HostImage) -> dict:
+    """What a layout's weights are stored as: bytes per storage type (a GGUF block format by its name,
+    else the dtype's), each tensor's storage, and the bytes one decode token reads (every weight once,
+    of an embedding that is not also the head only the one row it looks up)."""
+    by_type: dict[str, int] = {}
+    tensors: dict[str, str] = {}
+    seen: set[int] = set()
+    read = 0
+    for name, slot in image.slots.items():
+        kind = storage_name(slot.dtype, slot.shape)
+        tensors[name] = kind
+        if slot.offset in seen:   # a tied tensor: counted once
+            continue
+        seen.add(slot.offset)
+        by_type[kind] = by_type.get(kind, 0) + slot.num_bytes
+        tied = any(n != name and s.offset == slot.offset for n, s in image.slots.items())
+        read += slot.num_bytes // slot.shape[0] if name == "embed_tokens" and not tied else slot.num_bytes
+    return {"bytes_by_storage": by_type, "storage": tensors, "bytes_read_per_token": read}
 
 
 def _align(n: int) -> int:

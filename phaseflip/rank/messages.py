@@ -77,9 +77,19 @@ class SampledToken:
 
 
 @dataclass(frozen=True)
+class PromptLogprobs:
+    """Of one chunk of a sequence that asked for its prompt's logprobs: logprobs[k] holds the prompt token
+    at position start_pos + k + 1 and the top-N there ({token id: logprob}), given the tokens before it."""
+    seq_id: int
+    start_pos: int
+    logprobs: tuple[dict[int, float], ...]
+
+
+@dataclass(frozen=True)
 class StepResult:
     step_id: int
     sampled: tuple[SampledToken, ...]  # one per chunk with sample=True, in chunk order
+    prompt_logprobs: tuple[PromptLogprobs, ...] = ()
 
 
 # -- rank commands and replies ---------------------------------------------------------------------
@@ -201,6 +211,7 @@ class RankProgress:
 class StepReply:
     rank: int
     sampled: tuple[SampledToken, ...] | None   # the output rank's tokens; None elsewhere
+    prompt_logprobs: tuple[PromptLogprobs, ...] = ()   # the output rank's, where a chunk asked
 
 
 @dataclass(frozen=True)
@@ -253,6 +264,7 @@ class RankManifest:
     eager_fallbacks: dict[str, int]
     chunked_runs: dict[str, int]
     micro_batched_runs: dict[str, int]
+    weights: dict[str, dict] = field(default_factory=dict)   # layout -> arena.weight_report
 
 
 @dataclass(frozen=True)

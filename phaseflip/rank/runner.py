@@ -28,8 +28,9 @@ from phaseflip.rank.compile_choice import CompileChoice
 from phaseflip.rank.forward import StepState, compute_logits, forward
 from phaseflip.rank.kvcache import KVView
 from phaseflip.rank.model_config import ModelConfig
-from phaseflip.rank.messages import Phase, SampledToken, StepBatch
+from phaseflip.rank.messages import Phase, PromptLogprobs, SampledToken, StepBatch
 from phaseflip.rank.micro_batches import piece_sizes, split_step
+from phaseflip.rank.prompt_logprobs import prompt_logprobs
 from phaseflip.rank.sampler import Sampler
 from phaseflip.rank.weights import RankWeights
 from phaseflip.rank.shard import RankShard
@@ -97,6 +98,7 @@ class LayoutRunner:
         # after boot: the recorded steps' logits are sampled on the host instead)
         self.samples_in_step = (self.rank == self.output_rank and self.shard.has_head
                                 and self.shard.vocab.count == self.cfg.vocab_size)
+        self.prompt_logprobs: list[PromptLogprobs] = []   # the last step's (execute)
 
     def head(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits of these rows: the compiled head where one was chosen for this few rows (CPU)."""
@@ -217,8 +219,10 @@ class LayoutRunner:
         return hidden
 
     def execute(self, batch: StepBatch) -> list[SampledToken] | None:
-        """Run the step; the output rank returns the sampled tokens, the others None. A large enough PP
-        step runs as micro-batches that follow each other through the stages (micro_batches.py)."""
+        """Run the step; the output rank returns the sampled tokens, the others None, and holds in
+        `prompt_logprobs` those of the step's chunks that asked. A large enough PP step runs as
+        micro-batches that follow each other through the stages (micro_batches.py)."""
+        self.prompt_logprobs = []
         if not self.is_pp:
             return self._execute(batch)
         sizes = piece_sizes(batch.phase, batch.num_tokens, self.shapes.pp_micro_batches, self.kv.tensor.device.type)
@@ -236,6 +240,8 @@ class LayoutRunner:
             picked, logits = self._run(batch, {**meta, **columns}, variant_for(columns))
             return self.sampler.finish_in_step(picked, logits, seq_ids, columns)
         hidden = self._run(batch, meta)
+        if batch.phase is not Phase.DECODE and self.shard.has_head:
+            self.prompt_logprobs += prompt_logprobs(hidden, batch, self.sampler.prompt_logprobs_of, self._full_logits)
         if not self.shard.has_head or not sample_rows:
             return [] if self.rank == self.output_rank else None
         n = len(sample_rows)
@@ -250,6 +256,11 @@ class LayoutRunner:
         if self.rank != self.output_rank:
             return None
         return self.sampler.sample(logits, [c.seq_id for c in batch.chunks if c.sample])
+
+    def _full_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """The whole vocabulary's logits of these rows on the output rank (None elsewhere)."""
+        logits = compute_logits(self.weights.lm_head, hidden)
+        return self._gather_logits(logits) if self.shard.tp_size > 1 else logits
 
     def _gather_logits(self, logits: torch.Tensor) -> torch.Tensor | None:
         widths = [s.vocab.count for s in self.shards]

@@ -21,7 +21,8 @@ from phaseflip.graphs.registry import GraphRegistry
 from phaseflip.kernels.cpu import forms, fused_layer, linear
 from phaseflip.kernels.reference.rotary import cos_sin_table
 from phaseflip.rank.boot_record import BootRecord, kernels_build, record_key
-from phaseflip.rank.arena import WeightArena, allocate_arena, arena_bases, image_slots, pack_image
+from phaseflip.rank.arena import (WeightArena, allocate_arena, arena_bases, image_slots, pack_image,
+                                  weight_report)
 from phaseflip.rank.comm import break_graphs_at_collectives
 from phaseflip.rank.flip import (DEFAULT_STAGING_BYTES, DEFAULT_STAGING_FRACTION, InjectedFault,
                                     allocate_staging, run_flip)
@@ -267,8 +268,10 @@ class RankRuntime:
         self.sampler.add_requests(batch.new_requests)
         for seq_id in batch.finished_seq_ids:
             self.sampler.remove(seq_id)
-        sampled = self.runners[self.active].execute(batch) if batch.chunks else []
-        return StepReply(self.rank, None if sampled is None else tuple(sampled))
+        runner = self.runners[self.active]
+        sampled = runner.execute(batch) if batch.chunks else []
+        return StepReply(self.rank, None if sampled is None else tuple(sampled),
+                         tuple(runner.prompt_logprobs) if batch.chunks else ())
 
     def flip(self, cmd: FlipCommand) -> FlipReport:
         if cmd.target not in self.runners:
@@ -291,7 +294,8 @@ class RankRuntime:
             boot_ms=dict(self.boot_ms), ledger={name: rank_ledger(self, name, num_blocks) for name in self.runners},
             steps=steps, compile={name: dict(r.compile.report) for name, r in self.runners.items()},
             memory=dict(self.memory), eager_fallbacks=stats.eager_fallbacks, chunked_runs=stats.chunked_runs,
-            micro_batched_runs=stats.micro_batched_runs)
+            micro_batched_runs=stats.micro_batched_runs,
+            weights={name: weight_report(img) for name, img in self.arena.images.items()})
 
     def stats(self) -> RankStats:
         return RankStats(self.rank, self.active, self.registry.captures_at_boot,

@@ -66,6 +66,7 @@ class _SeqState:
     params: object  # SamplingParams
     generator: torch.Generator | None  # CPU; None for greedy sequences
     penalties: SeqPenalties | None     # None where the params adjust no logit
+    prompt: tuple[int, ...] = ()       # where the params read it (repetition penalty, prompt logprobs)
 
 
 class Sampler:
@@ -81,7 +82,8 @@ class Sampler:
         return seq_id in self._seqs
 
     def add(self, seq_id: int, params, prompt_token_ids: tuple[int, ...] = ()) -> None:
-        """prompt_token_ids: read by the repetition penalty only (NewRequest carries them only then)."""
+        """prompt_token_ids: read by the repetition penalty and the prompt's logprobs only (NewRequest
+        carries them only then)."""
         if seq_id in self._seqs:
             raise ValueError(f"seq_id={seq_id} is already in the sampler; remove it before adding it again")
         generator = None
@@ -89,11 +91,18 @@ class Sampler:
             seed = params.seed if params.seed is not None else sequence_seed(self.seed, seq_id)
             generator = torch.Generator().manual_seed(seed & _MASK64)
         penalties = SeqPenalties(params, prompt_token_ids) if params.adjusts_logits else None
-        self._seqs[seq_id] = _SeqState(params, generator, penalties)
+        self._seqs[seq_id] = _SeqState(params, generator, penalties, tuple(prompt_token_ids))
 
     def add_requests(self, new_requests: Iterable[NewRequest]) -> None:
         for request in new_requests:
             self.add(request.seq_id, request.params, request.prompt_token_ids)
+
+    def prompt_logprobs_of(self, seq_id: int) -> tuple[int, tuple[int, ...]] | None:
+        """(top-N, the prompt) of a sequence that asked for its prompt's logprobs; else None."""
+        st = self._seqs.get(seq_id)
+        if st is None or st.params.prompt_logprobs is None:
+            return None
+        return st.params.prompt_logprobs, st.prompt
 
     def remove(self, seq_id: int) -> None:
         """Forget a finished sequence; unknown ids are ignored (it may never have been sampled here)."""

@@ -1,7 +1,8 @@
 """`phaseflip inspect`: what was captured, where every byte went, what each flip cost — for a person.
 
 Owns: reading a boot manifest (or booting to get one), printing it as tables (captured steps per
-layout and phase, the ledger per rank for both layouts side by side, the boot timeline, the flips),
+layout and phase, the ledger per rank for both layouts side by side, how each rank's weights are
+stored and what a decode token reads, the boot timeline, the flips),
 `--json`, `--svg FILE` (tools/svg.py) and `--dot FILE` (tools/dot.py).
 """
 from __future__ import annotations
@@ -57,6 +58,16 @@ def ledger_table(m: dict) -> list[str]:
                                               for r in m["ranks"] for lay in layouts))
     lines.append(f"  {'sums to budget':20}" + "".join(f"{str(r['ledger'][lay]['sums_to_budget']):>16}"
                                                       for r in m["ranks"] for lay in layouts))
+    return lines
+
+
+def weights_table(m: dict) -> list[str]:
+    """Each rank's weights per layout: MiB per storage type and the MiB one decode token reads."""
+    lines = ["weights per rank and layout (MiB by storage; read per decode token):"]
+    for r in m["ranks"]:
+        for lay, w in (r.get("weights") or {}).items():   # absent from older manifests
+            kinds = ", ".join(f"{k} {_mib(v)}" for k, v in sorted(w["bytes_by_storage"].items()))
+            lines.append(f"  rank {r['rank']} {lay:3} {kinds}; read per token {_mib(w['bytes_read_per_token'])}")
     return lines
 
 
@@ -149,7 +160,8 @@ def render_text(m: dict) -> str:
                     f"{pc['evictions']} evicted")
     elif pc is not None:
         head.append("  prefix cache: off")
-    sections = [head, steps_table(m), ledger_table(m), boot_table(m), policy_line(m) + flips_table(m)]
+    sections = [head, steps_table(m), ledger_table(m), weights_table(m), boot_table(m),
+                policy_line(m) + flips_table(m)]
     return "\n\n".join("\n".join(s) for s in sections)
 
 

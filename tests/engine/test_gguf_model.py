@@ -72,12 +72,31 @@ def test_q4_1_greedy_tokens_agree_with_the_dequantized_run(q4_1, default_model_d
     with LLM(str(q4_1)) as llm:
         assert llm.model_config.tie_word_embeddings
         ours = _greedy(llm)
+        manifest = llm.inspect()
+    _check_weights_report(manifest, q4_1)
     with LLM(str(default_model_dir)) as llm:
         want = _greedy(llm)
     same = sum(a == b for x, y in zip(ours, want) for a, b in zip(x, y))
     total = sum(len(y) for y in want)
     print(f"Q4_1 vs dequantized fp32: {same}/{total} greedy tokens equal")
     assert same >= AGREEMENT * total
+
+
+def _check_weights_report(manifest, path):
+    """The manifest counts the file's quantized bytes as stored, and a decode token reads them all (the
+    embedding is tied to the head, which reads it whole)."""
+    from phaseflip.tools.inspect_cmd import weights_table
+    file = read_gguf(path)
+    stored = {}
+    for info in file.tensors.values():
+        kind = "float32" if info.type_id == T.F32 else T(info.type_id).name
+        stored[kind] = stored.get(kind, 0) + info.num_bytes
+    report = manifest["ranks"][0]["weights"]["pp"]
+    assert report["bytes_by_storage"]["Q4_1"] == stored["Q4_1"]
+    assert report["bytes_by_storage"]["Q8_0"] == stored["Q8_0"]
+    assert report["storage"]["layers.0.qkv_proj"] == "Q4_1" and report["storage"]["lm_head"] == "Q8_0"
+    assert report["bytes_read_per_token"] == sum(report["bytes_by_storage"].values())
+    assert "Q4_1 " in "\n".join(weights_table(manifest))
 
 
 def test_two_ranks_flipping_every_step_give_one_ranks_tokens(q4_1):

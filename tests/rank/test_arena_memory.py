@@ -46,3 +46,18 @@ def test_host_bytes_are_whole_zeroed_and_writable(num_bytes):
     assert t.dtype == torch.uint8 and t.numel() == num_bytes and not t.any()
     t.fill_(7)
     assert int(t.sum()) == 7 * num_bytes
+
+
+def test_the_weight_report_counts_each_storage_and_what_a_token_reads():
+    """An untied embedding is read one row a token; a tied one is read whole by the head; blocks count
+    as stored."""
+    slots = {"embed_tokens": arena.Slot(0, (100, 8), torch.float32),          # 3200 bytes, 32 a row
+             "layers.0.qkv_proj": arena.Slot(3328, (6, 2, 18), torch.uint8),  # Q4_0: 216 bytes
+             "lm_head": arena.Slot(3584, (100, 8), torch.float32)}
+    image = arena.HostImage(torch.empty(0, dtype=torch.uint8), slots)
+    report = arena.weight_report(image)
+    assert report["bytes_by_storage"] == {"float32": 6400, "Q4_0": 216}
+    assert report["storage"]["layers.0.qkv_proj"] == "Q4_0"
+    assert report["bytes_read_per_token"] == 32 + 216 + 3200
+    tied = arena.HostImage(image.data, {**slots, "lm_head": slots["embed_tokens"]})
+    assert arena.weight_report(tied)["bytes_read_per_token"] == 3200 + 216

@@ -2,9 +2,9 @@
 geometry, and `quant_linear` (x @ W^T with W's blocks as the file holds them).
 
 Owns: `FORMATS` (name -> `BlockFormat`: GGML's type id, values and bytes a block), `block_format`
-(a name, checked: another names what is served), `weight_format` and `storage` (what a weight of the
-arena holds: a quantized one is uint8 [rows, blocks, block bytes], and the bytes a block takes name its
-format), `quant_linear`, `quant_rows` (rows of W decoded by index: a quantized embedding's lookup) and
+(a name, checked: another names what is served), `weight_format`, `storage` and `storage_name` (what a
+weight of the arena holds: a quantized one is uint8 [rows, blocks, block bytes], and the bytes a block
+takes name its format), `quant_linear`, `quant_rows` (rows of W decoded by index: a quantized embedding's lookup) and
 `dequantize`.
 """
 from __future__ import annotations
@@ -58,8 +58,14 @@ def weight_format(weight: torch.Tensor) -> BlockFormat | None:
 
 def storage(weight: torch.Tensor) -> str:
     """What a weight is stored as: its block format's name, else its dtype's ("float32", "bfloat16")."""
-    fmt = weight_format(weight)
-    return fmt.name if fmt is not None else str(weight.dtype).removeprefix("torch.")
+    return storage_name(weight.dtype, tuple(weight.shape))
+
+
+def storage_name(dtype: torch.dtype, shape: tuple[int, ...]) -> str:
+    """storage() of a weight of this dtype and shape."""
+    if dtype == torch.uint8 and len(shape) == 3 and shape[-1] in _BY_BLOCK_BYTES:
+        return _BY_BLOCK_BYTES[shape[-1]].name
+    return str(dtype).removeprefix("torch.")
 
 
 def quant_linear(x: torch.Tensor, blocks: torch.Tensor, fmt: BlockFormat) -> torch.Tensor:
