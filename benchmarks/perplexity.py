@@ -8,7 +8,11 @@ tokenizer adds one; in each chunk the tokens after its first half scored, each g
 before it in the chunk; perplexity = exp(mean negative logprob)), phaseflip's side through
 SamplingParams.prompt_logprobs, HF's through its logits, and llama-perplexity's "Final estimate".
 Prints one JSON line per file: both perplexities, the chunks each scored, and phaseflip / llama.cpp - 1.
-Run: `.venv/bin/python benchmarks/perplexity.py --llama-perplexity BIN [--hf-dir DIR] FILE.gguf...`
+With --llama-tokenize, phaseflip and HF score llama.cpp's own token ids of the text (`llama-tokenize
+--ids`), so that the comparison is of the models' arithmetic alone: llama.cpp's pre-tokenizer for some
+models (SmolLM2's "smollm") splits runs of spaces and digits unlike the HF tokenizer the model ships.
+Run: `.venv/bin/python benchmarks/perplexity.py --llama-perplexity BIN [--llama-tokenize BIN] [--hf-dir DIR]
+FILE.gguf...`
 """
 from __future__ import annotations
 
@@ -41,12 +45,23 @@ def scored_nll(logprob_of, chunk: list[int]) -> list[float]:
     return [-logprob_of(j) for j in range(first + 1, len(chunk))]
 
 
-def phaseflip_ppl(model: str, body: str, ctx: int, threads: int) -> dict:
+def llama_ids(binary: str, model: str, body: str) -> list[int]:
+    """llama.cpp's token ids of the text, BOS included where its vocabulary adds one."""
+    with tempfile.NamedTemporaryFile("w", suffix=".txt") as f:
+        f.write(body)
+        f.flush()
+        run = subprocess.run([binary, "-m", model, "-f", f.name, "--ids", "--log-disable"], capture_output=True,
+                             text=True, check=True)
+    return json.loads(run.stdout.strip())
+
+
+def phaseflip_ppl(model: str, body: str, ctx: int, threads: int, given: list[int] | None = None) -> dict:
+    """given: the token ids to score (llama.cpp's), else the text tokenised by the model's tokenizer."""
     from phaseflip import LLM, SamplingParams
     t0 = time.perf_counter()
     with LLM(model, num_threads=threads, max_model_len=ctx + 8, max_num_seqs=1) as llm:
         tok = llm.get_tokenizer()
-        ids = tok.encode(body, add_special_tokens=False)
+        ids = given if given is not None else tok.encode(body, add_special_tokens=False)
         bos = tok.bos_token_id if tok.encode("a")[:1] == [tok.bos_token_id] else None
         parts = chunks(ids, ctx, bos)
         params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0)
@@ -58,13 +73,13 @@ def phaseflip_ppl(model: str, body: str, ctx: int, threads: int) -> dict:
             "seconds": round(time.perf_counter() - t0, 1)}
 
 
-def hf_ppl(model_dir: str, body: str, ctx: int, threads: int) -> dict:
+def hf_ppl(model_dir: str, body: str, ctx: int, threads: int, given: list[int] | None = None) -> dict:
     import torch
     import transformers
     torch.set_num_threads(threads)
     tok = transformers.AutoTokenizer.from_pretrained(model_dir)
     hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    ids = tok.encode(body, add_special_tokens=False)
+    ids = given if given is not None else tok.encode(body, add_special_tokens=False)
     bos = tok.bos_token_id if tok.encode("a")[:1] == [tok.bos_token_id] else None
     parts, nll = chunks(ids, ctx, bos), []
     with torch.no_grad():
@@ -83,25 +98,25 @@ def llama_ppl(binary: str, model: str, body: str, ctx: int, threads: int) -> dic
     log = run.stdout + run.stderr
     final = re.search(r"Final estimate: PPL = ([\d.]+) \+/- ([\d.]+)", log)
     over = re.search(r"calculating perplexity over (\d+) chunks", log)
-    tokens = re.search(r"tokenization took .*?\n.*?(\d+) tokens", log)
-    return {"ppl": float(final.group(1)), "error": float(final.group(2)), "chunks": int(over.group(1)) if over else None,
-            "tokens": int(tokens.group(1)) if tokens else None}
+    return {"ppl": float(final.group(1)), "error": float(final.group(2)), "chunks": int(over.group(1)) if over else None}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("files", nargs="+", help="GGUF files")
     ap.add_argument("--llama-perplexity", required=True, help="llama.cpp's llama-perplexity binary")
+    ap.add_argument("--llama-tokenize", help="llama.cpp's llama-tokenize: every side scores its token ids")
     ap.add_argument("--hf-dir", help="also HF transformers on this model directory")
     ap.add_argument("--chars", type=int, default=100_000, help="characters of the text (default ~22k tokens)")
     ap.add_argument("--ctx", type=int, default=512)
     ap.add_argument("--threads", type=int, default=2)
     a = ap.parse_args()
     body = text(a.chars)
+    ids = {path: llama_ids(a.llama_tokenize, path, body) if a.llama_tokenize else None for path in a.files}
     if a.hf_dir:
-        print(json.dumps({"hf": a.hf_dir, **hf_ppl(a.hf_dir, body, a.ctx, a.threads)}), flush=True)
+        print(json.dumps({"hf": a.hf_dir, **hf_ppl(a.hf_dir, body, a.ctx, a.threads, ids[a.files[0]])}), flush=True)
     for path in a.files:
-        ours = phaseflip_ppl(path, body, a.ctx, a.threads)
+        ours = phaseflip_ppl(path, body, a.ctx, a.threads, ids[path])
         theirs = llama_ppl(a.llama_perplexity, path, body, a.ctx, a.threads)
         print(json.dumps({"file": Path(path).name, "phaseflip": ours, "llama.cpp": theirs,
                           "phaseflip_over_llama": round(ours["ppl"] / theirs["ppl"] - 1, 5)}), flush=True)
