@@ -3,10 +3,9 @@
 // Q4_0: fp16 d, 16 bytes of 4-bit q (value j in byte j's low half, value j + 16 in its high half),
 // w = d * (q - 8). Q4_1: fp16 d, fp16 m, the same 16 bytes, w = d * q + m.
 // x [M, K] float32 or bfloat16 (the output is x's dtype), float32 sums. The weight is read once a
-// product, at its quantized size: what a decode step's time is (it reads every weight). Up to
-// FUSED_ROWS rows of x, each block is decoded in registers and multiplied with every row as it is
-// (nothing stored between); more rows, each weight row is decoded into float32 in this thread's buffer
-// and dotted with every row of x (at 32 rows slower than the float32 kernel: docs/performance.md).
+// product, at its quantized size: what a decode step's time is (it reads every weight). Each block is
+// decoded in registers and multiplied with FUSED_ROWS rows of x at a time as it is (nothing stored
+// between); without vectors, each weight row is decoded into float32 and dotted with every row of x.
 // Also rows of W decoded to float32 by index (`quant_rows`: a quantized embedding's lookup).
 // Vectors of AVX-512 or AVX2 (simd.h), plain loops on a CPU with neither. Built with the other kernels
 // by phaseflip/kernels/cpu/library.py; rows split over torch's threads (parallel.h's ranges).
@@ -25,7 +24,7 @@
 
 namespace {
 
-constexpr int64_t FUSED_ROWS = 4;   // rows of x up to which a block is decoded in registers for all of them
+constexpr int64_t FUSED_ROWS = 8;   // rows of x a block is decoded in registers for at once
 constexpr int QK = 32;              // values a block
 
 inline float half_at(const uint8_t* p) {
@@ -175,25 +174,30 @@ void fused_rows(const uint8_t* row, int64_t K, const float* x, int64_t M, float*
     case 1: return fused_dot<B, 1>(row, K, x, out);
     case 2: return fused_dot<B, 2>(row, K, x, out);
     case 3: return fused_dot<B, 3>(row, K, x, out);
-    default: return fused_dot<B, 4>(row, K, x, out);
+    case 4: return fused_dot<B, 4>(row, K, x, out);
+    case 5: return fused_dot<B, 5>(row, K, x, out);
+    case 6: return fused_dot<B, 6>(row, K, x, out);
+    case 7: return fused_dot<B, 7>(row, K, x, out);
+    default: return fused_dot<B, 8>(row, K, x, out);
   }
 }
 #endif
 
-// y's columns n0..n1 (weight rows) for the M rows of x
+// y's columns n0..n1 (weight rows) for the M rows of x: with vectors, each block decoded in registers
+// for FUSED_ROWS rows of x at a time (the row's blocks stay in L1 from one group of rows to the next);
+// without, each weight row decoded into float32 and dotted with every row of x
 template <typename B, typename X>
 void rows(const uint8_t* wp, int64_t ldw, const float* xf, int64_t M, int64_t K, X* yp, int64_t N, int64_t n0,
           int64_t n1) {
 #ifdef PF_LANES
-  if (M <= FUSED_ROWS) {
-    float out[FUSED_ROWS];
-    for (int64_t n = n0; n < n1; ++n) {
-      fused_rows<B>(wp + n * ldw, K, xf, M, out);
-      for (int64_t m = 0; m < M; ++m) yp[m * N + n] = static_cast<X>(out[m]);
+  float out[FUSED_ROWS];
+  for (int64_t n = n0; n < n1; ++n)
+    for (int64_t m0 = 0; m0 < M; m0 += FUSED_ROWS) {
+      const int64_t rows_here = std::min(FUSED_ROWS, M - m0);
+      fused_rows<B>(wp + n * ldw, K, xf + m0 * K, rows_here, out);
+      for (int64_t m = 0; m < rows_here; ++m) yp[(m0 + m) * N + n] = static_cast<X>(out[m]);
     }
-    return;
-  }
-#endif
+#else
   std::vector<float> row(K);
   float out;
   for (int64_t n = n0; n < n1; ++n) {
@@ -203,6 +207,7 @@ void rows(const uint8_t* wp, int64_t ldw, const float* xf, int64_t M, int64_t K,
       yp[m * N + n] = static_cast<X>(out);
     }
   }
+#endif
 }
 
 template <typename B, typename X>
