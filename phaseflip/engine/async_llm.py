@@ -246,7 +246,7 @@ class AsyncLLM:
             seqs = [t.seq for t in stream.text_streams]
             finished = all(s.is_finished for s in seqs)
             out = RequestOutput(stream.request_id, stream.prepared.prompt, stream.prepared.token_ids, pieces,
-                                finished, metrics(seqs[0]))
+                                finished, metrics(seqs[0]), seqs[0].prompt_logprobs)
             items.append((stream, out))
             if finished:
                 self._forget(stream)

@@ -189,8 +189,7 @@ class LLM:
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         encoded = [self.tokenizer.encode_chat(c, add_generation_prompt) for c in conversations]
         outputs = self.generate([ids for _, ids in encoded], sampling_params, use_tqdm)
-        return [RequestOutput(o.request_id, text, o.prompt_token_ids, o.outputs, o.finished, o.metrics)
-                for o, (text, _) in zip(outputs, encoded)]
+        return [dataclasses.replace(o, prompt=text) for o, (text, _) in zip(outputs, encoded)]
 
     # -- introspection and lifetime ----------------------------------------------------------------
     def stats(self) -> dict:

@@ -106,7 +106,7 @@ async def _answer(served: Served, view, prepared, body, request: Request):
     if body.stream:
         return EventStream(streams, _events(view, streams, body.include_usage))
     try:
-        whole = await _unless_disconnected(request, _collect(streams))
+        whole = await _unless_disconnected(request, _collect(streams, view))
     finally:
         for s in streams:
             s.close()
@@ -131,6 +131,7 @@ class EventStream(StreamingResponse):
 async def _events(view, streams: list[RequestStream], include_usage: bool) -> AsyncIterator[str]:
     try:
         async for i, out in _merged(streams):
+            view.note_prompt(i, out)
             view.count(out.outputs)
             shown = [p for p in out.outputs if p.text or p.finish_reason or p.logprobs]  # not a held-back step
             if shown:
@@ -179,10 +180,11 @@ async def _merged(streams: list[RequestStream]) -> AsyncIterator[tuple[int, obje
             t.cancel()
 
 
-async def _collect(streams: list[RequestStream]) -> list[list[CompletionOutput]]:
-    """Every sample of every prompt, joined from its pieces."""
+async def _collect(streams: list[RequestStream], view) -> list[list[CompletionOutput]]:
+    """Every sample of every prompt, joined from its pieces (the view notes each prompt's logprobs)."""
     joined: list[dict[int, dict]] = [{} for _ in streams]
     async for i, out in _merged(streams):
+        view.note_prompt(i, out)
         for piece in out.outputs:
             acc = joined[i].setdefault(piece.index, {"text": [], "token_ids": [], "logprobs": None})
             acc["text"].append(piece.text)

@@ -53,11 +53,13 @@ class _Sampling(Strict):
             raise ValueError("stream_options is only allowed with stream=true")
         return v
 
-    def _params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    def _params(self, max_tokens: int | None, logprobs: int | None,
+                prompt_logprobs: int | None = None) -> SamplingParams:
         return SamplingParams(
             n=self.n, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
             seed=self.seed, max_tokens=max_tokens, stop=self.stop, stop_token_ids=self.stop_token_ids,
-            ignore_eos=self.ignore_eos, logprobs=logprobs, presence_penalty=self.presence_penalty,
+            ignore_eos=self.ignore_eos, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+            presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty, repetition_penalty=self.repetition_penalty,
             logit_bias=self.logit_bias, include_stop_str_in_output=self.include_stop_str_in_output,
             skip_special_tokens=self.skip_special_tokens)
@@ -100,14 +102,6 @@ class CompletionRequest(_Sampling):
             raise ValueError("the prompt is empty: give a str, a list of str or token ids")
         return v
 
-    @field_validator("echo")
-    @classmethod
-    def _echo_without_logprobs(cls, v, info: ValidationInfo):
-        if v and info.data.get("logprobs") is not None:
-            raise ValueError("echo with logprobs is not supported: it needs the prompt's logprobs, "
-                             "which phaseflip does not compute")
-        return v
-
     def prompts(self) -> list:
         """The prompts of this request: a list of str or of token-id lists."""
         p = self.prompt
@@ -116,7 +110,8 @@ class CompletionRequest(_Sampling):
         return list(p)
 
     def sampling_params(self) -> SamplingParams:
-        return self._params(self.max_tokens, self.logprobs)
+        """echo with logprobs: the echoed prompt's tokens carry theirs too (the prompt's logprobs)."""
+        return self._params(self.max_tokens, self.logprobs, self.logprobs if self.echo else None)
 
 
 class ContentPart(Strict):

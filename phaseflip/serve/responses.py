@@ -138,6 +138,12 @@ class _View:
         self.tokenizer = tokenizer
         self.completion_tokens = 0
         self._token_text: dict[int, str] = {}
+        self.prompt_logprobs: dict[int, list] = {}   # prompt index -> its tokens' logprobs, where asked
+
+    def note_prompt(self, prompt_index: int, out) -> None:
+        """A RequestOutput of prompt_index arrived: keep its prompt's logprobs (complete by its first token)."""
+        if out.prompt_logprobs is not None:
+            self.prompt_logprobs[prompt_index] = out.prompt_logprobs
 
     def choice_index(self, prompt_index: int, piece: CompletionOutput) -> int:
         return prompt_index * self.n + piece.index
@@ -168,26 +174,35 @@ class CompletionView(_View):
     def choice(self, prompt_index: int, piece: CompletionOutput) -> CompletionChoice:
         index = self.choice_index(prompt_index, piece)
         text = piece.text
+        echoed = None
         if self.echo and index not in self._echoed:
             self._echoed.add(index)
             p = self.prepared[prompt_index]
             text = (p.prompt if p.prompt is not None else self.tokenizer.decode(p.token_ids)) + text
-        return CompletionChoice(index=index, text=text, logprobs=self._logprobs(index, piece),
+            echoed = p.token_ids
+        return CompletionChoice(index=index, text=text, logprobs=self._logprobs(index, piece, prompt_index, echoed),
                                 finish_reason=piece.finish_reason, stop_reason=piece.stop_reason)
 
-    def _logprobs(self, index: int, piece: CompletionOutput) -> CompletionLogprobs | None:
+    def _logprobs(self, index: int, piece: CompletionOutput, prompt_index: int,
+                  echoed: list[int] | None) -> CompletionLogprobs | None:
+        """The piece's tokens' logprobs, after the echoed prompt's (None for its first token) on the
+        choice's first piece with echo."""
         if piece.logprobs is None:
             return None
+        ids, entries = list(piece.token_ids), list(piece.logprobs)
+        if echoed is not None:
+            prompt = self.prompt_logprobs.get(prompt_index) or [None] * len(echoed)
+            ids, entries = list(echoed) + ids, list(prompt) + entries
         offset = self._offsets.get(index, 0)
         tokens, offsets = [], []
-        for t in piece.token_ids:
+        for t in ids:
             tokens.append(self.token_text(t))
             offsets.append(offset)
             offset += len(tokens[-1])
         self._offsets[index] = offset
         return CompletionLogprobs(
-            tokens=tokens, token_logprobs=[d.get(t) for d, t in zip(piece.logprobs, piece.token_ids)],
-            top_logprobs=[{self.token_text(k): v for k, v in d.items()} for d in piece.logprobs],
+            tokens=tokens, token_logprobs=[None if d is None else d.get(t) for d, t in zip(entries, ids)],
+            top_logprobs=[None if d is None else {self.token_text(k): v for k, v in d.items()} for d in entries],
             text_offset=offsets)
 
     def chunk(self, prompt_index: int, pieces: list[CompletionOutput]) -> CompletionResponse:

@@ -217,6 +217,24 @@ def test_logprobs_in_completions_and_chat(server):
     assert len(content) == 4 and all(len(t.top_logprobs) == 2 and t.logprob <= 0 for t in content)
 
 
+def test_echo_with_logprobs_scores_the_prompt_as_the_offline_engine_does(server, offline):
+    prompt = "The quick brown fox jumps"
+    ids = offline.get_tokenizer().encode(prompt)
+    ref = offline.generate([prompt], greedy(3, logprobs=1, prompt_logprobs=1), use_tqdm=False)[0]
+    want = [None] + [ref.prompt_logprobs[i][ids[i]] for i in range(1, len(ids))]
+    want += [d[t] for d, t in zip(ref.outputs[0].logprobs, ref.outputs[0].token_ids)]
+    whole = server.client().completions.create(model="tiny", prompt=prompt, max_tokens=3, temperature=0,
+                                               logprobs=1, echo=True)
+    chunks = list(server.client().completions.create(model="tiny", prompt=prompt, max_tokens=3, temperature=0,
+                                                     logprobs=1, echo=True, stream=True))
+    streamed = [v for c in chunks if c.choices and c.choices[0].logprobs for v in c.choices[0].logprobs.token_logprobs]
+    for got in (whole.choices[0].logprobs.token_logprobs, streamed):
+        assert len(got) == len(ids) + 3 and got[0] is None
+        assert got[1:] == pytest.approx(want[1:], abs=1e-4)
+    assert whole.choices[0].text == prompt + ref.outputs[0].text
+    assert whole.choices[0].logprobs.top_logprobs[0] is None
+
+
 def test_models_health_version_metrics(server):
     models = server.client().models.list()
     assert [m.id for m in models.data] == ["tiny"]
