@@ -22,7 +22,7 @@ def _int_tuple(name: str, values) -> tuple[int, ...] | None:
 
 @dataclass(frozen=True)
 class EngineConfig:
-    model: str | None = None            # HF-format directory; None = the embedded default (SmolLM2)
+    model: str | None = None            # HF-format directory or GGUF file; None = the embedded SmolLM2
     dtype: str = "auto"                 # float32 | bfloat16 | float16 | auto (float32 on CPU)
     device: str = "auto"                # cpu | cuda | auto
     max_model_len: int | None = None    # None = the model's max_position_embeddings

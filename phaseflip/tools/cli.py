@@ -48,7 +48,8 @@ def _engine_options(budget: int | None = None):
 
 def _add_engine_options(f, budget: int):
     for opt in reversed([
-        click.option("--model", default=None, help="HF-format model directory (default: the embedded SmolLM2-135M-Instruct)."),
+        click.option("--model", default=None, help="HF-format model directory or GGUF file (default: the embedded "
+                     "SmolLM2-135M-Instruct)."),
         click.option("--dtype", default="auto", show_default=True, help="float32 | bfloat16 | float16 | auto"),
         click.option("--max-model-len", type=int, default=None, help="Longest sequence (default: the model's)."),
         click.option("--max-num-seqs", type=int, default=64, show_default=True, help="Sequences running at once."),
