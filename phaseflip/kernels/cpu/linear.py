@@ -42,7 +42,6 @@ SMALL_FORMS = ("stationary", "library", "kernel")
 MEASURED_ROWS = (1, 2, SMALL_BATCH)   # the row counts timed at boot; 3 takes SMALL_BATCH's form
 WIDE_ROWS = (8, 16, 32, 64, 128, 256, 512)   # timed at boot: m rows take the first >= m, else the last
 WIDEN_BYTES = 32 * 2**20  # the most float32 weight a widened ladder product holds at once
-QUANT_KERNEL_ROWS = 4     # rows up to which a quantized weight's product takes the quantized kernel
 
 
 @dataclass(frozen=True)
@@ -185,15 +184,9 @@ def _widened(x, weight, bias):
 
 def quantized(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """x [M, K] @ W^T (+ bias), W in a GGUF block format (uint8 [N, blocks, block bytes], quant.py): the
-    quantized kernel up to QUANT_KERNEL_ROWS rows; above, where one pass of decoding the weight is small
-    beside the product, W decoded to float32 WIDEN_BYTES of rows at a time and multiplied on the ladder."""
-    fmt, blocks = quant.weight_format(weight), weight.flatten(1)
-    if x.shape[0] <= QUANT_KERNEL_ROWS:
-        return _with_bias(quant.quant_linear(x, blocks, fmt), bias)
-    xf, rows = x.float(), max(1, WIDEN_BYTES // (4 * x.shape[1]))
-    parts = [_ladder(xf, quant.dequantize(blocks[n:n + rows], fmt), None if bias is None else bias[n:n + rows].float())
-             for n in range(0, blocks.shape[0], rows)]
-    return (parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)).to(x.dtype)
+    quantized kernel at every row count (it decodes the blocks in registers for a few rows, into L1
+    tiles for more; never the whole weight)."""
+    return _with_bias(quant.quant_linear(x, weight.flatten(1), quant.weight_format(weight)), bias)
 
 
 def _opaque(x, weight, bias):

@@ -3,9 +3,11 @@
 // Q4_0: fp16 d, 16 bytes of 4-bit q (value j in byte j's low half, value j + 16 in its high half),
 // w = d * (q - 8). Q4_1: fp16 d, fp16 m, the same 16 bytes, w = d * q + m.
 // x [M, K] float32 or bfloat16 (the output is x's dtype), float32 sums. The weight is read once a
-// product, at its quantized size: what a decode step's time is (it reads every weight). Each block is
-// decoded in registers and multiplied with FUSED_ROWS rows of x at a time as it is (nothing stored
-// between); without vectors, each weight row is decoded into float32 and dotted with every row of x.
+// product, at its quantized size: what a decode step's time is (it reads every weight). Up to
+// FUSED_ROWS rows of x, each block is decoded in registers and multiplied with every row as it is
+// (nothing stored between); more rows, x is packed into panels as for the float32 kernel's wide form
+// and a few weight rows at a time are decoded into an L1 buffer for its register tile (`tiled`).
+// Without vectors, each weight row is decoded into float32 and dotted with every row of x.
 // Also rows of W decoded to float32 by index (`quant_rows`: a quantized embedding's lookup).
 // Vectors of AVX-512 or AVX2 (simd.h), plain loops on a CPU with neither. Built with the other kernels
 // by phaseflip/kernels/cpu/library.py; rows split over torch's threads (parallel.h's ranges).
@@ -21,10 +23,13 @@
 #include "dtype.h"
 #include "parallel.h"
 #include "simd.h"
+#include "tile.h"
+#include "wide.h"
 
 namespace {
 
-constexpr int64_t FUSED_ROWS = 8;   // rows of x a block is decoded in registers for at once
+constexpr int64_t FUSED_ROWS = 8;   // rows of x up to which each block is decoded in registers for all
+constexpr int64_t PASS_ROWS = 256;  // more rows: x packed into panels, at most this many rows a pass
 constexpr int QK = 32;              // values a block
 
 inline float half_at(const uint8_t* p) {
@@ -183,20 +188,18 @@ void fused_rows(const uint8_t* row, int64_t K, const float* x, int64_t M, float*
 }
 #endif
 
-// y's columns n0..n1 (weight rows) for the M rows of x: with vectors, each block decoded in registers
-// for FUSED_ROWS rows of x at a time (the row's blocks stay in L1 from one group of rows to the next);
-// without, each weight row decoded into float32 and dotted with every row of x
+// y's columns n0..n1 (weight rows) for the M rows of x (at most FUSED_ROWS with vectors): each block
+// decoded in registers for all of them; without vectors, each weight row decoded into float32 and
+// dotted with every row of x
 template <typename B, typename X>
 void rows(const uint8_t* wp, int64_t ldw, const float* xf, int64_t M, int64_t K, X* yp, int64_t N, int64_t n0,
           int64_t n1) {
 #ifdef PF_LANES
   float out[FUSED_ROWS];
-  for (int64_t n = n0; n < n1; ++n)
-    for (int64_t m0 = 0; m0 < M; m0 += FUSED_ROWS) {
-      const int64_t rows_here = std::min(FUSED_ROWS, M - m0);
-      fused_rows<B>(wp + n * ldw, K, xf + m0 * K, rows_here, out);
-      for (int64_t m = 0; m < rows_here; ++m) yp[(m0 + m) * N + n] = static_cast<X>(out[m]);
-    }
+  for (int64_t n = n0; n < n1; ++n) {
+    fused_rows<B>(wp + n * ldw, K, xf, M, out);
+    for (int64_t m = 0; m < M; ++m) yp[m * N + n] = static_cast<X>(out[m]);
+  }
 #else
   std::vector<float> row(K);
   float out;
@@ -210,13 +213,60 @@ void rows(const uint8_t* wp, int64_t ldw, const float* xf, int64_t M, int64_t K,
 #endif
 }
 
+#ifdef PF_LANES
+// More than FUSED_ROWS rows of x: x's rows packed into panels as the float32 kernel's wide form packs
+// them (wide.h); NR weight rows at a time decoded into this thread's float32 buffer, where they stay in
+// L1 while the register tile (tile.h) multiplies them with every panel: each weight row is decoded once
+// a pass, and no decoded weight reaches memory
+template <typename B, typename X, int MB>
+void tiled(const at::Tensor& xf, const uint8_t* wp, int64_t ldw, int64_t N, X* yp, int64_t ldy) {
+  constexpr int64_t Mp = MB * pf::LANES;
+  constexpr int NR = wide::wide_nr(MB);
+  const int64_t M = xf.size(0), K = xf.size(1), panels = (M + Mp - 1) / Mp;
+  const float* tp = wide::packed<float, Mp>(xf, K);
+  par::ranges((N + NR - 1) / NR, 1, [&](int64_t b0, int64_t b1) {
+    alignas(64) float part[NR * Mp];
+    std::vector<float> decoded(NR * K);
+    for (int64_t n = b0 * NR; n < std::min(N, b1 * NR); n += NR) {
+      const int64_t here = std::min<int64_t>(NR, N - n);
+      for (int64_t r = 0; r < here; ++r) decode_row<B>(wp + (n + r) * ldw, K, decoded.data() + r * K);
+      for (int64_t p = 0; p < panels; ++p) {
+        const float* panel = tp + p * K * Mp;
+        if (here == NR) tile::rows<float, NR, MB>(decoded.data(), K, panel, Mp, K, part, Mp);
+        else
+          for (int64_t r = 0; r < here; ++r)
+            tile::rows<float, 1, MB>(decoded.data() + r * K, K, panel, Mp, K, part + r * Mp, Mp);
+        wide::put_rows<X, NR, Mp>(part, here, yp, ldy, n, p * Mp, std::min(M, (p + 1) * Mp));
+      }
+    }
+  });
+}
+
+// MB: the vectors of LANES rows in one panel (1 .. wide::panel_mb), as wide::dispatch picks it
+template <typename B, typename X, int MB = 1>
+void tiled_rows(const at::Tensor& xf, const uint8_t* wp, int64_t ldw, int64_t N, X* yp, int64_t ldy) {
+  if constexpr (MB < wide::panel_mb<float>())
+    if (xf.size(0) > MB * pf::LANES) return tiled_rows<B, X, MB + 1>(xf, wp, ldw, N, yp, ldy);
+  tiled<B, X, MB>(xf, wp, ldw, N, yp, ldy);
+}
+#endif
+
 template <typename B, typename X>
 void run(const at::Tensor& x, const at::Tensor& w, at::Tensor& y) {
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0), ldw = w.stride(0);
-  std::vector<float> buf;
-  const float* xf = dot::dense_rows<float, X>(x, buf);
   const uint8_t* wp = w.data_ptr<uint8_t>();
   X* yp = y.data_ptr<X>();
+#ifdef PF_LANES
+  if (M > FUSED_ROWS) {   // passes of at most PASS_ROWS rows: their panels stay in L2
+    const at::Tensor xf = x.scalar_type() == at::kFloat ? x : x.to(at::kFloat);
+    const int64_t count = (M + PASS_ROWS - 1) / PASS_ROWS, step = (M + count - 1) / count;
+    for (int64_t m0 = 0; m0 < M; m0 += step)
+      tiled_rows<B, X>(xf.narrow(0, m0, std::min(step, M - m0)), wp, ldw, N, yp + m0 * N, N);
+    return;
+  }
+#endif
+  std::vector<float> buf;
+  const float* xf = dot::dense_rows<float, X>(x, buf);
   const int64_t grain = std::max<int64_t>(1, 65536 / std::max<int64_t>(1, w.size(1)));  // ~64 KiB of blocks a task
   par::ranges(N, grain, [&](int64_t n0, int64_t n1) { rows<B, X>(wp, ldw, xf, M, K, yp, N, n0, n1); });
 }

@@ -1,4 +1,4 @@
-// Products of 5 .. MAX_ROWS rows for gemv.cpp ("wide"; its only includer): x's rows packed into
+// Products of 5 .. MAX_ROWS rows for gemv.cpp ("wide"; quant.cpp packs x the same way): x's rows packed into
 // panels, transposed (`pack`), NR weight rows at a time multiplied with each panel in a register tile
 // (tile.h: each weight value broadcast against vectors of x's rows, no horizontal sums). `wide::dispatch`
 // picks the panel width from the row count; the caller gives it at most MAX_ROWS rows and y to write.
