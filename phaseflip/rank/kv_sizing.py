@@ -35,6 +35,7 @@ class ProfileParams:
     top_p: float = 0.9
     min_p: float = 0.05
     logprobs: int | None = None
+    prompt_logprobs: int | None = None   # its transient (64 rows of logits at a time) is not priced
     adjusts_logits: bool = False   # no penalties: the profile measures the recorded step's own paths
 
 
