@@ -21,6 +21,7 @@
 #include <vector>
 #include "dot.h"
 #include "dtype.h"
+#include "int8.h"
 #include "parallel.h"
 #include "simd.h"
 #include "tile.h"
@@ -29,6 +30,7 @@
 namespace {
 
 constexpr int64_t FUSED_ROWS = 8;   // rows of x up to which each block is decoded in registers for all
+constexpr int64_t INT8_ROWS = 4;    // rows of x up to which 4-bit blocks take int8 products (int8.h)
 constexpr int64_t PASS_ROWS = 256;  // more rows: x packed into panels, at most this many rows a pass
 constexpr int QK = 32;              // values a block
 
@@ -75,7 +77,7 @@ inline void nibbles(const uint8_t* q, pf::vf* v) {
 // Each format: its GGML type id, the bytes of a block, and a block decoded as 32 float32 values,
 // into vectors (`vectors`, where simd.h has them) or into memory (`values`)
 struct Q8_0 {
-  static constexpr int64_t id = 8, bytes = 34;
+  static constexpr int64_t id = 8, bytes = 34, nibbles_at = 0;   // no nibbles: int8.h does not serve it
 #ifdef PF_LANES
   static void vectors(const uint8_t* b, pf::vf* v) {
     const pf::vf d = pf::set1(half_at(b));
@@ -90,7 +92,8 @@ struct Q8_0 {
 };
 
 struct Q4_0 {
-  static constexpr int64_t id = 2, bytes = 18;
+  static constexpr int64_t id = 2, bytes = 18, nibbles_at = 2;
+  static float offset(const uint8_t*, float d) { return -8.f * d; }   // w = d * q - 8 * d
 #ifdef PF_LANES
   static void vectors(const uint8_t* b, pf::vf* v) {
     const pf::vf d = pf::set1(half_at(b)), eight = pf::set1(8.f);
@@ -109,7 +112,8 @@ struct Q4_0 {
 };
 
 struct Q4_1 {
-  static constexpr int64_t id = 3, bytes = 20;
+  static constexpr int64_t id = 3, bytes = 20, nibbles_at = 4;
+  static float offset(const uint8_t* b, float) { return half_at(b + 2); }   // w = d * q + m
 #ifdef PF_LANES
   static void vectors(const uint8_t* b, pf::vf* v) {
     const pf::vf d = pf::set1(half_at(b)), m = pf::set1(half_at(b + 2));
@@ -251,11 +255,41 @@ void tiled_rows(const at::Tensor& xf, const uint8_t* wp, int64_t ldw, int64_t N,
 }
 #endif
 
+#ifdef PF_INT8_DOT
+// Up to INT8_ROWS rows of x on 4-bit blocks: x quantized to int8 per block once, then integer products
+// (int8.h); a weight row's blocks are read once for all rows
+template <typename B, typename X>
+void int8_rows(const at::Tensor& x, const uint8_t* wp, int64_t ldw, int64_t N, X* yp) {
+  const int64_t M = x.size(0), K = x.size(1), nb = K / QK;
+  std::vector<float> buf;
+  int8dot::Rows qx;
+  qx.quantize(dot::dense_rows<float, X>(x, buf), M, K);
+  const int64_t grain = std::max<int64_t>(1, 65536 / std::max<int64_t>(1, nb * B::bytes));
+  par::ranges(N, grain, [&](int64_t n0, int64_t n1) {
+    float out[INT8_ROWS];
+    for (int64_t n = n0; n < n1; ++n) {
+      const uint8_t* row = wp + n * ldw;
+      switch (M) {
+        case 1: int8dot::dot<1>(row, nb, B::bytes, B::nibbles_at, qx, out, B::offset); break;
+        case 2: int8dot::dot<2>(row, nb, B::bytes, B::nibbles_at, qx, out, B::offset); break;
+        case 3: int8dot::dot<3>(row, nb, B::bytes, B::nibbles_at, qx, out, B::offset); break;
+        default: int8dot::dot<4>(row, nb, B::bytes, B::nibbles_at, qx, out, B::offset);
+      }
+      for (int64_t m = 0; m < M; ++m) yp[m * N + n] = static_cast<X>(out[m]);
+    }
+  });
+}
+#endif
+
 template <typename B, typename X>
 void run(const at::Tensor& x, const at::Tensor& w, at::Tensor& y) {
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0), ldw = w.stride(0);
   const uint8_t* wp = w.data_ptr<uint8_t>();
   X* yp = y.data_ptr<X>();
+#ifdef PF_INT8_DOT
+  if constexpr (B::nibbles_at > 0)
+    if (M <= INT8_ROWS) return int8_rows<B, X>(x, wp, ldw, N, yp);
+#endif
 #ifdef PF_LANES
   if (M > FUSED_ROWS) {   // passes of at most PASS_ROWS rows: their panels stay in L2
     const at::Tensor xf = x.scalar_type() == at::kFloat ? x : x.to(at::kFloat);

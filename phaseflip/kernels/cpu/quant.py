@@ -4,8 +4,9 @@ geometry, and `quant_linear` (x @ W^T with W's blocks as the file holds them).
 Owns: `FORMATS` (name -> `BlockFormat`: GGML's type id, values and bytes a block), `block_format`
 (a name, checked: another names what is served), `weight_format`, `storage` and `storage_name` (what a
 weight of the arena holds: a quantized one is uint8 [rows, blocks, block bytes], and the bytes a block
-takes name its format), `quant_linear`, `quant_rows` (rows of W decoded by index: a quantized embedding's lookup) and
-`dequantize`.
+takes name its format), `quant_linear`, `quant_rows` (rows of W decoded by index: a quantized
+embedding's lookup), `dequantize`, and `int8_rows` / `quantize_rows_int8` (where the kernel multiplies
+int8 activations, and what they are).
 """
 from __future__ import annotations
 
@@ -77,6 +78,24 @@ def quant_linear(x: torch.Tensor, blocks: torch.Tensor, fmt: BlockFormat) -> tor
 def quant_rows(blocks: torch.Tensor, ids: torch.Tensor, fmt: BlockFormat) -> torch.Tensor:
     """Rows `ids` (int64 [T]) of W, held as `blocks` [N, fmt.row_bytes(K)] uint8, as float32 [T, K]."""
     return _kernels().cpu_quant_rows(blocks, ids, fmt.type_id)
+
+
+def int8_rows(fmt: BlockFormat) -> int:
+    """Rows of x up to which the kernel quantizes x to int8 per block for integer products with fmt's
+    blocks (kernels/cpu/int8.h: 4-bit formats, where the CPU the kernels are built for (-march=native)
+    has AVX512-VNNI, AVX512-VL and F16C); 0 where it keeps x in float32."""
+    from phaseflip.cache import cpu_flags
+    flags = set(cpu_flags().split())
+    return 4 if fmt.name in ("Q4_0", "Q4_1") and {"avx512_vnni", "avx512vl", "f16c"} <= flags else 0
+
+
+def quantize_rows_int8(x: torch.Tensor) -> torch.Tensor:
+    """x [M, K] as the kernel's int8 products see it: each block of 32 values rounded to multiples of
+    max|block| / 127 (float32)."""
+    blocks = x.float().reshape(x.shape[0], -1, 32)
+    amax = blocks.abs().amax(-1, keepdim=True)
+    inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    return (torch.round(blocks * inv).clamp(-127, 127) * (amax / 127.0)).reshape(x.shape)
 
 
 def dequantize(blocks: torch.Tensor, fmt: BlockFormat) -> torch.Tensor:
