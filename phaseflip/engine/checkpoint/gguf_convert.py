@@ -16,7 +16,6 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-GGUF_MAGIC = b"GGUF"
 INSTALL_HINT = "pip install transformers gguf accelerate"
 # Keys that transformers' GGUF path adds to the config which describe the source, not the model.
 _SOURCE_ONLY_KEYS = ("quantization_config", "_name_or_path", "_model_name_or_path")
@@ -43,6 +42,7 @@ def convert_gguf(gguf_path, out_dir) -> Path:
 
 
 def _check_gguf_file(gguf_path: Path) -> None:
+    from phaseflip.engine.checkpoint.gguf_file import MAGIC   # at the call: this module imports no torch
     if not gguf_path.is_file():
         raise FileNotFoundError(f"GGUF file not found: {gguf_path}")
     try:
@@ -50,8 +50,8 @@ def _check_gguf_file(gguf_path: Path) -> None:
             magic = f.read(4)
     except OSError as e:
         raise OSError(f"cannot read GGUF file {gguf_path}: {e}") from e
-    if magic != GGUF_MAGIC:
-        raise ValueError(f"{gguf_path} is not a GGUF file (magic {magic!r}, expected {GGUF_MAGIC!r})")
+    if magic != MAGIC:
+        raise ValueError(f"{gguf_path} is not a GGUF file (magic {magic!r}, expected {MAGIC!r})")
 
 
 def _import_converter_deps():

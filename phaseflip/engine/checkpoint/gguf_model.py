@@ -21,12 +21,11 @@ from pathlib import Path
 
 import torch
 
-from phaseflip.engine.checkpoint.gguf_file import read_gguf
+from phaseflip.engine.checkpoint.gguf_file import MAGIC, read_gguf
 from phaseflip.engine.checkpoint.gguf_tensors import FLOAT_TYPES, read_tensors
 from phaseflip.engine.checkpoint.loader import CheckpointError, check_shapes
 from phaseflip.rank.model_config import ModelConfig
 
-GGUF_MAGIC = b"GGUF"
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                  "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 PERMUTED_QK = ("llama", "mistral")   # llama.cpp's converter interleaves these families' q/k rows
@@ -50,7 +49,7 @@ def is_gguf(path: str | Path) -> bool:
     if not path.is_file():
         return False
     with open(path, "rb") as f:
-        return f.read(4) == GGUF_MAGIC
+        return f.read(4) == MAGIC
 
 
 def _field(file, key: str, default=None):
