@@ -11,6 +11,7 @@ fence those two entry points).
 from __future__ import annotations
 
 import mmap
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -54,19 +55,14 @@ def weight_report(image: HostImage) -> dict:
     """What a layout's weights are stored as: bytes per storage type (a GGUF block format by its name,
     else the dtype's), each tensor's storage, and the bytes one decode token reads (every weight once,
     of an embedding that is not also the head only the one row it looks up)."""
+    names_at = Counter(slot.offset for slot in image.slots.values())   # tied tensors share a slot
+    tensors = {name: storage_name(slot.dtype, slot.shape) for name, slot in image.slots.items()}
     by_type: dict[str, int] = {}
-    tensors: dict[str, str] = {}
-    seen: set[int] = set()
     read = 0
-    for name, slot in image.slots.items():
-        kind = storage_name(slot.dtype, slot.shape)
-        tensors[name] = kind
-        if slot.offset in seen:   # a tied tensor: counted once
-            continue
-        seen.add(slot.offset)
-        by_type[kind] = by_type.get(kind, 0) + slot.num_bytes
-        tied = any(n != name and s.offset == slot.offset for n, s in image.slots.items())
-        read += slot.num_bytes // slot.shape[0] if name == "embed_tokens" and not tied else slot.num_bytes
+    for name, slot in {slot.offset: (name, slot) for name, slot in image.slots.items()}.values():
+        by_type[tensors[name]] = by_type.get(tensors[name], 0) + slot.num_bytes
+        one_row = name == "embed_tokens" and names_at[slot.offset] == 1
+        read += slot.num_bytes // slot.shape[0] if one_row else slot.num_bytes
     return {"bytes_by_storage": by_type, "storage": tensors, "bytes_read_per_token": read}
 
 

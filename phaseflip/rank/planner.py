@@ -244,10 +244,10 @@ def _pp_layout(cfg: ModelConfig, layers: tuple[int, ...]) -> LayoutSpec:
 
 def _tp_layout(cfg: ModelConfig, kv: tuple[int, ...], column_unit: int = 1) -> LayoutSpec:
     """TP: each rank its KV heads (and their query heads), an MLP share in proportion, in whole
-    column_units (o_proj's and down_proj's rows are cut there), and a vocab share."""
+    column_units (each row of o_proj and down_proj is cut there), and a vocab share."""
     if len(kv) > 1 and (cfg.head_dim % column_unit or cfg.intermediate_size % column_unit):
-        raise ValueError(f"a TP layout cuts o_proj's rows at head boundaries ({cfg.head_dim} values) and "
-                         f"down_proj's in the MLP's {cfg.intermediate_size} columns, which the weights' "
+        raise ValueError(f"a TP layout cuts each row of o_proj at head boundaries ({cfg.head_dim} values) and "
+                         f"of down_proj within the MLP's {cfg.intermediate_size} columns, which the weights' "
                          f"{column_unit}-value blocks cannot follow; serve this model with layouts=('pp',)")
     mlp = _spans([c * column_unit for c in proportional_split(cfg.intermediate_size // column_unit, kv,
                                                                 "MLP intermediate columns")])
