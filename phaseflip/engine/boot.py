@@ -21,9 +21,8 @@ import torch
 
 from phaseflip.engine.config import EngineConfig
 from phaseflip.cache import cache_dir
-from phaseflip.engine.checkpoint.gguf_model import quantized_types
+from phaseflip.engine.checkpoint.gguf_model import column_units, quantized_types
 from phaseflip.engine.checkpoint.loader import resolve_dtype
-from phaseflip.kernels.cpu.quant import FORMATS
 from phaseflip.rank.messages import RankBoot
 from phaseflip.rank.model_config import ModelConfig
 from phaseflip.rank.planner import LayoutPlan, kv_block_bytes, plan_layouts
@@ -182,7 +181,7 @@ def make_plan(cfg: EngineConfig, mc: ModelConfig, model_dir: str) -> BootPlan:
         raise ValueError(f"{model_dir}: weights stored as {', '.join(sorted(quantized))} are served by the CPU "
                          f"kernels only; allowed on {device}: a GGUF of F32 / F16 / BF16 tensors, or safetensors")
     layout_plan = plan_layouts(mc, budgets, pp_split=cfg.pp_split, tp_kv_split=cfg.tp_kv_split,
-                               column_unit=max((FORMATS[t].block_values for t in quantized), default=1))
+                               column_units=column_units(model_dir))
     budget = cfg.max_num_batched_tokens
     shapes = StepShapes(
         max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=budget,

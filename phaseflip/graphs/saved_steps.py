@@ -130,8 +130,8 @@ class SavedLayer(SavedSteps):
     """One decoder layer, called as the step calls its layer_fn (lw, cfg, shard, delta, residual, meta,
     kv, layer, cos_sin, comm), compiled and saved as SavedSteps does: its layer index compiled as a
     symbol (one graph serves every layer; a Python int would be specialised, a graph per layer), a
-    first layer (no delta yet) and the others bound apart. Bound per shape of its tensors; every layer
-    of a shard has the same weight shapes, so a bound form serves them all unguarded."""
+    first layer (no delta yet) and the others bound apart. Bound per shape of its tensors and of its
+    weights (LayerWeights.signature): a bound form serves every layer stored alike, unguarded."""
 
     dynamic_sources = "L['layer']"
 
@@ -140,7 +140,8 @@ class SavedLayer(SavedSteps):
 
     def __call__(self, lw, cfg, shard, delta, residual, meta, kv, layer, cos_sin, comm):
         args = (lw, cfg, shard, delta, residual, meta, kv, layer, cos_sin, comm)
-        signature = (delta is None, _signature({"residual": residual, "cos_sin": cos_sin, **meta}))
+        weights = getattr(lw, "signature", None) or _signature({"lw": lw})   # LayerWeights, or one tensor
+        signature = (delta is None, weights, _signature({"residual": residual, "cos_sin": cos_sin, **meta}))
         run = self._bound.get(signature) or self._bind(signature, args)
         return run(*args)
 

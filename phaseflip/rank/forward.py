@@ -19,7 +19,7 @@ from phaseflip.kernels.cpu import fused_layer
 from phaseflip.kernels.dispatch import add_rms_norm, apply_rotary, embedding, linear, rms_norm, silu_and_mul
 from phaseflip.rank.kvcache import KVView
 from phaseflip.rank.model_config import ModelConfig
-from phaseflip.rank.weights import LayerWeights, RankWeights
+from phaseflip.rank.weights import LayerWeights, RankWeights, Split
 from phaseflip.rank.shard import RankShard
 
 
@@ -38,11 +38,19 @@ def embed(w: RankWeights, shard: RankShard, input_ids: torch.Tensor, comm: Comm)
     return comm.all_reduce(x)
 
 
+def project(x: torch.Tensor, w: torch.Tensor | Split, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ w^T (+ bias) for a fused projection: one product, or a Split's parts' side by side."""
+    if not isinstance(w, Split):
+        return linear(x, w, bias)
+    y = torch.cat([linear(x, p) for p in w.parts], dim=-1)
+    return y if bias is None else y + bias
+
+
 def attention_block(lw: LayerWeights, cfg: ModelConfig, shard: RankShard, h: torch.Tensor,
                     meta: dict[str, torch.Tensor], kv: KVView, layer: int,
                     cos_sin: torch.Tensor, comm: Comm) -> torch.Tensor:
     d, hq, hkv = cfg.head_dim, shard.q_heads(cfg).count, shard.kv_heads.count
-    qkv = linear(h, lw.qkv_proj, lw.qkv_bias)                   # [T, (hq + 2 hkv) * D]
+    qkv = project(h, lw.qkv_proj, lw.qkv_bias)                  # [T, (hq + 2 hkv) * D]
     qk, v = qkv.split([(hq + hkv) * d, hkv * d], dim=-1)
     v = v.reshape(-1, hkv, d)
     if cfg.qk_norm:
@@ -56,7 +64,7 @@ def attention_block(lw: LayerWeights, cfg: ModelConfig, shard: RankShard, h: tor
 
 
 def mlp_block(lw: LayerWeights, h: torch.Tensor, comm: Comm) -> torch.Tensor:
-    return comm.all_reduce(linear(silu_and_mul(linear(h, lw.gate_up_proj)), lw.down_proj))
+    return comm.all_reduce(linear(silu_and_mul(project(h, lw.gate_up_proj)), lw.down_proj))
 
 
 def decoder_layer(lw: LayerWeights, cfg: ModelConfig, shard: RankShard, delta: torch.Tensor | None,

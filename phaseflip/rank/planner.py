@@ -113,9 +113,11 @@ def proportional_split(total: int, weights: Sequence[numbers.Real], what: str) -
 
 
 def plan_layouts(cfg: ModelConfig, budgets: Sequence[float], *, pp_split: Sequence[int] | None = None,
-                 tp_kv_split: Sequence[int] | None = None, column_unit: int = 1) -> LayoutPlan:
+                 tp_kv_split: Sequence[int] | None = None,
+                 column_units: tuple[int, int] = (1, 1)) -> LayoutPlan:
     """Both layouts of len(budgets) ranks; explicit splits override the budget-derived ones.
-    column_unit: the values a TP split of a row must keep together (a GGUF block: 32; 1 for floats)."""
+    column_units: the values a TP split of a row of o_proj and of down_proj must keep together (their GGUF
+    blocks: 32 or 256; 1 for floats)."""
     weights = _check_budgets(budgets)
     n = len(weights)
     _check_fits(cfg, n)
@@ -133,7 +135,7 @@ def plan_layouts(cfg: ModelConfig, budgets: Sequence[float], *, pp_split: Sequen
     if mismatch:
         notes.append(f"layer fraction != kv-head fraction on {'; '.join(mismatch)}: the usable KV block "
                      f"count will be the minimum over ranks and views (see usable_blocks)")
-    return LayoutPlan(pp=_pp_layout(cfg, layers), tp=_tp_layout(cfg, kv, column_unit), kv_heads=kv, layers=layers,
+    return LayoutPlan(pp=_pp_layout(cfg, layers), tp=_tp_layout(cfg, kv, column_units), kv_heads=kv, layers=layers,
                       balanced=not mismatch, notes=tuple(notes))
 
 
@@ -242,15 +244,19 @@ def _pp_layout(cfg: ModelConfig, layers: tuple[int, ...]) -> LayoutSpec:
     return LayoutSpec("pp", shards)
 
 
-def _tp_layout(cfg: ModelConfig, kv: tuple[int, ...], column_unit: int = 1) -> LayoutSpec:
+def _tp_layout(cfg: ModelConfig, kv: tuple[int, ...], column_units: tuple[int, int] = (1, 1)) -> LayoutSpec:
     """TP: each rank its KV heads (and their query heads), an MLP share in proportion, in whole
-    column_units (each row of o_proj and down_proj is cut there), and a vocab share."""
-    if len(kv) > 1 and (cfg.head_dim % column_unit or cfg.intermediate_size % column_unit):
-        raise ValueError(f"a TP layout cuts each row of o_proj at head boundaries ({cfg.head_dim} values) and "
-                         f"of down_proj within the MLP's {cfg.intermediate_size} columns, which the weights' "
-                         f"{column_unit}-value blocks cannot follow; serve this model with layouts=('pp',)")
-    mlp = _spans([c * column_unit for c in proportional_split(cfg.intermediate_size // column_unit, kv,
-                                                                "MLP intermediate columns")])
+    column units (o_proj's and down_proj's: each of their rows is cut there), and a vocab share."""
+    attention_unit, mlp_unit = column_units if len(kv) > 1 else (1, 1)   # one rank cuts nothing
+    if cfg.head_dim % attention_unit:
+        raise ValueError(f"a TP layout cuts each row of o_proj at head boundaries ({cfg.head_dim} values), which "
+                         f"its {attention_unit}-value blocks cannot follow; serve this model with layouts=('pp',)")
+    if cfg.intermediate_size % mlp_unit:
+        raise ValueError(f"a TP layout cuts each row of down_proj within the MLP's {cfg.intermediate_size} "
+                         f"columns, which its {mlp_unit}-value blocks cannot follow; serve this model with "
+                         "layouts=('pp',)")
+    mlp = _spans([c * mlp_unit for c in proportional_split(cfg.intermediate_size // mlp_unit, kv,
+                                                             "MLP intermediate columns")])
     vocab = _spans(proportional_split(cfg.vocab_size, kv, "vocab rows"))
     shards = tuple(RankShard(layers=Span(0, cfg.num_layers), kv_heads=h, mlp=m, vocab=v,
                              has_embed=True, has_head=True, tp_size=len(kv))

@@ -32,7 +32,7 @@ from phaseflip.rank.messages import Phase, PromptLogprobs, SampledToken, StepBat
 from phaseflip.rank.micro_batches import piece_sizes, split_step
 from phaseflip.rank.prompt_logprobs import prompt_logprobs
 from phaseflip.rank.sampler import Sampler
-from phaseflip.rank.weights import RankWeights
+from phaseflip.rank.weights import RankWeights, Split
 from phaseflip.rank.shard import RankShard
 from phaseflip.rank.step_inputs import bucket_rows, decode_rows, phase_buckets, prepare_inputs
 from phaseflip.rank.step_sampling import cat_outputs, sampling_variants, variant_for
@@ -114,7 +114,7 @@ class LayoutRunner:
         """Each layer's float projection weights, in the order a step multiplies them (none where the
         layers are quantized: their products take the quantized kernels, no measured forms)."""
         layers = [(lw.qkv_proj, lw.o_proj, lw.gate_up_proj, lw.down_proj) for lw in self.weights.layers]
-        return [ws for ws in layers if not any(quant.weight_format(w) for w in ws)]
+        return [ws for ws in layers if not any(_quantized(w) for w in ws)]
 
     def projections(self):
         """(weight, bias, most rows it multiplies) of every float projection this layout runs: the step's
@@ -125,7 +125,7 @@ class LayoutRunner:
                  ((lw.qkv_proj, lw.qkv_bias), (lw.o_proj, None), (lw.gate_up_proj, None), (lw.down_proj, None))]
         if self.shard.has_head:
             found.append((self.weights.lm_head, None, self.shapes.max_num_seqs))
-        return [p for p in found if quant.weight_format(p[0]) is None]
+        return [p for p in found if not _quantized(p[0])]
 
     def capture_all(self, pool=None, stream=None) -> None:
         """Record one step per bucket of both phases (boot only): CUDA graphs when a pool is given."""
@@ -268,3 +268,8 @@ class LayoutRunner:
         if pieces is None:
             return None
         return torch.cat([p[:, :w] for p, w in zip(pieces, widths)], dim=1)   # [N, V]
+
+
+def _quantized(weight) -> bool:
+    """A weight in a GGUF block format, or a Split of such parts."""
+    return isinstance(weight, Split) or quant.weight_format(weight) is not None

@@ -4,10 +4,11 @@ Owns: RankWeights / LayerWeights and `shard_weights`, which describes this rank'
 (qkv_proj = [q; k; v] rows of its heads, gate_up_proj = [gate; up] rows of its MLP share) as views of
 the HF-named checkpoint tensors and `Stacked` row blocks: nothing is copied here; packing (arena.py)
 copies each source once, straight into its place. A weight in a GGUF block format is shared on whole
-blocks. Module names follow the checkpoint so loading is a mapping, not a search.
+blocks; a fused projection whose parts the file stores in different formats stays a `Split`. Module names follow the checkpoint so loading is a mapping, not a search.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, fields
 
 import torch
@@ -38,6 +39,29 @@ class Stacked:
             row += p.shape[0]
 
 
+@dataclass(frozen=True)
+class Split:
+    """A fused projection whose row blocks a GGUF file stores in different formats (a Q4_K_M keeps q and
+    k in one and v in another): each part stays a weight of its own (an arena slot `<name>.<j>`),
+    multiplied on its own, the outputs side by side (forward.project)."""
+    parts: tuple[torch.Tensor, ...]
+
+    def __post_init__(self):
+        if len({(p.dtype, tuple(p.shape[1:])) for p in self.parts}) < 2:
+            raise ValueError("parts of one storage stack into one weight (Stacked), not a Split")
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """uint8 (a part is in a block format): what the float-only paths test a weight for."""
+        return torch.uint8
+
+
+def stack(parts: tuple[torch.Tensor, ...]) -> Stacked | Split:
+    """Row blocks of one fused projection: one weight where they share a storage, else a Split."""
+    same = len({(p.dtype, tuple(p.shape[1:])) for p in parts}) == 1
+    return Stacked(parts) if same else Split(parts)
+
+
 @dataclass
 class LayerWeights:
     input_layernorm: torch.Tensor            # [H]
@@ -50,8 +74,22 @@ class LayerWeights:
     gate_up_proj: torch.Tensor               # [2 * I, H]
     down_proj: torch.Tensor                  # [H, I]
 
+    @functools.cached_property
+    def signature(self) -> tuple:
+        """Each weight's name, shape and dtype: what a compiled layer is specialised on (the layers of a
+        GGUF file may store their projections in different formats)."""
+        return tuple((name, tuple(t.shape), t.dtype) for name, t in self.tensors().items())
+
     def tensors(self) -> dict[str, torch.Tensor]:
-        return {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) is not None}
+        """Each weight by name; a Split's parts as `<name>.<j>`."""
+        out = {}
+        for f in fields(self):
+            t = getattr(self, f.name)
+            if isinstance(t, Split):
+                out.update({f"{f.name}.{j}": p for j, p in enumerate(t.parts)})
+            elif t is not None:
+                out[f.name] = t
+        return out
 
 
 @dataclass
@@ -78,7 +116,11 @@ class RankWeights:
 def replace_tensors(w: RankWeights, new: dict[str, torch.Tensor]) -> RankWeights:
     """The same structure with every tensor replaced by new[name] (names as in RankWeights.tensors())."""
     def layer(i: int, lw: LayerWeights) -> LayerWeights:
-        return LayerWeights(**{f.name: new.get(f"layers.{i}.{f.name}") for f in fields(LayerWeights)})
+        def one(name: str, old):
+            if isinstance(old, Split):
+                return Split(tuple(new[f"layers.{i}.{name}.{j}"] for j in range(len(old.parts))))
+            return new.get(f"layers.{i}.{name}")
+        return LayerWeights(**{f.name: one(f.name, getattr(lw, f.name)) for f in fields(LayerWeights)})
     return RankWeights(embed_tokens=new.get("embed_tokens"), norm=new.get("norm"), lm_head=new.get("lm_head"),
                        layers=[layer(i, lw) for i, lw in enumerate(w.layers)])
 
@@ -107,9 +149,9 @@ def _layer(hf: dict, cfg: ModelConfig, shard: RankShard, i: int) -> LayerWeights
     kv_rows = (kv.start * d, kv.count * d)
 
     def qkv(kind: str) -> Stacked:
-        return Stacked((_rows(hf[f"{p}self_attn.q_proj.{kind}"], *q_rows),
-                        _rows(hf[f"{p}self_attn.k_proj.{kind}"], *kv_rows),
-                        _rows(hf[f"{p}self_attn.v_proj.{kind}"], *kv_rows)))
+        return stack((_rows(hf[f"{p}self_attn.q_proj.{kind}"], *q_rows),
+                      _rows(hf[f"{p}self_attn.k_proj.{kind}"], *kv_rows),
+                      _rows(hf[f"{p}self_attn.v_proj.{kind}"], *kv_rows)))
 
     return LayerWeights(
         input_layernorm=hf[p + "input_layernorm.weight"],
@@ -119,8 +161,8 @@ def _layer(hf: dict, cfg: ModelConfig, shard: RankShard, i: int) -> LayerWeights
         k_norm=hf[p + "self_attn.k_norm.weight"] if cfg.qk_norm else None,
         o_proj=_cols(hf[p + "self_attn.o_proj.weight"], *q_rows),
         post_attention_layernorm=hf[p + "post_attention_layernorm.weight"],
-        gate_up_proj=Stacked((_rows(hf[p + "mlp.gate_proj.weight"], mlp.start, mlp.count),
-                              _rows(hf[p + "mlp.up_proj.weight"], mlp.start, mlp.count))),
+        gate_up_proj=stack((_rows(hf[p + "mlp.gate_proj.weight"], mlp.start, mlp.count),
+                            _rows(hf[p + "mlp.up_proj.weight"], mlp.start, mlp.count))),
         down_proj=_cols(hf[p + "mlp.down_proj.weight"], mlp.start, mlp.count),
     )
 

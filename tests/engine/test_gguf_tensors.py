@@ -53,9 +53,9 @@ def test_floats_and_blocks_read_as_written(tmp_path):
 
 def test_a_type_not_served_is_named_before_any_data_is_read(tmp_path):
     _write(tmp_path / "t.gguf", {"fine": (np.ones((2, 32), np.float32), T.Q8_0),
-                                 "blk.3.ffn_up.weight": (np.ones((2, 32), np.float32), T.Q5_0)})
-    named = (r"tensor 'blk.3.ffn_up.weight' is stored as Q5_0, which is neither loaded \(F32, F16, BF16\) "
-             r"nor served in its blocks \(Q4_0, Q4_1, Q8_0\)")
+                                 "blk.3.ffn_up.weight": (np.ones((2, 256), np.float32), T.TQ1_0)})
+    named = (r"tensor 'blk.3.ffn_up.weight' is stored as TQ1_0, which is neither loaded \(F32, F16, BF16\) "
+             r"nor served in its blocks \(Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q6_K\)")
     with pytest.raises(CheckpointError, match=named):
         read_tensors(tmp_path / "t.gguf")
 

@@ -100,3 +100,13 @@ def test_one_layer_graph_serves_every_layer_index_saved_and_loaded(tmp_path):
         torch.testing.assert_close(_layers(second, lws, kv, rows, seed), _layers(toy_layer, lws, kv, rows, seed))
     assert second.report["compiled"] == [] and len(second.report["loaded"]) == 2
     assert counters["stats"]["unique_graphs"] == 0
+
+
+def test_layers_whose_weights_differ_in_shape_are_bound_apart(tmp_path):
+    """A GGUF file may store one layer's weight in another format (another shape) than the next: each
+    kind of layer gets its own bound graph, never one specialised on another's weights."""
+    lws = [torch.randn(8, 8), torch.randn(8, 8).t(), torch.randn(8, 12)[:, :8], torch.randn(8, 8)]
+    kv = torch.randn(4, 8)
+    saved = SavedLayer(toy_layer, tmp_path)
+    torch.testing.assert_close(_layers(saved, lws, kv, 4, 0), _layers(toy_layer, lws, kv, 4, 0))
+    assert len(saved._bound) == 4   # the first layer, then each of three storages once

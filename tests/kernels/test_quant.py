@@ -17,12 +17,26 @@ def op(cpu_kernels):
     return cpu_kernels.quant_linear_op()
 
 
+# where each format keeps its fp16 scales (gguf's Python quantizer writes no K-format block: theirs are
+# random bytes with these set to finite scales)
+SCALES_AT = {"Q4_K": (0, 2), "Q6_K": (208,)}
+
+
 def _blocks(fmt: quant.BlockFormat, n: int, k: int, seed: int):
-    """Random weights [n, k] quantized by gguf itself: (the blocks as a uint8 tensor, gguf's decoding)."""
+    """Random weights [n, k] as fmt's blocks (quantized by gguf itself where its quantizer writes fmt,
+    else random bytes with finite scales): (the blocks as a uint8 tensor, gguf's decoding)."""
     rng = np.random.default_rng(seed)
-    w = (rng.standard_normal((n, k)) * rng.uniform(0.01, 2.0, (n, 1))).astype(np.float32)
-    raw = quants.quantize(w, gguf.GGMLQuantizationType[fmt.name])
-    decoded = quants.dequantize(raw, gguf.GGMLQuantizationType[fmt.name])
+    kind = gguf.GGMLQuantizationType[fmt.name]
+    if fmt.name in SCALES_AT:
+        raw = rng.integers(0, 256, (n, k // fmt.block_values, fmt.block_bytes), dtype=np.uint8)
+        for at in SCALES_AT[fmt.name]:
+            scales = rng.uniform(0.001, 0.05, (n, k // fmt.block_values)).astype(np.float16)
+            raw[:, :, at:at + 2] = scales.view(np.uint8).reshape(n, -1, 2)
+        raw = raw.reshape(n, -1)
+    else:
+        w = (rng.standard_normal((n, k)) * rng.uniform(0.01, 2.0, (n, 1))).astype(np.float32)
+        raw = quants.quantize(w, kind)
+    decoded = quants.dequantize(raw, kind)
     return torch.from_numpy(np.ascontiguousarray(raw)), torch.from_numpy(np.ascontiguousarray(decoded))
 
 
@@ -31,9 +45,9 @@ def _blocks(fmt: quant.BlockFormat, n: int, k: int, seed: int):
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 17, 64, 300])
 def test_matches_gguf_dequantize_then_f_linear(op, name, dtype, rows):
     fmt = quant.block_format(name)
-    blocks, w = _blocks(fmt, 96, 576, seed=rows)
-    assert blocks.shape == (96, fmt.row_bytes(576)) and blocks.dtype == torch.uint8
-    x = torch.randn(rows, 576, generator=torch.Generator().manual_seed(rows)).to(dtype)
+    blocks, w = _blocks(fmt, 96, 768, seed=rows)
+    assert blocks.shape == (96, fmt.row_bytes(768)) and blocks.dtype == torch.uint8
+    x = torch.randn(rows, 768, generator=torch.Generator().manual_seed(rows)).to(dtype)
     got = quant.quant_linear(x, blocks, fmt)
     # up to int8_rows rows of a 4-bit format the kernel multiplies x rounded to int8 per block
     seen = quant.quantize_rows_int8(x) if rows <= quant.int8_rows(fmt) else x.float()
@@ -54,14 +68,17 @@ def test_a_strided_x_and_no_rows(op):
 def test_bad_geometry_is_refused_by_name(op):
     fmt = quant.block_format("Q8_0")
     blocks, _ = _blocks(fmt, 8, 64, seed=2)
-    with pytest.raises(RuntimeError, match="bytes of blocks a row"):
+    with pytest.raises(RuntimeError, match="takes 102 bytes of blocks a row, got 68"):
         quant.quant_linear(torch.randn(2, 96), blocks, fmt)
+    k_blocks, _ = _blocks(quant.block_format("Q4_K"), 8, 256, seed=2)
+    with pytest.raises(RuntimeError, match="x's K = 96 is not a whole number of 256-value blocks"):
+        op(torch.randn(2, 96), k_blocks, quant.block_format("Q4_K").type_id)
     with pytest.raises(RuntimeError, match="block format 99 is not served"):
         op(torch.randn(2, 64), blocks, 99)
 
 
 def test_a_format_not_served_is_named():
-    with pytest.raises(ValueError, match=r"'IQ2_XS' is not served \(served: Q4_0, Q4_1, Q8_0\)"):
+    with pytest.raises(ValueError, match=r"'IQ2_XS' is not served \(served: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q6_K\)"):
         quant.block_format("IQ2_XS")
     with pytest.raises(ValueError, match="not a whole number of 32-value blocks"):
         quant.block_format("Q8_0").row_bytes(100)
@@ -72,10 +89,10 @@ def test_rows_by_index_are_gguf_s_decoding(op, name):
     """A quantized embedding's lookup: the rows asked for (repeats too), as gguf decodes them; an id
     outside the rows is refused by value."""
     fmt = quant.block_format(name)
-    blocks, w = _blocks(fmt, 50, 128, seed=3)
+    blocks, w = _blocks(fmt, 50, 512, seed=3)
     ids = torch.tensor([0, 49, 7, 7, 23])
     got = quant.quant_rows(blocks, ids, fmt)
-    assert got.dtype == torch.float32 and got.shape == (5, 128)
+    assert got.dtype == torch.float32 and got.shape == (5, 512)
     torch.testing.assert_close(got, w[ids], rtol=1e-6, atol=1e-6)
     with pytest.raises(RuntimeError, match="id 50 is outside the 50 rows"):
         quant.quant_rows(blocks, torch.tensor([1, 50]), fmt)

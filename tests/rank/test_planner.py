@@ -101,6 +101,23 @@ def test_one_rank_holds_everything_and_both_layouts_are_the_same():
     assert plan.pp.output_rank == 0
 
 
+def test_block_formats_keep_each_cut_row_of_o_proj_and_down_proj_in_whole_blocks():
+    """GGUF blocks: o_proj rows are cut at head boundaries, down_proj rows within the MLP, each on its own
+    format's blocks (SmolLM2's Q4_K_M: Q5_0's 32 and Q4_K's 256); a block a cut cannot follow is refused
+    by projection, naming the layout that can serve it."""
+    plan = plan_layouts(SMOL, [1.0, 1.0], column_units=(32, 256))
+    assert spans(plan.tp.shards, "mlp") == [(0, 1024), (1024, 512)]   # 4 and 2 blocks of 256
+    assert spans(plan_layouts(SMOL, [1.0, 1.0, 1.0], column_units=(32, 256)).tp.shards, "mlp") == [
+        (0, 512), (512, 512), (1024, 512)]
+    assert spans(plan_layouts(SMOL, [2.0, 1.0], column_units=(1, 512)).tp.shards, "mlp") == [(0, 1024), (1024, 512)]
+    with pytest.raises(ValueError, match=r"o_proj at head boundaries \(64 values\), which its 256-value blocks "
+                                         r"cannot follow; serve this model with layouts=\('pp',\)"):
+        plan_layouts(SMOL, [1.0, 1.0], column_units=(256, 256))
+    with pytest.raises(ValueError, match="down_proj within the MLP's 1536 columns, which its 1024-value blocks"):
+        plan_layouts(SMOL, [1.0, 1.0], column_units=(32, 1024))
+    assert plan_layouts(SMOL, [1.0], column_units=(256, 1024)).tp.shards == (RankShard.full(SMOL),)
+
+
 def test_fewer_kv_heads_than_ranks_is_refused():
     with pytest.raises(ValueError, match="3 KV heads cannot be split over 4 tensor-parallel ranks; "
                                          "use world_size <= 3 for now"):

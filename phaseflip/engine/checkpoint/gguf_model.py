@@ -3,8 +3,9 @@ ones kept in their blocks, and where its tokenizer is.
 
 Owns: `is_gguf` (a path names a GGUF file), `load_gguf_config` (ModelConfig from the `<arch>.*` keys of
 llama, mistral, qwen2 and qwen3 files), `load_gguf_weights` (HF-named tensors: F32 / F16 / BF16 cast to
-the compute dtype; Q8_0 / Q4_0 / Q4_1 as uint8 [rows, blocks, block bytes], the layout the quantized
-products read, kernels/cpu/quant.py) and `gguf_tokenizer_dir`. llama.cpp's converter interleaves the
+the compute dtype; the block formats of kernels/cpu/quant.py as uint8 [rows, blocks, block bytes], the
+layout the quantized products read), `quantized_types`, `column_units` (the blocks a TP split of o_proj
+and down_proj must keep whole) and `gguf_tokenizer_dir`. llama.cpp's converter interleaves the
 rows of a llama's q and k projections for its rotary; they are put back in HF's order here, whole rows
 of blocks at a time (a permutation of rows never touches a block). What the engine cannot serve as the
 file has it (another architecture, rope scaling, a tensor type without a kernel) is a CheckpointError
@@ -24,6 +25,7 @@ import torch
 from phaseflip.engine.checkpoint.gguf_file import MAGIC, read_gguf
 from phaseflip.engine.checkpoint.gguf_tensors import FLOAT_TYPES, read_tensors
 from phaseflip.engine.checkpoint.loader import CheckpointError, check_shapes
+from phaseflip.kernels.cpu.quant import FORMATS
 from phaseflip.rank.model_config import ModelConfig
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
@@ -114,6 +116,22 @@ def quantized_types(path: str | Path) -> set[str]:
     kinds = {GGMLQuantizationType(info.type_id).name for name, info in read_gguf(path).tensors.items()
              if hf_name(name) is not None}
     return kinds - set(FLOAT_TYPES)
+
+
+def column_units(path: str | Path) -> tuple[int, int]:
+    """The values a TP split must keep together in each row of o_proj and of down_proj (the projections
+    it cuts along their rows): the largest block of the formats they are stored in, 1 for floats."""
+    if not is_gguf(path):
+        return 1, 1
+    from gguf import GGMLQuantizationType   # at the call: no import-time work
+    roles = ("self_attn.o_proj.weight", "mlp.down_proj.weight")
+    units = dict.fromkeys(roles, 1)
+    for name, info in read_gguf(path).tensors.items():
+        kind = GGMLQuantizationType(info.type_id).name
+        for role in roles:
+            if (hf_name(name) or "").endswith(role) and kind in FORMATS:
+                units[role] = max(units[role], FORMATS[kind].block_values)
+    return units[roles[0]], units[roles[1]]
 
 
 def load_gguf_weights(path: str | Path, cfg: ModelConfig, dtype: torch.dtype) -> dict[str, torch.Tensor]:

@@ -51,7 +51,8 @@ log = logging.getLogger(__name__)
 SOURCES = tuple(Path(__file__).with_name(name)
                 for name in ("gemv.cpp", "decode.cpp", "prefill.cpp", "layer.cpp", "quant.cpp"))
 HEADERS = tuple(Path(__file__).with_name(name)   # included by the sources (part of the build's key)
-                for name in ("simd.h", "dtype.h", "parallel.h", "dot.h", "tile.h", "paged.h", "wide.h", "int8.h"))
+                for name in ("simd.h", "dtype.h", "parallel.h", "dot.h", "tile.h", "paged.h", "wide.h", "int8.h",
+                                  "blocks.h"))
 KEEP_BUILDS = 8   # the most recently used builds kept in the cache (each source edit makes a new one)
 MAX_ROWS = 256    # the kernel's rows a pass (gemv.cpp's MAX_ROWS): more take equal passes
 # the row counts the load-time check multiplies: every one to 64 (each one-pass form, each panel width,

@@ -1,7 +1,5 @@
 // Products x @ W^T with W in a GGUF block format, as the file holds it: each weight row a run of
-// blocks of 32 values, each block scales and small integers. Q8_0: fp16 d, 32 int8 q, w = d * q.
-// Q4_0: fp16 d, 16 bytes of 4-bit q (value j in byte j's low half, value j + 16 in its high half),
-// w = d * (q - 8). Q4_1: fp16 d, fp16 m, the same 16 bytes, w = d * q + m.
+// blocks, each block scales and small integers (the formats: blocks.h).
 // x [M, K] float32 or bfloat16 (the output is x's dtype), float32 sums. The weight is read once a
 // product, at its quantized size: what a decode step's time is (it reads every weight). Up to
 // FUSED_ROWS rows of x, each block is decoded in registers and multiplied with every row as it is
@@ -18,7 +16,9 @@
 #include <torch/library.h>
 #include <algorithm>
 #include <cstring>
+#include <utility>
 #include <vector>
+#include "blocks.h"
 #include "dot.h"
 #include "dtype.h"
 #include "int8.h"
@@ -32,125 +32,23 @@ namespace {
 constexpr int64_t FUSED_ROWS = 8;   // rows of x up to which each block is decoded in registers for all
 constexpr int64_t INT8_ROWS = 4;    // rows of x up to which 4-bit blocks take int8 products (int8.h)
 constexpr int64_t PASS_ROWS = 256;  // more rows: x packed into panels, at most this many rows a pass
-constexpr int QK = 32;              // values a block
-
-inline float half_at(const uint8_t* p) {
-  c10::Half h;
-  std::memcpy(&h, p, 2);
-  return static_cast<float>(h);
-}
-
+using blocks::QK;
 #ifdef PF_LANES
-constexpr int H = QK / pf::LANES;   // vectors a block
-
-// LANES bytes from p as float32: signed (int8) or not (4-bit pairs, split below)
-#if PF_LANES == 16
-using vi = __m512i;
-inline __m128i load16(const uint8_t* p) { return _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)); }
-inline vi bytes_i8(const uint8_t* p) { return _mm512_cvtepi8_epi32(load16(p)); }
-inline vi bytes_u8(const uint8_t* p) { return _mm512_cvtepu8_epi32(load16(p)); }
-inline vi low4(vi v) { return _mm512_and_si512(v, _mm512_set1_epi32(0xF)); }
-inline vi high4(vi v) { return _mm512_srli_epi32(v, 4); }
-inline pf::vf to_float(vi v) { return _mm512_cvtepi32_ps(v); }
-#else
-using vi = __m256i;
-inline __m128i load8(const uint8_t* p) { return _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)); }
-inline vi bytes_i8(const uint8_t* p) { return _mm256_cvtepi8_epi32(load8(p)); }
-inline vi bytes_u8(const uint8_t* p) { return _mm256_cvtepu8_epi32(load8(p)); }
-inline vi low4(vi v) { return _mm256_and_si256(v, _mm256_set1_epi32(0xF)); }
-inline vi high4(vi v) { return _mm256_srli_epi32(v, 4); }
-inline pf::vf to_float(vi v) { return _mm256_cvtepi32_ps(v); }
+using blocks::H;
 #endif
-
-// the 4-bit values of a block's 16 bytes q as float32 vectors in value order: the low halves of the
-// bytes are values 0-15, the high halves 16-31
-inline void nibbles(const uint8_t* q, pf::vf* v) {
-#pragma GCC unroll 4
-  for (int h = 0; h < H / 2; ++h) {
-    const vi b = bytes_u8(q + h * pf::LANES);
-    v[h] = to_float(low4(b));
-    v[h + H / 2] = to_float(high4(b));
-  }
-}
-#endif
-
-// Each format: its GGML type id, the bytes of a block, and a block decoded as 32 float32 values,
-// into vectors (`vectors`, where simd.h has them) or into memory (`values`)
-struct Q8_0 {
-  static constexpr int64_t id = 8, bytes = 34, nibbles_at = 0;   // no nibbles: int8.h does not serve it
-#ifdef PF_LANES
-  static void vectors(const uint8_t* b, pf::vf* v) {
-    const pf::vf d = pf::set1(half_at(b));
-#pragma GCC unroll 4
-    for (int h = 0; h < H; ++h) v[h] = pf::mul(d, to_float(bytes_i8(b + 2 + h * pf::LANES)));
-  }
-#endif
-  static void values(const uint8_t* b, float* out) {
-    const float d = half_at(b);
-    for (int i = 0; i < QK; ++i) out[i] = d * static_cast<int8_t>(b[2 + i]);
-  }
-};
-
-struct Q4_0 {
-  static constexpr int64_t id = 2, bytes = 18, nibbles_at = 2;
-  static float offset(const uint8_t*, float d) { return -8.f * d; }   // w = d * q - 8 * d
-#ifdef PF_LANES
-  static void vectors(const uint8_t* b, pf::vf* v) {
-    const pf::vf d = pf::set1(half_at(b)), eight = pf::set1(8.f);
-    nibbles(b + 2, v);
-#pragma GCC unroll 4
-    for (int h = 0; h < H; ++h) v[h] = pf::mul(d, pf::sub(v[h], eight));
-  }
-#endif
-  static void values(const uint8_t* b, float* out) {
-    const float d = half_at(b);
-    for (int j = 0; j < QK / 2; ++j) {
-      out[j] = d * ((b[2 + j] & 0xF) - 8);
-      out[j + QK / 2] = d * ((b[2 + j] >> 4) - 8);
-    }
-  }
-};
-
-struct Q4_1 {
-  static constexpr int64_t id = 3, bytes = 20, nibbles_at = 4;
-  static float offset(const uint8_t* b, float) { return half_at(b + 2); }   // w = d * q + m
-#ifdef PF_LANES
-  static void vectors(const uint8_t* b, pf::vf* v) {
-    const pf::vf d = pf::set1(half_at(b)), m = pf::set1(half_at(b + 2));
-    nibbles(b + 4, v);
-#pragma GCC unroll 4
-    for (int h = 0; h < H; ++h) v[h] = pf::fma(d, v[h], m);
-  }
-#endif
-  static void values(const uint8_t* b, float* out) {
-    const float d = half_at(b), m = half_at(b + 2);
-    for (int j = 0; j < QK / 2; ++j) {
-      out[j] = d * (b[4 + j] & 0xF) + m;
-      out[j + QK / 2] = d * (b[4 + j] >> 4) + m;
-    }
-  }
-};
-
-// fn(B()) for the format with GGML type id `type`; another id an error naming the served ones
-template <typename Fn>
-decltype(auto) with_format(int64_t type, Fn&& fn) {
-  if (type == Q8_0::id) return fn(Q8_0());
-  if (type == Q4_0::id) return fn(Q4_0());
-  TORCH_CHECK(type == Q4_1::id, "quant: block format ", type,
-              " is not served (served: Q4_0 = 2, Q4_1 = 3, Q8_0 = 8)");
-  return fn(Q4_1());
-}
 
 // a weight row of K values decoded into out
 template <typename B>
 void decode_row(const uint8_t* row, int64_t K, float* out) {
-  for (int64_t b = 0; b < K / QK; ++b) {
+  for (int64_t b = 0; b < K / B::values_per; ++b) {
 #ifdef PF_LANES
-    pf::vf v[H];
-    B::vectors(row + b * B::bytes, v);
-    for (int h = 0; h < H; ++h) pf::store(out + b * QK + h * pf::LANES, v[h]);
+    for (int s = 0; s < B::values_per / QK; ++s) {
+      pf::vf v[H];
+      B::vectors(row + b * B::bytes, s, v);
+      for (int h = 0; h < H; ++h) pf::store(out + b * B::values_per + s * QK + h * pf::LANES, v[h]);
+    }
 #else
-    B::values(row + b * B::bytes, out + b * QK);
+    B::values(row + b * B::bytes, out + b * B::values_per);
 #endif
   }
 }
@@ -163,12 +61,13 @@ void fused_dot(const uint8_t* row, int64_t K, const float* x, float* out) {
   pf::vf acc[M][2];
 #pragma GCC unroll 8
   for (int m = 0; m < M; ++m) acc[m][0] = acc[m][1] = pf::zero();
-  for (int64_t b = 0; b < K / QK; ++b) {
+  for (int64_t i = 0; i < K / QK; ++i) {   // i: the row's i-th run of 32 values
     pf::vf w[H];
-    B::vectors(row + b * B::bytes, w);
+    constexpr int64_t subs = B::values_per / QK;
+    B::vectors(row + i / subs * B::bytes, static_cast<int>(i % subs), w);
 #pragma GCC unroll 4
     for (int h = 0; h < H; ++h) {
-      const float* xb = x + b * QK + h * pf::LANES;
+      const float* xb = x + i * QK + h * pf::LANES;
 #pragma GCC unroll 8
       for (int m = 0; m < M; ++m) acc[m][h & 1] = pf::fma(w[h], pf::load(xb + m * K), acc[m][h & 1]);
     }
@@ -305,18 +204,25 @@ void run(const at::Tensor& x, const at::Tensor& w, at::Tensor& y) {
   par::ranges(N, grain, [&](int64_t n0, int64_t n1) { rows<B, X>(wp, ldw, xf, M, K, yp, N, n0, n1); });
 }
 
+// the values and bytes of a block of the format with GGML type id `type`
+std::pair<int64_t, int64_t> geometry(int64_t type) {
+  return blocks::with_format(type, [](auto b) { return std::pair(decltype(b)::values_per, decltype(b)::bytes); });
+}
+
 at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& w, int64_t type) {
-  const int64_t block_bytes = with_format(type, [](auto b) { return decltype(b)::bytes; });
+  const auto [per, block_bytes] = geometry(type);
   TORCH_CHECK(x.dim() == 2 && w.dim() == 2, "quant_linear: x [M, K] and blocks [N, bytes] expected, got ",
               x.sizes(), " and ", w.sizes());
   TORCH_CHECK(w.scalar_type() == at::kByte, "quant_linear: blocks of uint8 expected, got ", w.scalar_type());
-  TORCH_CHECK(x.size(1) % QK == 0 && w.size(1) == x.size(1) / QK * block_bytes, "quant_linear: x's K = ",
-              x.size(1), " takes ", x.size(1) / QK * block_bytes, " bytes of blocks a row, got ", w.size(1));
+  TORCH_CHECK(x.size(1) % per == 0, "quant_linear: x's K = ", x.size(1), " is not a whole number of ", per,
+              "-value blocks");
+  TORCH_CHECK(w.size(1) == x.size(1) / per * block_bytes, "quant_linear: x's K = ", x.size(1), " takes ",
+              x.size(1) / per * block_bytes, " bytes of blocks a row, got ", w.size(1));
   TORCH_CHECK(w.stride(1) == 1, "quant_linear: each row's blocks must be contiguous");
   TORCH_CHECK(!x.is_cuda() && !w.is_cuda(), "quant_linear: CPU tensors only");
   at::Tensor y = at::empty({x.size(0), w.size(0)}, x.options());
   if (x.size(0) > 0)
-    with_format(type, [&](auto b) {
+    blocks::with_format(type, [&](auto b) {
       dtype::dispatch("quant_linear", x.scalar_type(), [&](auto zero) { run<decltype(b), decltype(zero)>(x, w, y); });
     });
   return y;
@@ -324,12 +230,12 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& w, int64_t type) 
 
 // rows `ids` of W (an embedding's lookup) decoded into float32 [len(ids), K]
 at::Tensor quant_rows(const at::Tensor& w, const at::Tensor& ids, int64_t type) {
-  const int64_t block_bytes = with_format(type, [](auto b) { return decltype(b)::bytes; });
+  const auto [per, block_bytes] = geometry(type);
   TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kByte && w.stride(1) == 1 && w.size(1) % block_bytes == 0,
               "quant_rows: blocks uint8 [N, whole blocks a row] with contiguous rows expected, got ", w.sizes());
   TORCH_CHECK(ids.dim() == 1 && ids.scalar_type() == at::kLong, "quant_rows: ids int64 [T] expected, got ",
               ids.scalar_type(), " ", ids.sizes());
-  const int64_t N = w.size(0), K = w.size(1) / block_bytes * QK, T = ids.size(0);
+  const int64_t N = w.size(0), K = w.size(1) / block_bytes * per, T = ids.size(0);
   const at::Tensor idc = ids.contiguous();
   const int64_t* ip = idc.data_ptr<int64_t>();
   for (int64_t t = 0; t < T; ++t)
@@ -337,12 +243,22 @@ at::Tensor quant_rows(const at::Tensor& w, const at::Tensor& ids, int64_t type) 
   at::Tensor out = at::empty({T, K}, w.options().dtype(at::kFloat));
   float* op = out.data_ptr<float>();
   const uint8_t* wp = w.data_ptr<uint8_t>();
-  with_format(type, [&](auto b) {
+  blocks::with_format(type, [&](auto b) {
     par::ranges(T, 16, [&](int64_t t0, int64_t t1) {
       for (int64_t t = t0; t < t1; ++t) decode_row<decltype(b)>(wp + ip[t] * w.stride(0), K, op + t * K);
     });
   });
   return out;
+}
+
+// rows of x up to which this build multiplies the format's blocks with int8 activations (0: never)
+int64_t quant_int8_rows(int64_t type) {
+  return blocks::with_format(type, [](auto b) -> int64_t {
+#ifdef PF_INT8_DOT
+    if constexpr (decltype(b)::nibbles_at > 0) return INT8_ROWS;
+#endif
+    return 0;
+  });
 }
 
 }  // namespace
@@ -352,4 +268,5 @@ TORCH_LIBRARY_FRAGMENT(phaseflip, m) {
   m.impl("cpu_quant_linear", c10::DispatchKey::CPU, TORCH_FN(quant_linear));
   m.def("cpu_quant_rows(Tensor blocks, Tensor ids, int type) -> Tensor");
   m.impl("cpu_quant_rows", c10::DispatchKey::CPU, TORCH_FN(quant_rows));
+  m.def("cpu_quant_int8_rows(int type) -> int", TORCH_FN(quant_int8_rows));
 }

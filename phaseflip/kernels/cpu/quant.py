@@ -34,7 +34,9 @@ class BlockFormat:
 
 
 FORMATS = {f.name: f for f in (BlockFormat("Q4_0", 2, 32, 18), BlockFormat("Q4_1", 3, 32, 20),
-                                BlockFormat("Q8_0", 8, 32, 34))}
+                                BlockFormat("Q5_0", 6, 32, 22), BlockFormat("Q5_1", 7, 32, 24),
+                                BlockFormat("Q8_0", 8, 32, 34), BlockFormat("Q4_K", 12, 256, 144),
+                                BlockFormat("Q6_K", 14, 256, 210))}
 
 
 def block_format(name: str) -> BlockFormat:
@@ -81,12 +83,9 @@ def quant_rows(blocks: torch.Tensor, ids: torch.Tensor, fmt: BlockFormat) -> tor
 
 
 def int8_rows(fmt: BlockFormat) -> int:
-    """Rows of x up to which the kernel quantizes x to int8 per block for integer products with fmt's
-    blocks (kernels/cpu/int8.h: 4-bit formats, where the CPU the kernels are built for (-march=native)
-    has AVX512-VNNI, AVX512-VL and F16C); 0 where it keeps x in float32."""
-    from phaseflip.cache import cpu_flags
-    flags = set(cpu_flags().split())
-    return 4 if fmt.name in ("Q4_0", "Q4_1") and {"avx512_vnni", "avx512vl", "f16c"} <= flags else 0
+    """Rows of x up to which the kernels, as built for this CPU, quantize x to int8 per block for integer
+    products with fmt's blocks (kernels/cpu/int8.h); 0 where they keep x in float32."""
+    return _kernels().cpu_quant_int8_rows(fmt.type_id)
 
 
 def quantize_rows_int8(x: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,77 @@
+"""A GGUF file of mixed block formats served as it is, as llama.cpp's Q4_K_M files are made: Q4_K and Q6_K
+(256-value blocks), Q5_0 / Q5_1 / Q8_0 (32), a fused projection whose parts differ in format (q and k in
+one, v in another: a Split), layers that differ from each other. Held to HF transformers on what the
+file's blocks decode to (gguf's decoder), and two ranks flipping every step to one rank."""
+import pytest
+
+gguf = pytest.importorskip("gguf", reason="the gguf package (a dependency) is not installed")
+
+from phaseflip import LLM, SamplingParams  # noqa: E402
+from phaseflip.engine.checkpoint import gguf_model  # noqa: E402
+from phaseflip.engine.checkpoint.tokenizer import load_tokenizer  # noqa: E402
+from tests.gguf_files import dequantized_reference, write_llama_gguf  # noqa: E402
+from tests.models import hf_greedy, make_tiny_model  # noqa: E402
+
+PROMPTS = ("The quick brown fox", "What is 2 + 2?", "Hello, world!", "Pack my box", "Sphinx of black quartz",
+           "A large language model", "Numbers 0123456789", "Pipeline parallel stages hold layers")
+AGREEMENT = 0.90   # greedy tokens equal to HF's on the decoded weights (the quantized kernels' products
+#                    differ from F.linear's in summation order, and at few rows multiply int8 activations)
+
+
+def _kinds(layers: int) -> dict[str, str]:
+    """Q4_K_M's make-up over `layers` layers: q and k Q4_K, v Q6_K or Q8_0 (a Split) except in the last
+    layer (Q4_K: one stacked weight), o Q5_0, gate and up Q5_1 (in layer 1 gate Q4_K: a Split), down
+    Q6_K in layer 0 and Q4_K after, the tied embedding Q8_0."""
+    kinds = {"model.embed_tokens.weight": "Q8_0"}
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        v = "Q4_K" if i == layers - 1 else ("Q6_K", "Q8_0")[i % 2]
+        kinds.update({p + "self_attn.q_proj.weight": "Q4_K", p + "self_attn.k_proj.weight": "Q4_K",
+                      p + "self_attn.v_proj.weight": v, p + "self_attn.o_proj.weight": "Q5_0",
+                      p + "mlp.gate_proj.weight": "Q4_K" if i == 1 else "Q5_1", p + "mlp.up_proj.weight": "Q5_1",
+                      p + "mlp.down_proj.weight": "Q6_K" if i == 0 else "Q4_K"})
+    return kinds
+
+
+@pytest.fixture(scope="module")
+def k_quant_file(tmp_path_factory):
+    """(the GGUF file, the HF checkpoint of its decoded blocks): a llama of hidden 256 (one 256-value
+    block a row), 4 query heads of 64 over 2 KV heads, MLP 512, 3 layers, tied embedding."""
+    hf = make_tiny_model("llama", tmp_path_factory.mktemp("k-hf"), num_layers=3, tie=True, hidden_size=256,
+                         intermediate_size=512, num_attention_heads=4, num_key_value_heads=2, head_dim=64)
+    out = tmp_path_factory.mktemp("k-gguf") / "tiny-Q4_K_M.gguf"
+    decoded = write_llama_gguf(hf, out, _kinds(3))
+    return out, dequantized_reference(hf, decoded, tmp_path_factory.mktemp("k-ref"))
+
+
+def _greedy(llm, n=24):
+    params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+    return [o.outputs[0].token_ids for o in llm.generate(list(PROMPTS), params, use_tqdm=False)]
+
+
+def test_the_file_serves_as_hf_runs_its_decoded_blocks(k_quant_file):
+    path, reference = k_quant_file
+    assert gguf_model.quantized_types(path) == {"Q4_K", "Q5_0", "Q5_1", "Q6_K", "Q8_0"}
+    assert gguf_model.column_units(path) == (32, 256)
+    with LLM(str(path)) as llm:
+        ours = _greedy(llm)
+        report = llm.inspect()["ranks"][0]["weights"]["pp"]
+    storage = report["storage"]
+    assert (storage["layers.0.qkv_proj.0"], storage["layers.0.qkv_proj.2"]) == ("Q4_K", "Q6_K")
+    assert (storage["layers.2.qkv_proj"], storage["layers.1.gate_up_proj.0"]) == ("Q4_K", "Q4_K")
+    assert storage["layers.0.gate_up_proj"] == "Q5_1" and storage["layers.0.down_proj"] == "Q6_K"
+    tok = load_tokenizer(reference)
+    want = [ids for ids, _ in hf_greedy(reference, [tok.encode(p) for p in PROMPTS], 24)]
+    same = sum(a == b for x, y in zip(ours, want) for a, b in zip(x, y))
+    total = sum(len(y) for y in want)
+    print(f"mixed K-quant file vs HF on its decoded blocks: {same}/{total} greedy tokens equal")
+    assert same >= AGREEMENT * total
+
+
+def test_two_ranks_flipping_every_step_give_one_ranks_tokens(k_quant_file):
+    path, _ = k_quant_file
+    with LLM(str(path)) as llm:
+        want = _greedy(llm, 12)
+    with LLM(str(path), world_size=2, layouts=("pp", "tp"), flip_every_steps=1) as llm:
+        assert _greedy(llm, 12) == want
+        assert llm.stats()["flips"] >= 6
