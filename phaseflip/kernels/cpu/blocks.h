@@ -12,8 +12,7 @@
 // Q6_K: 128 bytes of q's low 4 bits, 64 of its high 2, sixteen int8 scales (one per 16 values), fp16 d
 //   last; w = d * sc * (q - 32); each half of 128 values takes 64 low bytes (two runs of 32 values in
 //   their low halves, two in their high) and 32 high bytes (the four runs at bit pairs 0, 2, 4, 6).
-// `nibbles_at` > 0: where a 32-value format keeps the 16 bytes of 4-bit q that int8.h multiplies.
-// quant.cpp's only includer.
+// quant.cpp's and int8.h's (their int8 forms) includer.
 #pragma once
 #include <c10/util/Half.h>
 #include <cstdint>
@@ -100,7 +99,7 @@ inline void fives(const uint8_t* q, uint32_t bits, vi* v) {
 #endif
 
 struct Q8_0 {
-  static constexpr int64_t id = 8, values_per = 32, bytes = 34, nibbles_at = 0;
+  static constexpr int64_t id = 8, values_per = 32, bytes = 34;
 #ifdef PF_LANES
   static void vectors(const uint8_t* b, int, pf::vf* v) {
     const pf::vf d = pf::set1(half_at(b));
@@ -115,8 +114,7 @@ struct Q8_0 {
 };
 
 struct Q4_0 {
-  static constexpr int64_t id = 2, values_per = 32, bytes = 18, nibbles_at = 2;
-  static float offset(const uint8_t*, float d) { return -8.f * d; }   // w = d * q - 8 * d
+  static constexpr int64_t id = 2, values_per = 32, bytes = 18;
 #ifdef PF_LANES
   static void vectors(const uint8_t* b, int, pf::vf* v) {
     const pf::vf d = pf::set1(half_at(b)), off = pf::set1(-8.f * half_at(b));
@@ -136,8 +134,7 @@ struct Q4_0 {
 };
 
 struct Q4_1 {
-  static constexpr int64_t id = 3, values_per = 32, bytes = 20, nibbles_at = 4;
-  static float offset(const uint8_t* b, float) { return half_at(b + 2); }   // w = d * q + m
+  static constexpr int64_t id = 3, values_per = 32, bytes = 20;
 #ifdef PF_LANES
   static void vectors(const uint8_t* b, int, pf::vf* v) {
     const pf::vf d = pf::set1(half_at(b)), m = pf::set1(half_at(b + 2));
@@ -165,7 +162,7 @@ inline void q5_values(const uint8_t* q, uint32_t bits, float d, float off, float
 }
 
 struct Q5_0 {
-  static constexpr int64_t id = 6, values_per = 32, bytes = 22, nibbles_at = 0;
+  static constexpr int64_t id = 6, values_per = 32, bytes = 22;
 #ifdef PF_LANES
   static void vectors(const uint8_t* b, int, pf::vf* v) {
     const float d = half_at(b);
@@ -182,7 +179,7 @@ struct Q5_0 {
 };
 
 struct Q5_1 {
-  static constexpr int64_t id = 7, values_per = 32, bytes = 24, nibbles_at = 0;
+  static constexpr int64_t id = 7, values_per = 32, bytes = 24;
 #ifdef PF_LANES
   static void vectors(const uint8_t* b, int, pf::vf* v) {
     const pf::vf d = pf::set1(half_at(b)), m = pf::set1(half_at(b + 2));
@@ -196,7 +193,7 @@ struct Q5_1 {
 };
 
 struct Q4_K {
-  static constexpr int64_t id = 12, values_per = 256, bytes = 144, nibbles_at = 0;
+  static constexpr int64_t id = 12, values_per = 256, bytes = 144;
   // sub-block s's scale (d * sc) and offset (-dmin * mn), and where its 32 bytes of nibbles lie
   static const uint8_t* sub(const uint8_t* b, int s, float& scale, float& off) {
     int sc, mn;
@@ -226,7 +223,7 @@ struct Q4_K {
 };
 
 struct Q6_K {
-  static constexpr int64_t id = 14, values_per = 256, bytes = 210, nibbles_at = 0;
+  static constexpr int64_t id = 14, values_per = 256, bytes = 210;
   // sub-block s (0-7): its low bytes, which half of them (shift 0 or 4), its high bytes and bit pair, and
   // the scales of its two 16-value halves
   struct Sub {

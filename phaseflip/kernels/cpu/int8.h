@@ -1,20 +1,25 @@
-// Products of 4-bit GGUF blocks (Q4_0, Q4_1) with a few rows of activations quantized to int8 per block
-// of 32 (llama.cpp's approach, public knowledge): the nibbles and the int8 activations multiplied and
-// summed four at a time by AVX512-VNNI's vpdpbusd (on 256-bit vectors: single-pumped on Zen 4), one
-// int32 sum vector a block scaled by the two blocks' scales into float32. With the activations' block
-// scale dx and q = round(x / dx), a row's dot is sum over blocks of d * dx * sum(nibble * q) plus the
-// format's offset term: Q4_0's -8 * d and Q4_1's m, times dx * sum(q). quant.cpp's only includer;
-// compiled where the CPU has AVX512-VNNI and AVX512-VL (PF_INT8_DOT), else quant.cpp keeps its float path.
+// Products of GGUF blocks (blocks.h) with a few rows of activations quantized to int8 per run of 32
+// values (llama.cpp's approach, public knowledge): AVX512-VNNI's vpdpbusd multiplies 32 unsigned bytes
+// by 32 signed ones and sums them four at a time into 8 int32 lanes (256-bit vectors: single-pumped on
+// Zen 4), which a run's scales turn into float32. With the activations' run scale dx and q = round(x / dx):
+// - most formats give each run's weights as w = a * u + c, u unsigned (< 64): the run's dot is
+//   a * dx * sum(u * q) + c * dx * sum(q) (Q4_0, Q4_1, Q5_0, Q5_1: a block; Q4_K: a run of its block);
+// - Q8_0 and Q6_K give signed w (Q6_K's q - 32) and a scale for each 16 values: sum(|w| * sign(w) q)
+//   per lane, times its lane's scale (lanes 0-3 hold values 0-15, 4-7 values 16-31).
+// A weight row's blocks are read once for all rows of x. quant.cpp's only includer; compiled where the
+// CPU has AVX512-VNNI, -VL and -BW (PF_INT8_DOT), else quant.cpp keeps its float32 paths.
 #pragma once
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__) && defined(__F16C__)
+#include "blocks.h"
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__) && defined(__AVX512BW__) && defined(__F16C__)
 #define PF_INT8_DOT 1
 #include <immintrin.h>
 #include <cstdint>
+#include <type_traits>
 #include <vector>
 
 namespace int8dot {
 
-constexpr int QK = 32;
+using blocks::QK;
 
 inline float half(const uint8_t* p) {
   uint16_t h;
@@ -22,18 +27,18 @@ inline float half(const uint8_t* p) {
   return _cvtsh_ss(h);
 }
 
-// Rows of x [M, K] (dense float32) quantized per block of 32: q int8, the block's scale d = max|x| / 127,
-// and s = d * sum(q), blocks in x's order (block i at x + i * 32)
+// Rows of x [M, K] (dense float32) quantized per run of 32: q int8, the run's scale d = max|x| / 127,
+// and s = d * sum(q), runs in x's order (run i at x + i * 32)
 struct Rows {
   std::vector<int8_t> q;
   std::vector<float> d, s;
 
   void quantize(const float* x, int64_t M, int64_t K) {
-    const int64_t blocks = M * K / QK;
+    const int64_t runs = M * K / QK;
     q.resize(M * K);
-    d.resize(blocks);
-    s.resize(blocks);
-    for (int64_t i = 0; i < blocks; ++i) {
+    d.resize(runs);
+    s.resize(runs);
+    for (int64_t i = 0; i < runs; ++i) {
       const __m512 a = _mm512_loadu_ps(x + i * QK), b = _mm512_loadu_ps(x + i * QK + 16);
       const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
       const __m512 inv = _mm512_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
@@ -44,38 +49,111 @@ struct Rows {
       s[i] = d[i] * static_cast<float>(_mm512_reduce_add_epi32(_mm512_add_epi32(qa, qb)));
     }
   }
+
+  __m256i run(int64_t j) const { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q.data() + j * QK)); }
 };
 
-// out[m] = (one weight row of nb blocks of `bytes`, nibbles at `qoff`) . x's row m, for M rows of x;
-// offset(block, d): the format's additive term a unit of x's block sum carries
-template <int M, typename Offset>
-inline void dot(const uint8_t* row, int64_t nb, int64_t bytes, int64_t qoff, const Rows& x, float* out,
-                Offset offset) {
+inline __m256i load32(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+inline __m256i low4(__m256i v) { return _mm256_and_si256(v, _mm256_set1_epi8(0x0F)); }
+inline __m256i shift_right(__m256i v, int n) { return _mm256_srl_epi16(v, _mm_cvtsi32_si128(n)); }  // then mask
+
+// a 32-value block's 16 bytes of nibbles in value order: low halves are values 0-15, high halves 16-31
+inline __m256i nibbles(const uint8_t* q) {
+  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q)), low = _mm_set1_epi8(0x0F);
+  return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(raw, 4), low), _mm_and_si128(raw, low));
+}
+
+// Q5's values: nibbles plus bit 4 from the 32 fifth bits (bit j: value j's)
+inline __m256i fives(const uint8_t* q, uint32_t bits) {
+  return _mm256_or_si256(nibbles(q), _mm256_and_si256(_mm256_movm_epi8(bits), _mm256_set1_epi8(0x10)));
+}
+
+// Unsigned runs: u, with w = a * u + c
+inline __m256i run(blocks::Q4_0, const uint8_t* b, int, float& a, float& c) {
+  a = half(b), c = -8.f * a;
+  return nibbles(b + 2);
+}
+inline __m256i run(blocks::Q4_1, const uint8_t* b, int, float& a, float& c) {
+  a = half(b), c = half(b + 2);
+  return nibbles(b + 4);
+}
+inline __m256i run(blocks::Q5_0, const uint8_t* b, int, float& a, float& c) {
+  a = half(b), c = -16.f * a;
+  return fives(b + 6, blocks::u32_at(b + 2));
+}
+inline __m256i run(blocks::Q5_1, const uint8_t* b, int, float& a, float& c) {
+  a = half(b), c = half(b + 2);
+  return fives(b + 8, blocks::u32_at(b + 4));
+}
+inline __m256i run(blocks::Q4_K, const uint8_t* b, int s, float& a, float& c) {
+  int sc, mn;
+  blocks::scale_min_k4(b + 4, s, sc, mn);
+  a = half(b) * sc, c = -half(b + 2) * mn;
+  const __m256i q = load32(b + 16 + (s / 2) * 32);
+  return low4(s & 1 ? _mm256_srli_epi16(q, 4) : q);
+}
+
+// Signed runs: w int8, and the scale of each int32 lane of a product
+inline __m256i run(blocks::Q8_0, const uint8_t* b, int, __m256& scale) {
+  scale = _mm256_set1_ps(half(b));
+  return load32(b + 2);
+}
+inline __m256i run(blocks::Q6_K, const uint8_t* b, int s, __m256& scale) {
+  const blocks::Q6_K::Sub u = blocks::Q6_K::sub(b, s);
+  const float d = half(b + 208);
+  scale = _mm256_set_m128(_mm_set1_ps(d * u.sc[1]), _mm_set1_ps(d * u.sc[0]));
+  const __m256i lo = low4(shift_right(load32(u.low), u.low_shift));
+  const __m256i hi = _mm256_and_si256(shift_right(load32(u.high), u.high_shift), _mm256_set1_epi8(3));
+  return _mm256_sub_epi8(_mm256_or_si256(lo, _mm256_slli_epi16(hi, 4)), _mm256_set1_epi8(32));
+}
+
+template <typename B>
+constexpr bool is_signed = std::is_same_v<B, blocks::Q8_0> || std::is_same_v<B, blocks::Q6_K>;
+
+inline float total(__m256 v) {
+  const __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 q2 = _mm_add_ps(h, _mm_movehl_ps(h, h));
+  return _mm_cvtss_f32(_mm_add_ss(q2, _mm_movehdup_ps(q2)));
+}
+
+// out[m] = (one weight row of `runs` runs of 32, blocks of format B) . x's row m, for M rows of x
+template <typename B, int M>
+inline void dot(const uint8_t* row, int64_t runs, const Rows& x, float* out) {
+  constexpr int subs = B::values_per / QK;
   __m256 acc[M];
   float extra[M];
 #pragma GCC unroll 4
   for (int m = 0; m < M; ++m) acc[m] = _mm256_setzero_ps(), extra[m] = 0.f;
-  const __m128i low = _mm_set1_epi8(0x0F);
-  for (int64_t b = 0; b < nb; ++b) {
-    const uint8_t* blk = row + b * bytes;
-    const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + qoff));
-    const __m256i w = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(raw, 4), low), _mm_and_si128(raw, low));
-    const float dw = half(blk), off = offset(blk, dw);
+  for (int64_t b = 0; b < runs / subs; ++b) {
+    const uint8_t* blk = row + b * B::bytes;
+#pragma GCC unroll 8
+    for (int s = 0; s < subs; ++s) {   // unrolled: each run's s a constant, its scales' branches folded
+      const int64_t i = b * subs + s;
+      if constexpr (is_signed<B>) {
+        __m256 scale;
+        const __m256i w = run(B(), blk, s, scale);
+        const __m256i magnitude = _mm256_sign_epi8(w, w);
 #pragma GCC unroll 4
-    for (int m = 0; m < M; ++m) {
-      const int64_t i = m * nb + b;
-      const __m256i xq = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.q.data() + i * QK));
-      const __m256i sum = _mm256_dpbusd_epi32(_mm256_setzero_si256(), w, xq);
-      acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_set1_ps(dw * x.d[i]), acc[m]);
-      extra[m] += off * x.s[i];
+        for (int m = 0; m < M; ++m) {
+          const int64_t j = m * runs + i;
+          const __m256i sum = _mm256_dpbusd_epi32(_mm256_setzero_si256(), magnitude, _mm256_sign_epi8(x.run(j), w));
+          acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_mul_ps(scale, _mm256_set1_ps(x.d[j])), acc[m]);
+        }
+      } else {
+        float a, c;
+        const __m256i u = run(B(), blk, s, a, c);
+#pragma GCC unroll 4
+        for (int m = 0; m < M; ++m) {
+          const int64_t j = m * runs + i;
+          const __m256i sum = _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, x.run(j));
+          acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_set1_ps(a * x.d[j]), acc[m]);
+          extra[m] += c * x.s[j];
+        }
+      }
     }
   }
 #pragma GCC unroll 4
-  for (int m = 0; m < M; ++m) {
-    const __m128 h = _mm_add_ps(_mm256_castps256_ps128(acc[m]), _mm256_extractf128_ps(acc[m], 1));
-    const __m128 q2 = _mm_add_ps(h, _mm_movehl_ps(h, h));
-    out[m] = _mm_cvtss_f32(_mm_add_ss(q2, _mm_movehdup_ps(q2))) + extra[m];
-  }
+  for (int m = 0; m < M; ++m) out[m] = total(acc[m]) + extra[m];
 }
 
 }  // namespace int8dot

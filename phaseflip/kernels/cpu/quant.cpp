@@ -30,7 +30,7 @@
 namespace {
 
 constexpr int64_t FUSED_ROWS = 8;   // rows of x up to which each block is decoded in registers for all
-constexpr int64_t INT8_ROWS = 4;    // rows of x up to which 4-bit blocks take int8 products (int8.h)
+constexpr int64_t INT8_ROWS = 4;    // rows of x up to which blocks take int8 products (int8.h)
 constexpr int64_t PASS_ROWS = 256;  // more rows: x packed into panels, at most this many rows a pass
 using blocks::QK;
 #ifdef PF_LANES
@@ -155,24 +155,24 @@ void tiled_rows(const at::Tensor& xf, const uint8_t* wp, int64_t ldw, int64_t N,
 #endif
 
 #ifdef PF_INT8_DOT
-// Up to INT8_ROWS rows of x on 4-bit blocks: x quantized to int8 per block once, then integer products
-// (int8.h); a weight row's blocks are read once for all rows
+// Up to INT8_ROWS rows of x: x quantized to int8 per run of 32 once, then integer products (int8.h); a
+// weight row's blocks are read once for all rows
 template <typename B, typename X>
 void int8_rows(const at::Tensor& x, const uint8_t* wp, int64_t ldw, int64_t N, X* yp) {
-  const int64_t M = x.size(0), K = x.size(1), nb = K / QK;
+  const int64_t M = x.size(0), K = x.size(1), runs = K / QK;
   std::vector<float> buf;
   int8dot::Rows qx;
   qx.quantize(dot::dense_rows<float, X>(x, buf), M, K);
-  const int64_t grain = std::max<int64_t>(1, 65536 / std::max<int64_t>(1, nb * B::bytes));
+  const int64_t grain = std::max<int64_t>(1, 65536 / std::max<int64_t>(1, K / B::values_per * B::bytes));
   par::ranges(N, grain, [&](int64_t n0, int64_t n1) {
     float out[INT8_ROWS];
     for (int64_t n = n0; n < n1; ++n) {
       const uint8_t* row = wp + n * ldw;
       switch (M) {
-        case 1: int8dot::dot<1>(row, nb, B::bytes, B::nibbles_at, qx, out, B::offset); break;
-        case 2: int8dot::dot<2>(row, nb, B::bytes, B::nibbles_at, qx, out, B::offset); break;
-        case 3: int8dot::dot<3>(row, nb, B::bytes, B::nibbles_at, qx, out, B::offset); break;
-        default: int8dot::dot<4>(row, nb, B::bytes, B::nibbles_at, qx, out, B::offset);
+        case 1: int8dot::dot<B, 1>(row, runs, qx, out); break;
+        case 2: int8dot::dot<B, 2>(row, runs, qx, out); break;
+        case 3: int8dot::dot<B, 3>(row, runs, qx, out); break;
+        default: int8dot::dot<B, 4>(row, runs, qx, out);
       }
       for (int64_t m = 0; m < M; ++m) yp[m * N + n] = static_cast<X>(out[m]);
     }
@@ -186,8 +186,7 @@ void run(const at::Tensor& x, const at::Tensor& w, at::Tensor& y) {
   const uint8_t* wp = w.data_ptr<uint8_t>();
   X* yp = y.data_ptr<X>();
 #ifdef PF_INT8_DOT
-  if constexpr (B::nibbles_at > 0)
-    if (M <= INT8_ROWS) return int8_rows<B, X>(x, wp, ldw, N, yp);
+  if (M <= INT8_ROWS) return int8_rows<B, X>(x, wp, ldw, N, yp);
 #endif
 #ifdef PF_LANES
   if (M > FUSED_ROWS) {   // passes of at most PASS_ROWS rows: their panels stay in L2
@@ -253,12 +252,12 @@ at::Tensor quant_rows(const at::Tensor& w, const at::Tensor& ids, int64_t type) 
 
 // rows of x up to which this build multiplies the format's blocks with int8 activations (0: never)
 int64_t quant_int8_rows(int64_t type) {
-  return blocks::with_format(type, [](auto b) -> int64_t {
+  blocks::with_format(type, [](auto) { return 0; });   // the type checked
 #ifdef PF_INT8_DOT
-    if constexpr (decltype(b)::nibbles_at > 0) return INT8_ROWS;
+  return INT8_ROWS;
+#else
+  return 0;
 #endif
-    return 0;
-  });
 }
 
 }  // namespace
