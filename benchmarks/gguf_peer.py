@@ -1,0 +1,145 @@
+"""phaseflip against llama.cpp on the same GGUF files, quantized ones served as they are (a benchmark, not a
+test; `make test` never runs it).
+
+Owns: issue 45's speed rows, each file's workloads run interleaved (phaseflip, then llama.cpp, every round,
+same threads): llama-batched-bench's 200-token prompts + 100 new tokens at batch 1 and 32 (total tokens
+over wall seconds; phaseflip's the same tokens through LLM.generate), llama-bench's tg128 (decode from an
+empty cache; phaseflip's (time for 128 new tokens - time for 1) / 127 after a 1-token prompt) and pp512
+(prompt tokens over time to first token), and the read bound of batch-1 decode: the bytes a decode token
+reads (the engine's own weight report: the blocks as stored) over the bandwidth of a 1 GiB torch.sum read
+right before and right after the tg128 step (this machine's bandwidth swings within minutes).
+Prints per file each side's range over rounds and the median per-round ratio phaseflip / llama.cpp.
+Run: `.venv/bin/python benchmarks/gguf_peer.py --llama-bench BIN --llama-batched-bench BIN FILE.gguf...`
+"""
+from __future__ import annotations
+
+import json
+import random
+import statistics
+import time
+from pathlib import Path
+
+import click
+
+from llamacpp_peer import _log, _run, _timed, llama_bench, read_gbps
+from phaseflip.engine.llm import LLM
+
+PROMPT, NEW, BATCHES, TG, PP = 200, 100, (1, 32), 128, 512
+
+
+def llama_batched(exe: Path, gguf: Path, threads: int) -> dict[int, float]:
+    """{batch: total tok/s} of llama-batched-bench's 200 + 100 at each batch."""
+    out = _run([exe, "-m", gguf, "-c", 10240, "-b", 2048, "-ub", 512, "-npp", PROMPT, "-ntg", NEW,
+                "-npl", ",".join(map(str, BATCHES)), "-t", threads, "--output-format", "jsonl"])
+    rows = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+    return {row["pl"]: row["speed"] for row in rows}
+
+
+def prompts(count: int, length: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(100, 40000) for _ in range(length)] for _ in range(count)]
+
+
+def boot(path: Path, threads: int) -> LLM:
+    _log(f"booting phaseflip on {path.name}")
+    t0 = time.perf_counter()
+    # no prefix caching: the rounds repeat their prompts, which llama.cpp computes every time
+    llm = LLM(model=str(path), num_threads=threads, max_model_len=1024, enable_prefix_caching=False)
+    for batch in BATCHES:
+        _timed(llm, prompts(batch, PROMPT, 0), 2)   # warm-up: every step shape the rounds use
+    _timed(llm, prompts(1, PP, 0), 1)
+    _log(f"booted in {time.perf_counter() - t0:.1f} s")
+    return llm
+
+
+def decode_bytes(llm: LLM) -> int:
+    """The bytes a batch-1 decode token reads, summed over ranks (the weight report of the TP layout, the
+    one layout there is at one rank)."""
+    reports = [rank["weights"] for rank in llm.inspect()["ranks"]]
+    return sum(r["tp" if "tp" in r else next(iter(r))]["bytes_read_per_token"] for r in reports)
+
+
+def one_round(llm: LLM, path: Path, o: dict) -> dict:
+    """{workload: (llama.cpp tok/s, phaseflip tok/s)} and the tg step's read bracket (GB/s before, after)."""
+    rows = {}
+    pf = {b: b * (PROMPT + NEW) / _timed(llm, prompts(b, PROMPT, 1), NEW) for b in BATCHES}
+    ll = llama_batched(o["llama_batched_bench"], path, o["threads"])
+    rows.update({f"{PROMPT}+{NEW} b{b} total": (ll[b], pf[b]) for b in BATCHES})
+    before = read_gbps(o["threads"])
+    one = prompts(1, 1, 2)
+    first = statistics.median(_timed(llm, one, 1) for _ in range(o["repeats"]))
+    full = statistics.median(_timed(llm, one, TG) for _ in range(o["repeats"]))
+    tests = ["-p", PP, "-n", TG]
+    bench = llama_bench(o["llama_bench"], path, tests, o["threads"], o["repeats"])
+    bracket = (before, read_gbps(o["threads"]))
+    rows[f"tg{TG}"] = (bench[f"tg{TG}"], (TG - 1) / (full - first))
+    pp = PP / statistics.median(_timed(llm, prompts(1, PP, 3), 1) for _ in range(o["repeats"]))
+    rows[f"pp{PP}"] = (bench[f"pp{PP}"], pp)
+    return {"rows": rows, "bracket": bracket}
+
+
+def summarise(rounds: list[dict], nbytes: int) -> dict:
+    rows = {}
+    for name in rounds[0]["rows"]:
+        ll, pf = [r["rows"][name][0] for r in rounds], [r["rows"][name][1] for r in rounds]
+        rows[name] = {"llama_cpp": ll, "phaseflip": pf, "ratio": statistics.median(p / q for p, q in zip(pf, ll))}
+    tg = f"tg{TG}"
+    bound = {"decode_bytes": nbytes, "bracket_gbps": [r["bracket"] for r in rounds]}
+    for i, who in enumerate(("llama_cpp", "phaseflip")):   # each round's tok/s against its own bracket's bound
+        bound[f"{who}_fraction_of_bound"] = statistics.median(
+            r["rows"][tg][i] * nbytes / (statistics.mean(r["bracket"]) * 1e9) for r in rounds)
+    return {"rows": rows, "read_bound": bound}
+
+
+def _span(v: list[float]) -> str:
+    return f"{v[0]:.1f}" if len(v) == 1 else f"{min(v):.1f}-{max(v):.1f}"
+
+
+def print_table(name: str, result: dict, threads: int) -> None:
+    click.echo(f"== {name}: phaseflip vs llama.cpp, {threads} threads ==")
+    for row, r in result["rows"].items():
+        click.echo(f"{row:20} llama.cpp {_span(r['llama_cpp']):>13}  phaseflip {_span(r['phaseflip']):>13}  "
+                   f"{r['ratio']:5.2f}x")
+    b = result["read_bound"]
+    ends = ", ".join(f"{x:.1f}/{y:.1f}" for x, y in b["bracket_gbps"])
+    click.echo(f"read bound of tg{TG}: {b['decode_bytes'] / 1e6:.1f} MB a token at {ends} GB/s (before/after, a "
+               f"round): phaseflip {b['phaseflip_fraction_of_bound']:.2f} of it, llama.cpp "
+               f"{b['llama_cpp_fraction_of_bound']:.2f}")
+
+
+EXE = click.Path(exists=True, dir_okay=False, executable=True, path_type=Path)
+
+
+@click.command()
+@click.option("--llama-bench", required=True, type=EXE, help="llama.cpp's built llama-bench.")
+@click.option("--llama-batched-bench", required=True, type=EXE, help="llama.cpp's built llama-batched-bench.")
+@click.option("--threads", type=click.IntRange(min=1), default=2, show_default=True)
+@click.option("--rounds", type=click.IntRange(min=1), default=2, show_default=True)
+@click.option("--repeats", type=click.IntRange(min=1), default=3, show_default=True,
+              help="Repetitions of the tg/pp timings a round (llama-bench -r), medians taken.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of the tables.")
+@click.argument("files", nargs=-1, required=True, type=click.Path(exists=True, dir_okay=False, path_type=Path))
+def main(llama_bench, llama_batched_bench, threads, rounds, repeats, as_json, files):
+    """Benchmark phaseflip against llama.cpp on each GGUF file, interleaved, and print the ratios."""
+    o = {"llama_bench": llama_bench, "llama_batched_bench": llama_batched_bench, "threads": threads,
+         "repeats": repeats}
+    results = {}
+    for path in files:
+        llm = boot(path, threads)
+        try:
+            nbytes = decode_bytes(llm)
+            got = []
+            for i in range(rounds):
+                _log(f"{path.name}: round {i + 1}/{rounds}")
+                got.append(one_round(llm, path, o))
+        finally:
+            llm.shutdown()
+        results[path.name] = summarise(got, nbytes)
+        if not as_json:
+            print_table(path.name, results[path.name], threads)
+    if as_json:
+        click.echo(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()
