@@ -22,6 +22,7 @@ import torch
 from phaseflip.engine.config import EngineConfig
 from phaseflip.cache import cache_dir
 from phaseflip.engine.checkpoint.gguf_model import column_units, quantized_types
+from phaseflip.kernels.dispatch import triton_available
 from phaseflip.engine.checkpoint.loader import resolve_dtype
 from phaseflip.rank.messages import RankBoot
 from phaseflip.rank.model_config import ModelConfig
@@ -177,9 +178,10 @@ def make_plan(cfg: EngineConfig, mc: ModelConfig, model_dir: str) -> BootPlan:
     max_model_len = cfg.max_model_len or mc.max_position_embeddings
     budgets = cfg.rank_budgets or device_budgets(device, cfg.world_size)
     quantized = quantized_types(model_dir)
-    if quantized and device != "cpu":
-        raise ValueError(f"{model_dir}: weights stored as {', '.join(sorted(quantized))} are served by the CPU "
-                         f"kernels only; allowed on {device}: a GGUF of F32 / F16 / BF16 tensors, or safetensors")
+    if quantized and device != "cpu" and not triton_available():
+        raise ValueError(f"{model_dir}: weights stored as {', '.join(sorted(quantized))} are multiplied on "
+                         f"{device} by Triton kernels, and triton is not installed; allowed without it: a GGUF "
+                         "of F32 / F16 / BF16 tensors, or safetensors")
     layout_plan = plan_layouts(mc, budgets, pp_split=cfg.pp_split, tp_kv_split=cfg.tp_kv_split,
                                column_units=column_units(model_dir))
     budget = cfg.max_num_batched_tokens

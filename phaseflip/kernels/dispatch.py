@@ -3,9 +3,10 @@ everywhere else (the CPU path, and the oracle the kernels are tested against); f
 library's on CUDA and the CPU's measured forms (kernels/cpu/linear.py) elsewhere.
 
 Owns: the entry points the model maths calls for the projections (`linear`), the embedding's lookup
-(`embedding`: a quantized table's rows decoded on the CPU) and the pointwise kernels
+(`embedding`: a quantized table's rows decoded) and the pointwise kernels
 (`rms_norm`, `add_rms_norm`, `apply_rotary`, `silu_and_mul`), and the ops (`phaseflip::<name>`, defined
-with kernels/op_registry.py like every Python-bodied op of ours) that wrap the pointwise Triton launches so
+with kernels/op_registry.py like every Python-bodied op of ours) that wrap the Triton launches (pointwise,
+and the products and lookups on GGUF blocks) so
 torch.compile treats each as one opaque call and a CUDA graph captures it. Attention and the KV store
 dispatch inside `phaseflip::paged_attention` itself (kernels/attention.py).
 
@@ -58,19 +59,26 @@ def apply_rotary(x: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [M, K] @ weight [N, K]^T (+ bias): the library's product on CUDA, the CPU's forms elsewhere."""
-    if x.is_cuda:
+    """x [M, K] @ weight [N, K]^T (+ bias): the library's product on CUDA (Triton's on a weight in a GGUF
+    block format), the CPU's forms elsewhere."""
+    if not x.is_cuda:
+        return cpu_linear.linear(x, weight, bias)
+    fmt = quant.weight_format(weight)
+    if fmt is None:
         return F.linear(x, weight, bias)
-    return cpu_linear.linear(x, weight, bias)
+    y = torch.ops.phaseflip.quant_linear(x, weight.flatten(1), fmt.type_id)
+    return y if bias is None else y + bias
 
 
 def embedding(ids: torch.Tensor, weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Rows `ids` of an embedding weight, in dtype: a weight in a GGUF block format has its rows decoded
-    (the CPU's quantized kernels: kernels/cpu/quant.py)."""
+    (by Triton on CUDA, by the CPU's quantized kernels elsewhere: kernels/cpu/quant.py)."""
     fmt = quant.weight_format(weight)
-    if fmt is not None:
-        return quant.quant_rows(weight.flatten(1), ids, fmt).to(dtype)
-    return F.embedding(ids, weight)
+    if fmt is None:
+        return F.embedding(ids, weight)
+    if weight.is_cuda:
+        return torch.ops.phaseflip.quant_rows(weight.flatten(1), ids, fmt.type_id).to(dtype)
+    return quant.quant_rows(weight.flatten(1), ids, fmt).to(dtype)
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
@@ -109,6 +117,26 @@ def _silu_and_mul_body(gate_up: torch.Tensor) -> torch.Tensor:
     return silu_and_mul_triton(gate_up)
 
 
+def _quant_linear_body(x: torch.Tensor, blocks: torch.Tensor, type_id: int) -> torch.Tensor:
+    if not triton_available():
+        raise RuntimeError("weights in a GGUF block format on CUDA need triton, which is not installed")
+    from phaseflip.kernels.triton.quant import quant_linear_triton
+    return quant_linear_triton(x, blocks, type_id)
+
+
+def _quant_rows_body(blocks: torch.Tensor, ids: torch.Tensor, type_id: int) -> torch.Tensor:
+    if not triton_available():
+        raise RuntimeError("weights in a GGUF block format on CUDA need triton, which is not installed")
+    from phaseflip.kernels.triton.quant import quant_rows_triton
+    return quant_rows_triton(blocks, ids, type_id)
+
+
+def _quant_rows_fake(blocks, ids, type_id):
+    fmt = next(f for f in quant.FORMATS.values() if f.type_id == type_id)
+    return blocks.new_empty((ids.shape[0], blocks.shape[1] // fmt.block_bytes * fmt.block_values),
+                            dtype=torch.float32)
+
+
 def _add_rms_norm_fake(x, residual, weight, eps):
     res_dtype = torch.promote_types(x.dtype, residual.dtype)
     return (torch.empty(x.shape, dtype=torch.promote_types(weight.dtype, res_dtype), device=x.device),
@@ -124,3 +152,6 @@ define_op("apply_rotary(Tensor x, Tensor cos_sin) -> Tensor", _apply_rotary_body
           lambda x, cos_sin: torch.empty(x.shape, dtype=x.dtype, device=x.device))
 define_op("silu_and_mul(Tensor gate_up) -> Tensor", _silu_and_mul_body,
           lambda gate_up: gate_up.new_empty((*gate_up.shape[:-1], gate_up.shape[-1] // 2)))
+define_op("quant_linear(Tensor x, Tensor blocks, int type_id) -> Tensor", _quant_linear_body,
+          lambda x, blocks, type_id: x.new_empty((x.shape[0], blocks.shape[0])))
+define_op("quant_rows(Tensor blocks, Tensor ids, int type_id) -> Tensor", _quant_rows_body, _quant_rows_fake)

@@ -19,8 +19,10 @@ from typing import Callable
 import torch
 
 from phaseflip.kernels.reference import activation, norm, rotary
+from phaseflip.kernels.reference import quant as quant_ref
 from phaseflip.kernels.reference.attention import paged_attention_ref, store_kv
 
+QUANT_TYPES = {"Q8_0": 8, "Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q4_K": 12, "Q6_K": 14}   # GGML's ids
 TOL = {torch.float32: (1e-5, 1e-5), torch.bfloat16: (2e-2, 2e-2)}   # (atol, rtol) vs a float32 reference
 
 
@@ -191,6 +193,26 @@ def _silu_check(num_tokens: int, inter: int, dtype) -> Callable[[str], float]:
     return check
 
 
+def _quant_check(type_id: int, rows: int, n: int, k: int, dtype) -> Callable[[str], float]:
+    """The Triton product (and row lookup) on random blocks, through the ops the model calls on CUDA,
+    against torch's decoding then a float32 product; the tolerance scales with the largest output."""
+    def check(device: str) -> float:
+        from phaseflip.kernels import dispatch  # noqa: F401  (defines phaseflip::quant_linear / quant_rows)
+        blocks = quant_ref.random_blocks(type_id, n, k, seed=type_id + rows)
+        w = quant_ref.dequantize(blocks, type_id)
+        x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows)).to(dtype)
+        got = torch.ops.phaseflip.quant_linear(x.to(device), blocks.to(device), type_id).float().cpu()
+        ref = x.float() @ w.t()
+        atol, rtol = TOL[dtype]
+        largest = float(ref.abs().max()) if ref.numel() else 0.0
+        torch.testing.assert_close(got, ref, atol=atol * max(1.0, largest), rtol=rtol)
+        ids = torch.tensor([n - 1, 0, n // 2, 0])
+        rows_got = torch.ops.phaseflip.quant_rows(blocks.to(device), ids.to(device), type_id).cpu()
+        torch.testing.assert_close(rows_got, w[ids], atol=0, rtol=0)
+        return float((got - ref).abs().max()) if got.numel() else 0.0
+    return check
+
+
 def _cases() -> dict[str, Callable[[str], float]]:
     c: dict[str, Callable[[str], float]] = {}
     decode = [(0, 1), (16, 1), (39, 1), (70, 1)]        # contexts 1, 17, 40, 71: not multiples of a page
@@ -231,6 +253,10 @@ def _cases() -> dict[str, Callable[[str], float]]:
         c[f"silu_and_mul/{tag}-one-token"] = _silu_check(1, 64, dtype)
     c["rotary/empty"] = _rotary_check(0, 2, 64, torch.float32, False)
     c["silu_and_mul/empty"] = _silu_check(0, 64, torch.float32)
+    for name, type_id in QUANT_TYPES.items():
+        c[f"quant/{name}-fp32-1-row"] = _quant_check(type_id, 1, 80, 512, torch.float32)
+        c[f"quant/{name}-bf16-20-rows"] = _quant_check(type_id, 20, 70, 512, torch.bfloat16)
+    c["quant/Q4_K-fp32-no-rows"] = _quant_check(12, 0, 16, 256, torch.float32)
     return c
 
 

@@ -19,6 +19,9 @@ the next one runs; once the time budget is spent the rest are recorded as skippe
   fp32_parity        fp32 greedy tokens on a tiny model against HF transformers
   hf_decode          HF transformers at the same batches (static cache + torch.compile); a batch starts
                      only while it is expected to end within GRACE_S of the budget
+  quantized_decode   the 1B shape as GGUF files of random blocks (Q8_0; a Q4_K_M make-up), served by the
+                     Triton kernels in the TP layout: batch-1 decode against the read bound of the quantized
+                     bytes and against section decode_throughput's bf16
   decode_8b          a Llama-3.1-8B-shaped model (random bf16), TP layout: batch-1 decode against its bound;
                      skipped with the reason when the budget left is too short
   compile_boot       cold and warm boots (fresh processes, fresh then reused inductor/Triton caches) of the
@@ -37,7 +40,7 @@ checkout on PYTHONPATH (tests/models.py builds the tokenizer and the HF referenc
 
 The sections live in gpu_sections_device.py (environment, kernels, bandwidth), gpu_sections_engine.py
 (the engine and HF sections), gpu_sections_step.py (decode_step), gpu_sections_compile.py (decode_8b,
-compile_boot) and gpu_sections_memory.py (kv_sizing); profiles and the Context they share in
+compile_boot), gpu_sections_memory.py (kv_sizing) and gpu_sections_quant.py (quantized_decode); profiles and the Context they share in
 gpu_context.py. This module owns the driver: argument parsing, the section loop with its time budget,
 and the JSON and log files.
 """
@@ -60,12 +63,14 @@ from phaseflip.tools.gpu_sections_device import bandwidth, environment, kernels
 from phaseflip.tools.gpu_sections_engine import (capture, decode_throughput, fp32_parity, hf_decode,
                                                  park_restore, replay_vs_eager, restore, write_model)  # noqa: F401
 from phaseflip.tools.gpu_sections_memory import kv_sizing
+from phaseflip.tools.gpu_sections_quant import quantized_decode
 from phaseflip.tools.gpu_sections_step import decode_step
 
 log = logging.getLogger("phaseflip.gpu_check")
 
 SECTIONS = (environment, kernels, bandwidth, capture, replay_vs_eager, park_restore, restore,
-            decode_throughput, decode_step, fp32_parity, hf_decode, decode_8b, compile_boot, kv_sizing)
+            decode_throughput, decode_step, fp32_parity, hf_decode, quantized_decode, decode_8b, compile_boot,
+            kv_sizing)
 
 
 # -- driver ------------------------------------------------------------------------------------------

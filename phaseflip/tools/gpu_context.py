@@ -25,7 +25,7 @@ TINY_30 = dict(TINY, num_hidden_layers=3, tie_word_embeddings=True)     # the dr
 TINY_BIG = dict(TINY, num_hidden_layers=3, tie_word_embeddings=False)  # "8B" stand-ins
 DRY_KERNEL_CASES = ("attention/decode-g3-d64-page16-splits3", "attention/prefill-g4-d64-page32-splits2",
                     "attention/op-mixed-bf16", "kv_store/page16", "add_rms_norm/bfloat16-rows7-h100",
-                    "rotary/llama3-float32-d64", "silu_and_mul/bfloat16-5x100")
+                    "rotary/llama3-float32-d64", "silu_and_mul/bfloat16-5x100", "quant/Q4_K-bf16-20-rows")
 
 
 @dataclass(frozen=True)

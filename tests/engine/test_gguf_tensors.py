@@ -70,3 +70,26 @@ def test_the_shipped_q4_1_file_reads_whole_and_its_blocks_multiply_as_gguf_decod
     seen = quant.quantize_rows_int8(x) if 3 <= quant.int8_rows(down.fmt) else x   # as the kernel sees x
     want = F.linear(seen, torch.from_numpy(quants.dequantize(down.data.numpy(), T.Q4_1)))
     torch.testing.assert_close(quant.quant_linear(x, down.data, down.fmt), want, rtol=1e-4, atol=1e-4)
+
+
+def test_the_engines_own_writer_writes_what_gguf_reads(tmp_path):
+    """engine/checkpoint/gguf_file.py's write_gguf (the GPU check's files, on machines without gguf):
+    gguf's reader finds the same metadata, shapes, types and bytes, and so does ours."""
+    from phaseflip.engine.checkpoint.gguf_file import read_gguf, write_gguf
+    from phaseflip.kernels.reference.quant import random_blocks
+    blocks = random_blocks(12, 3, 512, seed=1).numpy()
+    norm = np.arange(7, dtype=np.float32)
+    meta = {"general.architecture": "llama", "llama.block_count": 2, "llama.rope.freq_base": 500000.0,
+            "llama.big": 2 ** 40, "flag": True}
+    write_gguf(tmp_path / "w.gguf", meta, {"a.weight": (12, (3, 512), blocks.tobytes()),
+                                            "n.weight": (0, (7,), norm.tobytes())})
+    theirs = gguf.GGUFReader(str(tmp_path / "w.gguf"))
+    for key, value in meta.items():
+        assert theirs.fields[key].contents() == pytest.approx(value), key
+    a, n = theirs.tensors
+    assert (a.name, a.tensor_type, list(a.shape)) == ("a.weight", T.Q4_K, [512, 3])
+    assert a.data.tobytes() == blocks.tobytes() and np.array_equal(n.data, norm)
+    ours = read_gguf(tmp_path / "w.gguf")
+    assert ours.metadata["llama.block_count"] == 2 and ours.tensors["a.weight"].dims == (512, 3)
+    with pytest.raises(ValueError, match="a.weight: 10 bytes for shape"):
+        write_gguf(tmp_path / "bad.gguf", {}, {"a.weight": (12, (3, 512), bytes(10))})

@@ -98,3 +98,15 @@ def test_rows_by_index_are_gguf_s_decoding(op, name):
         quant.quant_rows(blocks, torch.tensor([1, 50]), fmt)
     traced = torch.compile(lambda i: quant.quant_rows(blocks, i, fmt), fullgraph=True, backend="eager")
     torch.testing.assert_close(traced(ids), got)
+
+
+@pytest.mark.parametrize("name", sorted(quant.FORMATS))
+def test_the_torch_reference_decodes_as_gguf_does(name):
+    """kernels/reference/quant.py, the Triton kernels' oracle on machines without gguf, against gguf's own
+    decoder, on random blocks of every bit pattern."""
+    from phaseflip.kernels.reference import quant as quant_ref
+    fmt = quant.block_format(name)
+    blocks = quant_ref.random_blocks(fmt.type_id, 12, 512, seed=5)
+    assert blocks.shape == (12, fmt.row_bytes(512)) and blocks.dtype == torch.uint8
+    want = torch.from_numpy(quants.dequantize(blocks.numpy(), gguf.GGMLQuantizationType[name]))
+    torch.testing.assert_close(quant_ref.dequantize(blocks, fmt.type_id), want, rtol=0, atol=0)

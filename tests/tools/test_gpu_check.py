@@ -16,8 +16,8 @@ from phaseflip.tools.gpu_sections_engine import engine_kwargs
 
 ROOT = Path(__file__).resolve().parents[2]
 SECTIONS = ("environment", "kernels", "bandwidth", "capture", "replay_vs_eager", "park_restore", "restore",
-            "decode_throughput", "decode_step", "fp32_parity", "hf_decode", "decode_8b", "compile_boot",
-            "kv_sizing")
+            "decode_throughput", "decode_step", "fp32_parity", "hf_decode", "quantized_decode", "decode_8b",
+            "compile_boot", "kv_sizing")
 
 
 def test_dry_run_writes_every_section(tmp_path):
@@ -45,6 +45,9 @@ def test_dry_run_writes_every_section(tmp_path):
     assert all(r["tokens_per_s"] > 0 and r["bandwidth_bound_tokens_per_s"] > 0 for r in s["decode_throughput"]["rows"])
     assert [r["batch"] for r in s["hf_decode"]["rows"]] == [1, 8, 64]
     assert s["fp32_parity"]["ok"]
+    q = s["quantized_decode"]["rows"]
+    assert [r["make_up"] for r in q] == ["Q8_0", "Q4_K_M"] and all(r["fraction_of_bound"] > 0 for r in q)
+    assert set(q[1]["bytes_by_storage"]) == {"Q4_K", "Q6_K", "bfloat16"} and q[1]["against_bf16_batch_1"] > 0
     assert s["decode_8b"]["tokens_per_s_batch_1"] > 0 and s["decode_8b"]["fraction_of_bound"] > 0
     for name in ("llama-1b", "smollm2-30"):   # each boot a process of its own
         m = s["compile_boot"]["models"][name]

@@ -4,13 +4,15 @@ memory-mapped.
 Owns: `GGUFFile` (`metadata`: key -> value, scalars and numeric arrays decoded, an array of strings as
 its length only (a vocabulary's 49k strings are the tokenizer's business, not a boot's); `tensors`:
 name -> `TensorInfo`, dims in the file's order, fastest-moving first; `mapped()`: the file mapped
-copy-on-write, whose [offset, offset + num_bytes) is a tensor's data) and `read_gguf` (one parse per
-file and process while the file's size and mtime stay the same; the parse keeps no mapping open).
+copy-on-write, whose [offset, offset + num_bytes) is a tensor's data), `read_gguf` (one parse per
+file and process while the file's size and mtime stay the same; the parse keeps no mapping open),
+`type_name` and `write_gguf` (scalar metadata and tensors: the GPU check's files).
 
 Why not gguf's own GGUFReader: it decodes every array element into Python objects, ~2 s for
 SmolLM2's vocabulary, which the controller and every rank would each pay at boot. The format (magic,
 version, counts, typed key/values, tensor infos, aligned data) is GGUF's published specification; the
-`gguf` package still supplies its constants (value types, block sizes) and writes the test files.
+tensor types' names and sizes are the engine's own tables (the float types here, the block formats in
+kernels/cpu/quant.py), so that a machine without the `gguf` package reads a file the engine serves.
 """
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ from pathlib import Path
 import numpy as np
 
 from phaseflip.engine.checkpoint.loader import CheckpointError
+from phaseflip.kernels.cpu.quant import FORMATS
 
 MAGIC = b"GGUF"
 VERSIONS = (2, 3)
@@ -29,6 +32,7 @@ DEFAULT_ALIGNMENT = 32
 # GGUF value types -> struct format of a scalar
 _SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
 _STRING, _ARRAY = 8, 9
+FLOAT_SIZES = {0: ("F32", 4), 1: ("F16", 2), 30: ("BF16", 2)}   # GGML's id -> (name, bytes a value)
 
 
 @dataclass(frozen=True)
@@ -122,14 +126,67 @@ class GGUFFile:
         return name, dims, self._scalar("<I"), self._scalar("<Q")
 
 
-def _num_bytes(dims: tuple[int, ...], type_id: int) -> int:
-    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType   # at the call: no import-time work
+def type_name(type_id: int) -> str:
+    """GGML's name of a tensor type: the float types and block formats served by name from our own
+    tables; another from the gguf package where it is installed, else by number."""
+    if type_id in FLOAT_SIZES:
+        return FLOAT_SIZES[type_id][0]
+    fmt = next((f for f in FORMATS.values() if f.type_id == type_id), None)
+    if fmt is not None:
+        return fmt.name
     try:
-        block_values, block_bytes = GGML_QUANT_SIZES[GGMLQuantizationType(type_id)]
-    except (ValueError, KeyError) as e:
-        raise ValueError(f"unknown tensor type {type_id}") from e
+        from gguf import GGMLQuantizationType   # at the call: no import-time work
+        return GGMLQuantizationType(type_id).name
+    except (ImportError, ValueError):
+        return f"type {type_id}"
+
+
+def _num_bytes(dims: tuple[int, ...], type_id: int) -> int:
     values = int(np.prod(dims, dtype=np.int64))
+    if type_id in FLOAT_SIZES:
+        return values * FLOAT_SIZES[type_id][1]
+    fmt = next((f for f in FORMATS.values() if f.type_id == type_id), None)
+    if fmt is not None:
+        return values // fmt.block_values * fmt.block_bytes
+    try:   # a type the engine does not serve: its size from gguf, where installed (the loader names it)
+        from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+        block_values, block_bytes = GGML_QUANT_SIZES[GGMLQuantizationType(type_id)]
+    except (ImportError, ValueError, KeyError) as e:
+        raise ValueError(f"tensor type {type_name(type_id)} has no known size") from e
     return values // block_values * block_bytes
+
+
+def write_gguf(path: str | Path, metadata: dict, tensors: dict[str, tuple[int, tuple[int, ...], bytes]]) -> None:
+    """A GGUF file (version 3) at path: metadata values str, bool, int (uint32, int64 past it) or float
+    (float32); tensors name -> (GGML type id, shape rows first as HF orders it, the data's bytes), each
+    aligned to DEFAULT_ALIGNMENT. What the GPU check serves on a machine without the gguf package."""
+    def string(text: str) -> bytes:
+        raw = text.encode()
+        return struct.pack("<Q", len(raw)) + raw
+
+    def value(v) -> bytes:
+        if isinstance(v, str):
+            return struct.pack("<I", _STRING) + string(v)
+        if isinstance(v, bool):
+            return struct.pack("<I?", 7, v)
+        if isinstance(v, int):
+            return struct.pack("<II", 4, v) if 0 <= v < 2 ** 32 else struct.pack("<Iq", 11, v)
+        return struct.pack("<If", 6, float(v))
+
+    head = [MAGIC, struct.pack("<IQQ", 3, len(tensors), len(metadata))]
+    head += [string(k) + value(v) for k, v in metadata.items()]
+    offset, datas = 0, []
+    for name, (type_id, shape, data) in tensors.items():
+        if len(data) != _num_bytes(tuple(reversed(shape)), type_id):
+            raise ValueError(f"{name}: {len(data)} bytes for shape {shape} of {type_name(type_id)}")
+        head.append(string(name) + struct.pack(f"<I{len(shape)}QIQ", len(shape), *reversed(shape), type_id, offset))
+        datas.append(bytes(data))
+        offset = -(-(offset + len(data)) // DEFAULT_ALIGNMENT) * DEFAULT_ALIGNMENT
+    header = b"".join(head)
+    with open(path, "wb") as f:
+        f.write(header + bytes(-len(header) % DEFAULT_ALIGNMENT))
+        for data in datas:
+            f.write(data + bytes(-len(data) % DEFAULT_ALIGNMENT))
 
 
 @functools.lru_cache(maxsize=4)

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from phaseflip.engine.checkpoint.gguf_file import MAGIC, read_gguf
+from phaseflip.engine.checkpoint.gguf_file import MAGIC, read_gguf, type_name
 from phaseflip.engine.checkpoint.gguf_tensors import FLOAT_TYPES, read_tensors
 from phaseflip.engine.checkpoint.loader import CheckpointError, check_shapes
 from phaseflip.kernels.cpu.quant import FORMATS
@@ -112,8 +112,7 @@ def quantized_types(path: str | Path) -> set[str]:
     """The block formats the model's tensors are stored in (none for floats, or a directory of safetensors)."""
     if not is_gguf(path):
         return set()
-    from gguf import GGMLQuantizationType   # at the call: no import-time work
-    kinds = {GGMLQuantizationType(info.type_id).name for name, info in read_gguf(path).tensors.items()
+    kinds = {type_name(info.type_id) for name, info in read_gguf(path).tensors.items()
              if hf_name(name) is not None}
     return kinds - set(FLOAT_TYPES)
 
@@ -123,11 +122,10 @@ def column_units(path: str | Path) -> tuple[int, int]:
     it cuts along their rows): the largest block of the formats they are stored in, 1 for floats."""
     if not is_gguf(path):
         return 1, 1
-    from gguf import GGMLQuantizationType   # at the call: no import-time work
     roles = ("self_attn.o_proj.weight", "mlp.down_proj.weight")
     units = dict.fromkeys(roles, 1)
     for name, info in read_gguf(path).tensors.items():
-        kind = GGMLQuantizationType(info.type_id).name
+        kind = type_name(info.type_id)
         for role in roles:
             if (hf_name(name) or "").endswith(role) and kind in FORMATS:
                 units[role] = max(units[role], FORMATS[kind].block_values)

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from phaseflip.engine.checkpoint.gguf_file import TensorInfo, read_gguf
+from phaseflip.engine.checkpoint.gguf_file import TensorInfo, read_gguf, type_name
 from phaseflip.engine.checkpoint.loader import CheckpointError
 from phaseflip.kernels.cpu.quant import FORMATS, BlockFormat
 
@@ -35,9 +35,8 @@ class GGUFTensor:
 
 def read_tensors(path: str | Path) -> list[GGUFTensor]:
     """Every tensor of the GGUF file at path, in file order (see the module docstring)."""
-    from gguf import GGMLQuantizationType   # at the call: no import-time work
     file = read_gguf(path)
-    stored = {name: GGMLQuantizationType(info.type_id).name for name, info in file.tensors.items()}
+    stored = {name: type_name(info.type_id) for name, info in file.tensors.items()}
     for name, kind in stored.items():   # every type checked before any data is wrapped
         if kind not in FLOAT_TYPES and kind not in FORMATS:
             raise CheckpointError(f"{path}: tensor {name!r} is stored as {kind}, which is neither loaded "
