@@ -19,7 +19,7 @@ import json
 from pathlib import Path
 from typing import Sequence
 
-KINDS = ("llama", "qwen2", "qwen3", "mistral", "llama3rope")
+KINDS = ("llama", "qwen2", "qwen3", "mistral", "llama3rope", "linearrope", "yarnrope")
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 TOKENIZER_VOCAB_SIZE = 384
 CHATML_TEMPLATE = (
@@ -51,6 +51,10 @@ _KIND = {
         max_position_embeddings=512,
         rope_parameters=dict(rope_type="llama3", rope_theta=500000.0, factor=8.0, low_freq_factor=1.0,
                              high_freq_factor=4.0, original_max_position_embeddings=64))),
+    "linearrope": ("LlamaConfig", "LlamaForCausalLM", dict(
+        rope_parameters=dict(rope_type="linear", rope_theta=10000.0, factor=4.0))),
+    "yarnrope": ("Qwen2Config", "Qwen2ForCausalLM", dict(   # Qwen2.5's long-context recipe
+        rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=64))),
 }
 WEIGHT_STD = 0.08   # large enough that greedy top-2 gaps are rarely near-ties
 EMBED_STD = 0.5

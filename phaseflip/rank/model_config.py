@@ -6,6 +6,7 @@ Owns: the frozen, validated description of a Llama/Mistral/Qwen2/Qwen3 decoder. 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 
@@ -17,6 +18,28 @@ class RopeScaling:
     low_freq_factor: float
     high_freq_factor: float
     original_max_position_embeddings: int
+    rope_type: ClassVar[str] = "llama3"
+
+
+@dataclass(frozen=True)
+class LinearRope:
+    """Linear (position interpolation) scaling: every frequency divided by `factor`."""
+    factor: float
+    rope_type: ClassVar[str] = "linear"
+
+
+@dataclass(frozen=True)
+class YarnRope:
+    """YaRN scaling, as transformers computes it: frequencies blended between interpolated (/ factor) and
+    kept across the dimensions whose rotations over the original context fall between beta_slow and
+    beta_fast, and cos/sin multiplied by attention_factor."""
+    factor: float
+    original_max_position_embeddings: int
+    attention_factor: float
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    truncate: bool = True
+    rope_type: ClassVar[str] = "yarn"
 
 
 @dataclass(frozen=True)
@@ -35,7 +58,7 @@ class ModelConfig:
     tie_word_embeddings: bool
     qkv_bias: bool = False           # Qwen2
     qk_norm: bool = False            # Qwen3
-    rope_scaling: RopeScaling | None = None
+    rope_scaling: RopeScaling | LinearRope | YarnRope | None = None
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     torch_dtype: str | None = None   # the checkpoint's declared dtype, informational

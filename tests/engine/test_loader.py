@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import math
 import shutil
 from pathlib import Path
 
@@ -12,7 +13,7 @@ from safetensors.torch import load_file, save_file
 from phaseflip.engine.checkpoint.loader import (CheckpointError, expected_tensor_shapes, load_model_config, load_weights,
                                      resolve_dtype)
 from phaseflip.engine.checkpoint.tokenizer import load_tokenizer
-from phaseflip.rank.model_config import RopeScaling
+from phaseflip.rank.model_config import LinearRope, RopeScaling, YarnRope
 from tests.models import KINDS, TOKENIZER_VOCAB_SIZE, compare_greedy, hf_greedy, make_tokenizer
 
 SMOLLM2_DIR = Path.home() / ".cache" / "phaseflip" / "SmolLM2-135M-Instruct"
@@ -57,7 +58,7 @@ def test_config_parses_each_architecture(tiny_model_dir, kind):
     assert (config.vocab_size, config.hidden_size, config.intermediate_size) == (TOKENIZER_VOCAB_SIZE, 64, 128)
     assert (config.num_layers, config.num_heads, config.num_kv_heads, config.group_size) == (3, 4, 2, 2)
     assert config.head_dim == (32 if kind == "qwen3" else 16)
-    assert config.qkv_bias == (kind == "qwen2")
+    assert config.qkv_bias == (kind in ("qwen2", "yarnrope"))
     assert config.qk_norm == (kind == "qwen3")
     assert config.tie_word_embeddings is False
     assert config.rms_norm_eps == hf["rms_norm_eps"]
@@ -66,6 +67,11 @@ def test_config_parses_each_architecture(tiny_model_dir, kind):
     if kind == "llama3rope":
         assert config.rope_theta == 500000.0 and config.max_position_embeddings == 512
         assert config.rope_scaling == RopeScaling(**LLAMA3_ROPE)
+    elif kind == "linearrope":
+        assert config.rope_scaling == LinearRope(factor=4.0)
+    elif kind == "yarnrope":   # attention_factor from transformers' default mscale: 0.1 ln(4) + 1
+        assert config.rope_scaling == YarnRope(factor=4.0, original_max_position_embeddings=64,
+                                               attention_factor=pytest.approx(1.1386294))
     else:
         assert config.rope_theta == 10000.0 and config.max_position_embeddings == 256
         assert config.rope_scaling is None
@@ -82,6 +88,22 @@ def test_legacy_rope_fields_parse_like_rope_parameters(tiny_model_dir, tmp_path)
                              rope_theta=1234.0, rope_scaling=None)
     config = load_model_config(model_dir)
     assert config.rope_theta == 1234.0 and config.rope_scaling is None
+
+
+def test_legacy_linear_and_yarn_fields_parse(tiny_model_dir, tmp_path):
+    """rope_scaling (transformers 4) as rope_parameters: yarn's factor defaults to max_position_embeddings
+    over the original context, and mscale / mscale_all_dim set its attention factor as transformers does."""
+    model_dir = _edit_config(_copy(tiny_model_dir("llama"), tmp_path / "linear"), rope_parameters=None,
+                             rope_theta=10000.0, rope_scaling={"type": "linear", "factor": 2.0})
+    assert load_model_config(model_dir).rope_scaling == LinearRope(factor=2.0)
+    yarn = {"rope_type": "yarn", "original_max_position_embeddings": 64, "mscale": 0.707, "mscale_all_dim": 1.0,
+            "beta_fast": 16}
+    model_dir = _edit_config(_copy(tiny_model_dir("llama"), tmp_path / "yarn"), rope_parameters=None,
+                             rope_theta=10000.0, rope_scaling=yarn)
+    got = load_model_config(model_dir).rope_scaling
+    want = (0.1 * 0.707 * math.log(4.0) + 1) / (0.1 * math.log(4.0) + 1)   # factor 256 / 64
+    assert got == YarnRope(factor=4.0, original_max_position_embeddings=64, attention_factor=pytest.approx(want),
+                           beta_fast=16.0)
 
 
 def test_config_defaults_follow_hf(tiny_model_dir, tmp_path):
@@ -102,8 +124,11 @@ def test_sliding_window_caps_max_positions(tiny_model_dir, tmp_path):
 
 
 @pytest.mark.parametrize("changes, parts", [
-    (dict(rope_parameters={"rope_type": "yarn", "factor": 4.0}), ["rope_parameters", "'yarn'"]),
-    (dict(rope_parameters=None, rope_scaling={"type": "linear", "factor": 2.0}), ["rope_scaling", "'linear'"]),
+    (dict(rope_parameters={"rope_type": "dynamic", "factor": 4.0}), ["rope_parameters", "'dynamic'",
+                                                                      "'linear', 'yarn'"]),
+    (dict(rope_parameters=None, rope_scaling={"type": "longrope", "factor": 2.0}), ["rope_scaling", "'longrope'"]),
+    (dict(rope_parameters={"rope_type": "yarn", "factor": 4.0}), ["original_max_position_embeddings"]),
+    (dict(rope_parameters={"rope_type": "linear"}), ["'factor'"]),
     (dict(rope_parameters={"rope_type": "llama3", "factor": 8.0}), ["low_freq_factor"]),
     (dict(rope_parameters={"full_attention": {"rope_type": "default"}}), ["rope_parameters", "per-layer"]),
     (dict(attention_bias=True), ["attention_bias"]),
@@ -421,3 +446,27 @@ def test_hf_greedy_reference_has_margins(tiny_model_dir):
     assert len(ids) == len(gaps) == 6 and all(0 <= i < TOKENIZER_VOCAB_SIZE for i in ids)
     assert min(gaps) > 1e-4     # the fixtures are scaled so that greedy choices are not near-ties
     assert hf_greedy(tiny_model_dir("qwen3"), [[5, 17, 42, 100]], 6, stop_token_ids=ids[2:3])[0][0] == ids[:3]
+
+
+@pytest.mark.parametrize("params", [
+    {"rope_type": "linear", "factor": 2.5},
+    {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64},
+    {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 32, "mscale": 0.707,
+     "mscale_all_dim": 1.0, "beta_fast": 16, "beta_slow": 2},
+    {"rope_type": "yarn", "factor": 2.56, "original_max_position_embeddings": 100, "attention_factor": 1.3,
+     "truncate": False},
+    {"rope_type": "llama3", **LLAMA3_ROPE},
+])
+def test_rope_frequencies_are_transformers_own(params):
+    """Each scaling's frequencies and attention factor against transformers' own rope functions."""
+    from transformers import LlamaConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from phaseflip.engine.checkpoint.loader import _parse_rope
+    from phaseflip.kernels.reference.rotary import inv_frequencies
+    raw = {"rope_parameters": {"rope_theta": 50000.0, **params}, "max_position_embeddings": 256}
+    hf = LlamaConfig(hidden_size=64, num_attention_heads=4, head_dim=16, **raw)
+    want, factor = ROPE_INIT_FUNCTIONS[params["rope_type"]](hf, "cpu")
+    theta, scaling = _parse_rope(raw, Path("config.json"))
+    torch.testing.assert_close(inv_frequencies(16, theta, scaling), want, rtol=1e-6, atol=0)
+    assert getattr(scaling, "attention_factor", 1.0) == pytest.approx(factor)

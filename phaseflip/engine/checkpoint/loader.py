@@ -12,12 +12,13 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 from pathlib import Path
 
 import torch
 from safetensors import SafetensorError, safe_open
 
-from phaseflip.rank.model_config import ARCHITECTURES, ModelConfig, RopeScaling
+from phaseflip.rank.model_config import ARCHITECTURES, LinearRope, ModelConfig, RopeScaling, YarnRope
 
 logger = logging.getLogger(__name__)
 
@@ -176,9 +177,13 @@ def _parse_rope(raw: dict, path: Path) -> tuple[float, RopeScaling | None]:
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type == "default":
         return theta, None
-    if rope_type != "llama3":
+    if rope_type not in ("llama3", "linear", "yarn"):
         raise CheckpointError(f"{path}: field {field!r} has unsupported rope_type {rope_type!r}; "
-                              "supported: 'default', 'llama3'")
+                              "supported: 'default', 'llama3', 'linear', 'yarn'")
+    if rope_type == "linear":
+        return theta, LinearRope(factor=float(_number_field(params, "factor", path)))
+    if rope_type == "yarn":
+        return theta, _yarn(params, raw, path)
     missing = [k for k in _LLAMA3_ROPE_KEYS if k not in params]
     if missing:
         raise CheckpointError(f"{path}: field {field!r} (llama3) is missing {', '.join(missing)}")
@@ -188,6 +193,24 @@ def _parse_rope(raw: dict, path: Path) -> tuple[float, RopeScaling | None]:
         high_freq_factor=float(params["high_freq_factor"]),
         original_max_position_embeddings=int(params["original_max_position_embeddings"]),
     )
+
+
+def _yarn(params: dict, raw: dict, path: Path) -> YarnRope:
+    """YaRN's parameters as transformers reads them: factor defaults to max_position_embeddings over the
+    original context; attention_factor, unless given, from mscale (and mscale_all_dim)."""
+    original = _int_field(params, "original_max_position_embeddings", path)
+    factor = float(_number_field(params, "factor", path, _int_field(raw, "max_position_embeddings", path) / original))
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    attention = params.get("attention_factor")
+    if attention is None:
+        m, m_all = params.get("mscale"), params.get("mscale_all_dim")
+        attention = mscale(factor, m) / mscale(factor, m_all) if m and m_all else mscale(factor)
+    return YarnRope(factor=factor, original_max_position_embeddings=original, attention_factor=float(attention),
+                    beta_fast=float(params.get("beta_fast") or 32), beta_slow=float(params.get("beta_slow") or 1),
+                    truncate=bool(params.get("truncate", True)))
 
 
 def _capped_max_positions(raw: dict, arch: str, path: Path, max_pos: int) -> int:
