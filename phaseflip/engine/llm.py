@@ -34,6 +34,7 @@ from phaseflip.engine.prompts import PreparedPrompt, prepare_prompts
 from phaseflip.engine.requests import RequestOutput, Sequence
 from phaseflip.engine.sampling_params import SamplingParams
 from phaseflip.engine.scheduler import Scheduler, SchedulerConfig
+from phaseflip.engine.checkpoint.generation_config import load_generation_defaults
 from phaseflip.engine.manifest import build_manifest
 from phaseflip.engine.policy.record import PolicyRecord
 from phaseflip.engine.policy.rules import has_choice, make_rule
@@ -60,6 +61,7 @@ class LLM:
             model_dir = cfg.model or _default_model_dir()
             mc = load_model_config(model_dir)
             self.tokenizer = load_tokenizer(model_dir)
+            self.generation_defaults = load_generation_defaults(model_dir)
         with timed(self.boot_ms, "plan"):
             self.plan = make_plan(cfg, mc, str(model_dir))
         self.model_config = mc
@@ -82,7 +84,7 @@ class LLM:
         rule = make_rule(cfg.policy, cfg.ttft_budget_s, cfg.layouts, cfg.flip_every_steps, scheduler,
                          self.plan.max_model_len, self.policy_record)
         self.control = LayoutControl(self.ranks, cfg.layouts, rule, self.allocator.carried_blocks)
-        eos = set(mc.eos_token_ids)
+        eos = set(mc.eos_token_ids) | set(self.generation_defaults.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
         output_ranks = {name: self.plan.layout_plan.spec(name).output_rank for name in cfg.layouts}
@@ -127,8 +129,16 @@ class LLM:
                     bar.update(len(self.core.step().finished))
         return [request_output(seqs[0].request_id, seqs, self.tokenizer) for seqs in requests]
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """SamplingParams with the model's generation_config.json defaults (vLLM's): what a call without
+        sampling params gets."""
+        return SamplingParams(**self.generation_defaults.sampling)
+
     def prepare(self, prompts, sampling_params=None) -> list[PreparedPrompt]:
-        """Prompts as token ids with their params, every one checked against this engine's limits."""
+        """Prompts as token ids with their params (None: get_default_sampling_params()), every one checked
+        against this engine's limits."""
+        if sampling_params is None:
+            sampling_params = self.get_default_sampling_params()
         return prepare_prompts(prompts, sampling_params, self.tokenizer, vocab_size=self.model_config.vocab_size,
                                max_model_len=self.plan.max_model_len,
                                max_tokens_in_pool=self.plan.num_kv_blocks * self.plan.shapes.block_size)

@@ -65,7 +65,7 @@ class Served:
 
     def prepare(self, prompts, body, field: str) -> list:
         try:
-            params = body.sampling_params()
+            params = body.sampling_params(self.engine.llm.generation_defaults)
             prepared = self.engine.prepare(prompts, params)
         except (ValueError, TypeError) as e:
             raise bad_value(e, body, field) from None

@@ -4,8 +4,9 @@ Owns: which fields a completion or chat request may carry, their types, and the 
 request into the engine's SamplingParams. A field this server does not implement is refused with an
 error naming it, never ignored: an unknown field by pydantic (extra="forbid"), a known OpenAI field
 with an unimplemented value (tools, a response_format other than text, best_of > 1, suffix) by a
-validator here. The values' ranges are SamplingParams' to check (one authority for the offline API
-and the server).
+validator here. A field a request leaves unset takes the model's generation_config.json default where
+it has one. The values' ranges are SamplingParams' to check (one authority for the offline API and the
+server).
 """
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from typing import Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
+from phaseflip.engine.checkpoint.generation_config import GenerationDefaults
 from phaseflip.engine.sampling_params import SamplingParams
 
 
@@ -53,9 +55,11 @@ class _Sampling(Strict):
             raise ValueError("stream_options is only allowed with stream=true")
         return v
 
-    def _params(self, max_tokens: int | None, logprobs: int | None,
-                prompt_logprobs: int | None = None) -> SamplingParams:
-        return SamplingParams(
+    def _params(self, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None = None,
+                defaults: GenerationDefaults | None = None, max_tokens_fields: tuple[str, ...] = ()) -> SamplingParams:
+        """SamplingParams of this request; a field the request leaves unset takes the model's
+        generation_config.json default where it has one (vLLM's behaviour)."""
+        given = dict(
             n=self.n, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
             seed=self.seed, max_tokens=max_tokens, stop=self.stop, stop_token_ids=self.stop_token_ids,
             ignore_eos=self.ignore_eos, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
@@ -63,6 +67,12 @@ class _Sampling(Strict):
             frequency_penalty=self.frequency_penalty, repetition_penalty=self.repetition_penalty,
             logit_bias=self.logit_bias, include_stop_str_in_output=self.include_stop_str_in_output,
             skip_special_tokens=self.skip_special_tokens)
+        if defaults is not None:
+            named = set(self.model_fields_set)
+            if named & set(max_tokens_fields):
+                named.add("max_tokens")
+            given = defaults.fill(given, named)
+        return SamplingParams(**given)
 
     @property
     def include_usage(self) -> bool:
@@ -109,9 +119,10 @@ class CompletionRequest(_Sampling):
             return [p]
         return list(p)
 
-    def sampling_params(self) -> SamplingParams:
+    def sampling_params(self, defaults: GenerationDefaults | None = None) -> SamplingParams:
         """echo with logprobs: the echoed prompt's tokens carry theirs too (the prompt's logprobs)."""
-        return self._params(self.max_tokens, self.logprobs, self.logprobs if self.echo else None)
+        return self._params(self.max_tokens, self.logprobs, self.logprobs if self.echo else None, defaults,
+                            ("max_tokens",))
 
 
 class ContentPart(Strict):
@@ -182,6 +193,7 @@ class ChatCompletionRequest(_Sampling):
             raise ValueError("top_logprobs needs logprobs=true")
         return v
 
-    def sampling_params(self) -> SamplingParams:
+    def sampling_params(self, defaults: GenerationDefaults | None = None) -> SamplingParams:
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
-        return self._params(max_tokens, (self.top_logprobs or 0) if self.logprobs else None)
+        return self._params(max_tokens, (self.top_logprobs or 0) if self.logprobs else None, None, defaults,
+                            ("max_tokens", "max_completion_tokens"))
