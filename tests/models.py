@@ -19,7 +19,7 @@ import json
 from pathlib import Path
 from typing import Sequence
 
-KINDS = ("llama", "qwen2", "qwen3", "mistral", "llama3rope", "linearrope", "yarnrope")
+KINDS = ("llama", "qwen2", "qwen3", "mistral", "llama3rope", "linearrope", "yarnrope", "phi3")
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 TOKENIZER_VOCAB_SIZE = 384
 CHATML_TEMPLATE = (
@@ -53,6 +53,7 @@ _KIND = {
                              high_freq_factor=4.0, original_max_position_embeddings=64))),
     "linearrope": ("LlamaConfig", "LlamaForCausalLM", dict(
         rope_parameters=dict(rope_type="linear", rope_theta=10000.0, factor=4.0))),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM", dict(pad_token_id=0)),   # fused qkv_proj and gate_up_proj
     "yarnrope": ("Qwen2Config", "Qwen2ForCausalLM", dict(   # Qwen2.5's long-context recipe
         rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=64))),
 }

@@ -1,6 +1,6 @@
 """ModelConfig: the architecture facts the model maths needs, parsed once from config.json.
 
-Owns: the frozen, validated description of a Llama/Mistral/Qwen2/Qwen3 decoder. It never reads files
+Owns: the frozen, validated description of a Llama/Mistral/Qwen2/Qwen3/Phi-3 decoder. It never reads files
 (engine/checkpoint/loader.py does) and never holds weights.
 """
 from __future__ import annotations
@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Phi3ForCausalLM")
 
 
 @dataclass(frozen=True)

@@ -129,6 +129,8 @@ def test_sliding_window_caps_max_positions(tiny_model_dir, tmp_path):
     (dict(rope_parameters=None, rope_scaling={"type": "longrope", "factor": 2.0}), ["rope_scaling", "'longrope'"]),
     (dict(rope_parameters={"rope_type": "yarn", "factor": 4.0}), ["original_max_position_embeddings"]),
     (dict(rope_parameters={"rope_type": "linear"}), ["'factor'"]),
+    (dict(rope_parameters={"rope_type": "default", "partial_rotary_factor": 0.75}), ["partial_rotary_factor"]),
+    (dict(partial_rotary_factor=0.5), ["partial_rotary_factor"]),
     (dict(rope_parameters={"rope_type": "llama3", "factor": 8.0}), ["low_freq_factor"]),
     (dict(rope_parameters={"full_attention": {"rope_type": "default"}}), ["rope_parameters", "per-layer"]),
     (dict(attention_bias=True), ["attention_bias"]),
@@ -187,12 +189,19 @@ def test_weights_load_and_match_the_files(tiny_model_dir, kind):
     model_dir = tiny_model_dir(kind)
     config = load_model_config(model_dir)
     weights = load_weights(model_dir, config, torch.float32)
-    expected = expected_tensor_shapes(config)
-    assert set(weights) == set(expected)
+    expected = expected_tensor_shapes(config)   # the file's names: Phi-3 stores qkv_proj and gate_up_proj
     on_disk = load_file(str(model_dir / "model.safetensors"))
-    for name, tensor in weights.items():
-        assert tensor.dtype == torch.float32 and tuple(tensor.shape) == expected[name]
-        assert torch.equal(tensor, on_disk[name]), name
+    fused = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+    seen = set()
+    for name, shape in expected.items():
+        joined = next((k for k in fused if f".{k}." in name), None)
+        parts = [name.replace(joined, p) for p in fused[joined]] if joined else [name]
+        got = torch.cat([weights[p] for p in parts])
+        assert got.dtype == torch.float32 and tuple(got.shape) == shape
+        assert torch.equal(got, on_disk[name]), name
+        seen.update(parts)
+    assert seen == set(weights)
+    assert (kind == "phi3") == any("qkv_proj" in name for name in expected)
 
 
 def test_expected_shapes_cover_biases_norms_and_head_dim(tiny_model_dir):

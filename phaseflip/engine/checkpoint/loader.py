@@ -31,7 +31,12 @@ _DEFAULTS = {
     "MistralForCausalLM": dict(max_position_embeddings=4096 * 32, head_dim=None, sliding_window=4096),
     "Qwen2ForCausalLM": dict(max_position_embeddings=32768, head_dim=None, sliding_window=None),
     "Qwen3ForCausalLM": dict(max_position_embeddings=32768, head_dim=128, sliding_window=None),
+    "Phi3ForCausalLM": dict(max_position_embeddings=4096, head_dim=None, sliding_window=None),
 }
+# architectures whose checkpoints store q/k/v as one qkv_proj and gate/up as one gate_up_proj (rows in
+# that order): read fused, handed on as row views under the separate names
+_FUSED_IN_FILE = ("Phi3ForCausalLM",)
+_FUSIONS = (("qkv_proj", ("q_proj", "k_proj", "v_proj")), ("gate_up_proj", ("gate_proj", "up_proj")))
 _DEFAULT_ROPE_THETA = 10_000.0
 _LLAMA3_ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 
@@ -102,6 +107,9 @@ def _check_unsupported(raw: dict, arch: str, path: Path) -> None:
     _check_not_quantized(raw, path)
     if raw.get("hidden_act", "silu") != "silu":
         raise CheckpointError(f"{path}: field 'hidden_act'={raw['hidden_act']!r} is not supported (only 'silu')")
+    if raw.get("partial_rotary_factor", 1.0) != 1.0:
+        raise CheckpointError(f"{path}: field 'partial_rotary_factor'={raw['partial_rotary_factor']!r} is not "
+                              "supported (the rotary covers the whole head: only 1.0)")
     # Llama/Qwen3 attention_bias puts a bias on o_proj as well as q/k/v; Llama mlp_bias on the MLP.
     for name in ("attention_bias", "mlp_bias"):
         if arch in ("LlamaForCausalLM", "Qwen3ForCausalLM") and raw.get(name):
@@ -174,6 +182,10 @@ def _parse_rope(raw: dict, path: Path) -> tuple[float, RopeScaling | None]:
     if any(isinstance(v, dict) for v in params.values()):
         raise CheckpointError(f"{path}: field {field!r} holds per-layer-type parameters, which are not supported")
     theta = float(_number_field(params, "rope_theta", path, _DEFAULT_ROPE_THETA))
+    if params.get("partial_rotary_factor", 1.0) != 1.0:
+        raise CheckpointError(f"{path}: field {field!r} has partial_rotary_factor="
+                              f"{params['partial_rotary_factor']!r}, which is not supported (the rotary covers "
+                              "the whole head: only 1.0)")
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type == "default":
         return theta, None
@@ -247,7 +259,7 @@ def resolve_dtype(dtype: str | torch.dtype, device: str, checkpoint_dtype: str |
 # ---------------------------------------------------------------------------------------------- weights
 
 def expected_tensor_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Every tensor (HF name) the architecture needs, with its shape."""
+    """Every tensor (HF name) the architecture's checkpoint holds, with its shape (fused ones fused)."""
     c = config
     H, q_out, kv_out = c.hidden_size, c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
     shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (c.vocab_size, H), "model.norm.weight": (H,)}
@@ -272,7 +284,34 @@ def expected_tensor_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
         if c.qk_norm:
             shapes.update({p + "self_attn.q_norm.weight": (c.head_dim,),
                            p + "self_attn.k_norm.weight": (c.head_dim,)})
-    return shapes
+    return _fused(shapes, c) if c.architecture in _FUSED_IN_FILE else shapes
+
+
+def _fused(shapes: dict[str, tuple[int, ...]], c: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """The file's names and shapes where it stores q/k/v and gate/up fused (their rows stacked)."""
+    out = {}
+    for name, shape in shapes.items():
+        for fused, parts in _FUSIONS:
+            part = next((p for p in parts if name.endswith(f".{p}.weight")), None)
+            if part is not None:
+                name = name.replace(f".{part}.", f".{fused}.")
+                shape = (out.get(name, (0,))[0] + shape[0], *shape[1:])
+        out[name] = shape
+    return out
+
+
+def _unfused(weights: dict[str, torch.Tensor], c: ModelConfig) -> dict[str, torch.Tensor]:
+    """A fused file's tensors under the separate names, as row views of the fused ones (no copy)."""
+    rows = {"qkv_proj": [c.num_heads * c.head_dim] + [c.num_kv_heads * c.head_dim] * 2,
+            "gate_up_proj": [c.intermediate_size] * 2}
+    out = {}
+    for name, t in weights.items():
+        fused = next(((f, parts) for f, parts in _FUSIONS if name.endswith(f".{f}.weight")), None)
+        if fused is None:
+            out[name] = t
+            continue
+        out.update(zip((name.replace(fused[0], p) for p in fused[1]), t.split(rows[fused[0]])))
+    return out
 
 
 def load_weights(model_dir: str | Path, config: ModelConfig, dtype: torch.dtype) -> dict[str, torch.Tensor]:
@@ -296,7 +335,7 @@ def load_weights(model_dir: str | Path, config: ModelConfig, dtype: torch.dtype)
         read = ", ".join(f.name for f in files)
         raise CheckpointError(f"{model_dir}: tensor {missing[0]!r} is missing from the checkpoint "
                               f"({len(missing)} missing in all; read: {read})")
-    return weights
+    return _unfused(weights, config) if config.architecture in _FUSED_IN_FILE else weights
 
 
 def check_shapes(path: Path, shapes: dict[str, tuple[int, ...]], config: ModelConfig) -> None:
