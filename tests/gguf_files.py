@@ -77,7 +77,8 @@ _GGUF = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": 
          "lm_head.weight": "output.weight"}
 _LAYER = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "self_attn.q_proj": "attn_q",
           "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
-          "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+          "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+          "self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up"}   # the last two: Phi-3's fused
 
 
 def gguf_name(hf_name: str) -> str:
@@ -93,10 +94,10 @@ def _permute(rows: np.ndarray, heads: int) -> np.ndarray:
     return rows.reshape(heads, 2, n // heads // 2, *rows.shape[1:]).swapaxes(1, 2).reshape(rows.shape)
 
 
-def write_llama_gguf(model_dir: Path, out: Path, kinds: dict[str, str]) -> dict[str, np.ndarray]:
-    """The HF llama checkpoint at model_dir written as a GGUF file `out` (its tokenizer files beside it),
-    each tensor in kinds[hf name] (F32 where unnamed). Returns each tensor's values as its blocks decode
-    (gguf's decoder), under HF names and in HF's row order."""
+def write_llama_gguf(model_dir: Path, out: Path, kinds: dict[str, str], arch: str = "llama") -> dict[str, np.ndarray]:
+    """The HF checkpoint at model_dir (a llama, or `arch` "phi3") written as a GGUF file `out` (its tokenizer
+    files beside it), each tensor in kinds[hf name] (F32 where unnamed). Returns each tensor's values as
+    its blocks decode (gguf's decoder), under HF names and in HF's row order."""
     import json
 
     from gguf import GGMLQuantizationType, GGUFWriter
@@ -105,7 +106,7 @@ def write_llama_gguf(model_dir: Path, out: Path, kinds: dict[str, str]) -> dict[
     tensors = {}
     for f in sorted(model_dir.glob("*.safetensors")):
         tensors.update(load_file(f))
-    writer = GGUFWriter(str(out), "llama")
+    writer = GGUFWriter(str(out), arch)
     writer.add_context_length(cfg["max_position_embeddings"])
     writer.add_embedding_length(cfg["hidden_size"])
     writer.add_block_count(cfg["num_hidden_layers"])

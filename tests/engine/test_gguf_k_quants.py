@@ -75,3 +75,27 @@ def test_two_ranks_flipping_every_step_give_one_ranks_tokens(k_quant_file):
     with LLM(str(path), world_size=2, layouts=("pp", "tp"), flip_every_steps=1) as llm:
         assert _greedy(llm, 12) == want
         assert llm.stats()["flips"] >= 6
+
+
+def test_a_phi3_file_with_its_fused_tensors_serves_as_hf_runs_it(tmp_path):
+    """llama.cpp's phi3 layout: q/k/v rows in one attn_qkv, gate/up rows in one ffn_up; served as row views
+    of the blocks (Q8_0 and Q5_1 here), greedy tokens against HF on the decoded blocks."""
+    hf = make_tiny_model("phi3", tmp_path / "hf", num_layers=2)
+    kinds = {}
+    for i in range(2):
+        p = f"model.layers.{i}."
+        kinds.update({p + "self_attn.qkv_proj.weight": "Q8_0", p + "mlp.gate_up_proj.weight": "Q5_1",
+                      p + "self_attn.o_proj.weight": "Q8_0", p + "mlp.down_proj.weight": "Q8_0"})
+    out = tmp_path / "gguf"
+    out.mkdir()
+    decoded = write_llama_gguf(hf, out / "tiny-phi3.gguf", kinds, arch="phi3")
+    reference = dequantized_reference(hf, decoded, tmp_path / "ref")
+    assert gguf_model.quantized_types(out / "tiny-phi3.gguf") == {"Q8_0", "Q5_1"}
+    with LLM(str(out / "tiny-phi3.gguf")) as llm:
+        assert llm.model_config.architecture == "Phi3ForCausalLM"
+        ours = _greedy(llm)
+    tok = load_tokenizer(reference)
+    want = [ids for ids, _ in hf_greedy(reference, [tok.encode(p) for p in PROMPTS], 24)]
+    same = sum(a == b for x, y in zip(ours, want) for a, b in zip(x, y))
+    print(f"phi3 GGUF vs HF on its decoded blocks: {same}/{sum(map(len, want))} greedy tokens equal")
+    assert same >= AGREEMENT * sum(map(len, want))

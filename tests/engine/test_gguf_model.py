@@ -158,3 +158,24 @@ def test_a_quantized_tp_share_keeps_whole_blocks():
     assert _cols(w, 32, 64).shape == (4, 2, 34)
     with pytest.raises(ValueError, match=r"columns \[16, 80\) are not whole 32-value blocks"):
         _cols(w, 16, 64)
+
+
+def _phi3_header(path, tensors=(), **extra):
+    """A phi3 GGUF holding only what its config needs (the engine's own writer)."""
+    from phaseflip.engine.checkpoint.gguf_file import write_gguf
+    meta = {"general.architecture": "phi3", "phi3.context_length": 256, "phi3.embedding_length": 64,
+            "phi3.feed_forward_length": 128, "phi3.block_count": 1, "phi3.attention.head_count": 4,
+            "phi3.attention.key_length": 16, "phi3.attention.layer_norm_rms_epsilon": 1e-5, **extra}
+    table = {"token_embd.weight": (0, (384, 64), bytes(384 * 64 * 4))}
+    table.update({name: (0, (8,), bytes(32)) for name in tensors})
+    write_gguf(path, meta, table)
+    return path
+
+
+def test_phi3_files_cap_their_window_and_refuse_a_partial_or_scaled_rotary(tmp_path):
+    cfg = load_model_config(_phi3_header(tmp_path / "a.gguf", **{"phi3.attention.sliding_window": 100}))
+    assert cfg.architecture == "Phi3ForCausalLM" and cfg.max_position_embeddings == 100 and cfg.head_dim == 16
+    with pytest.raises(CheckpointError, match=r"phi3.rope.dimension_count=12 rotates part of the 16-value head"):
+        load_model_config(_phi3_header(tmp_path / "b.gguf", **{"phi3.rope.dimension_count": 12}))
+    with pytest.raises(CheckpointError, match=r"rope scaling \(rope_factors_long.weight\)"):
+        load_model_config(_phi3_header(tmp_path / "c.gguf", tensors=("rope_factors_long.weight",)))

@@ -2,9 +2,10 @@
 ones kept in their blocks, and where its tokenizer is.
 
 Owns: `is_gguf` (a path names a GGUF file), `load_gguf_config` (ModelConfig from the `<arch>.*` keys of
-llama, mistral, qwen2 and qwen3 files), `load_gguf_weights` (HF-named tensors: F32 / F16 / BF16 cast to
+llama, mistral, qwen2, qwen3 and phi3 files; a sliding window caps the context, as for config.json), `load_gguf_weights` (HF-named tensors: F32 / F16 / BF16 cast to
 the compute dtype; the block formats of kernels/cpu/quant.py as uint8 [rows, blocks, block bytes], the
-layout the quantized products read), `quantized_types`, `column_units` (the blocks a TP split of o_proj
+layout the quantized products read; phi3's fused attn_qkv and ffn_up handed on as row views under the separate names),
+`quantized_types`, `column_units` (the blocks a TP split of o_proj
 and down_proj must keep whole) and `gguf_tokenizer_dir`. llama.cpp's converter interleaves the
 rows of a llama's q and k projections for its rotary; they are put back in HF's order here, whole rows
 of blocks at a time (a permutation of rows never touches a block). What the engine cannot serve as the
@@ -24,12 +25,12 @@ import torch
 
 from phaseflip.engine.checkpoint.gguf_file import MAGIC, read_gguf, type_name
 from phaseflip.engine.checkpoint.gguf_tensors import FLOAT_TYPES, read_tensors
-from phaseflip.engine.checkpoint.loader import CheckpointError, check_shapes
+from phaseflip.engine.checkpoint.loader import CheckpointError, check_shapes, unfused
 from phaseflip.kernels.cpu.quant import FORMATS
 from phaseflip.rank.model_config import ModelConfig
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-                 "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+                 "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "phi3": "Phi3ForCausalLM"}
 PERMUTED_QK = ("llama", "mistral")   # llama.cpp's converter interleaves these families' q/k rows
 # GGUF tensor names -> HF's (the layer part of each)
 _LAYER_NAMES = {
@@ -43,6 +44,8 @@ _LAYER_NAMES = {
 }
 _MODEL_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
                 "output.weight": "lm_head.weight"}
+# Phi-3's fused tensors: q/k/v rows in attn_qkv, gate/up rows in ffn_up (as its HF checkpoint fuses them)
+_FUSED_NAMES = {"attn_qkv.weight": "self_attn.qkv_proj.weight", "ffn_up.weight": "mlp.gate_up_proj.weight"}
 
 
 def is_gguf(path: str | Path) -> bool:
@@ -66,8 +69,9 @@ def load_gguf_config(path: str | Path) -> ModelConfig:
     if arch not in ARCHITECTURES:
         raise CheckpointError(f"{path}: general.architecture={arch!r} is not served; served: {', '.join(ARCHITECTURES)}")
     scaling = _field(file, f"{arch}.rope.scaling.type", "none")
-    if scaling != "none" or "rope_freqs.weight" in file.tensors:
-        raise CheckpointError(f"{path}: rope scaling ({scaling if scaling != 'none' else 'rope_freqs'}) in a GGUF "
+    factors = [n for n in file.tensors if n.startswith(("rope_freqs", "rope_factors"))]
+    if scaling != "none" or factors:
+        raise CheckpointError(f"{path}: rope scaling ({scaling if scaling != 'none' else factors[0]}) in a GGUF "
                               "file is not served; allowed: plain rope")
 
     def need(key: str):
@@ -82,15 +86,24 @@ def load_gguf_config(path: str | Path) -> ModelConfig:
         raise CheckpointError(f"{path}: tensor 'token_embd.weight' is missing")
     vocab = _field(file, f"{arch}.vocab_size") or names["token_embd.weight"].dims[-1]
     eos = _field(file, "tokenizer.ggml.eos_token_id")
+    head_dim = int(_field(file, f"{arch}.attention.key_length", hidden // heads))
+    rotary = int(_field(file, f"{arch}.rope.dimension_count", head_dim))
+    if rotary != head_dim:
+        raise CheckpointError(f"{path}: {arch}.rope.dimension_count={rotary} rotates part of the {head_dim}-value "
+                              "head, which is not served (the rotary covers the whole head)")
+    max_pos = int(need("context_length"))
+    window = _field(file, f"{arch}.attention.sliding_window")
+    if window is not None and 0 < int(window) < max_pos:   # as the loader does for config.json's sliding_window
+        max_pos = int(window)
     try:
         return ModelConfig(
             architecture=ARCHITECTURES[arch], vocab_size=int(vocab), hidden_size=hidden,
             intermediate_size=int(need("feed_forward_length")), num_layers=int(need("block_count")),
             num_heads=heads, num_kv_heads=int(_field(file, f"{arch}.attention.head_count_kv", heads)),
-            head_dim=int(_field(file, f"{arch}.attention.key_length", hidden // heads)),
+            head_dim=head_dim,
             rms_norm_eps=float(need("attention.layer_norm_rms_epsilon")),
             rope_theta=float(_field(file, f"{arch}.rope.freq_base", 10_000.0)),
-            max_position_embeddings=int(need("context_length")),
+            max_position_embeddings=max_pos,
             tie_word_embeddings="output.weight" not in names, qkv_bias=arch == "qwen2", qk_norm=arch == "qwen3",
             bos_token_id=_field(file, "tokenizer.ggml.bos_token_id"),
             eos_token_ids=() if eos is None else (int(eos),), torch_dtype=None)
@@ -98,13 +111,14 @@ def load_gguf_config(path: str | Path) -> ModelConfig:
         raise CheckpointError(f"{path}: {e}") from e
 
 
-def hf_name(gguf_name: str) -> str | None:
-    """The HF name of a GGUF tensor name (None: a tensor the engine does not read)."""
+def hf_name(gguf_name: str, arch: str | None = None) -> str | None:
+    """The HF name of a GGUF tensor name in a file of `arch` (None: a tensor the engine does not read)."""
     if gguf_name in _MODEL_NAMES:
         return _MODEL_NAMES[gguf_name]
     parts = gguf_name.split(".", 2)
-    if len(parts) == 3 and parts[0] == "blk" and parts[2] in _LAYER_NAMES:
-        return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}"
+    names = {**_LAYER_NAMES, **_FUSED_NAMES} if arch == "phi3" else _LAYER_NAMES
+    if len(parts) == 3 and parts[0] == "blk" and parts[2] in names:
+        return f"model.layers.{parts[1]}.{names[parts[2]]}"
     return None
 
 
@@ -112,8 +126,9 @@ def quantized_types(path: str | Path) -> set[str]:
     """The block formats the model's tensors are stored in (none for floats, or a directory of safetensors)."""
     if not is_gguf(path):
         return set()
-    kinds = {type_name(info.type_id) for name, info in read_gguf(path).tensors.items()
-             if hf_name(name) is not None}
+    file = read_gguf(path)
+    arch = _field(file, "general.architecture")
+    kinds = {type_name(info.type_id) for name, info in file.tensors.items() if hf_name(name, arch) is not None}
     return kinds - set(FLOAT_TYPES)
 
 
@@ -135,16 +150,17 @@ def column_units(path: str | Path) -> tuple[int, int]:
 def load_gguf_weights(path: str | Path, cfg: ModelConfig, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """The GGUF file's tensors under HF's names (see the module docstring), shapes checked first."""
     path = Path(path)
-    tensors = {name: t for t in read_tensors(path) if (name := hf_name(t.name)) is not None}
+    arch = _field(read_gguf(path), "general.architecture")
+    tensors = {name: t for t in read_tensors(path) if (name := hf_name(t.name, arch)) is not None}
     check_shapes(path, {name: t.shape for name, t in tensors.items()}, cfg)
-    permuted = _field(read_gguf(path), "general.architecture") in PERMUTED_QK
+    permuted = arch in PERMUTED_QK
     weights = {}
     for name, t in tensors.items():
         data = t.data.to(dtype) if t.fmt is None else t.data.view(t.shape[0], -1, t.fmt.block_bytes)
         if permuted and name.endswith(("q_proj.weight", "k_proj.weight")):
             data = _unpermute(data, cfg.num_heads if "q_proj" in name else cfg.num_kv_heads)
         weights[name] = data
-    return weights
+    return unfused(weights, cfg)
 
 
 def _unpermute(rows: torch.Tensor, heads: int) -> torch.Tensor:

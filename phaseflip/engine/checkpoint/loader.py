@@ -300,8 +300,11 @@ def _fused(shapes: dict[str, tuple[int, ...]], c: ModelConfig) -> dict[str, tupl
     return out
 
 
-def _unfused(weights: dict[str, torch.Tensor], c: ModelConfig) -> dict[str, torch.Tensor]:
-    """A fused file's tensors under the separate names, as row views of the fused ones (no copy)."""
+def unfused(weights: dict[str, torch.Tensor], c: ModelConfig) -> dict[str, torch.Tensor]:
+    """A fused file's tensors under the separate names, as row views of the fused ones (no copy; a
+    quantized one's rows are rows of blocks); the weights as they are for an architecture stored apart."""
+    if c.architecture not in _FUSED_IN_FILE:
+        return weights
     rows = {"qkv_proj": [c.num_heads * c.head_dim] + [c.num_kv_heads * c.head_dim] * 2,
             "gate_up_proj": [c.intermediate_size] * 2}
     out = {}
@@ -335,7 +338,7 @@ def load_weights(model_dir: str | Path, config: ModelConfig, dtype: torch.dtype)
         read = ", ".join(f.name for f in files)
         raise CheckpointError(f"{model_dir}: tensor {missing[0]!r} is missing from the checkpoint "
                               f"({len(missing)} missing in all; read: {read})")
-    return _unfused(weights, config) if config.architecture in _FUSED_IN_FILE else weights
+    return unfused(weights, config)
 
 
 def check_shapes(path: Path, shapes: dict[str, tuple[int, ...]], config: ModelConfig) -> None:
