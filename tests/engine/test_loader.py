@@ -471,11 +471,11 @@ def test_rope_frequencies_are_transformers_own(params):
     from transformers import LlamaConfig
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-    from phaseflip.engine.checkpoint.loader import _parse_rope
+    from phaseflip.engine.checkpoint.rope_config import parse_rope
     from phaseflip.kernels.reference.rotary import inv_frequencies
     raw = {"rope_parameters": {"rope_theta": 50000.0, **params}, "max_position_embeddings": 256}
     hf = LlamaConfig(hidden_size=64, num_attention_heads=4, head_dim=16, **raw)
     want, factor = ROPE_INIT_FUNCTIONS[params["rope_type"]](hf, "cpu")
-    theta, scaling = _parse_rope(raw, Path("config.json"))
+    theta, scaling = parse_rope(raw, Path("config.json"))
     torch.testing.assert_close(inv_frequencies(16, theta, scaling), want, rtol=1e-6, atol=0)
     assert getattr(scaling, "attention_factor", 1.0) == pytest.approx(factor)

@@ -2,15 +2,15 @@
 ones kept in their blocks, and where its tokenizer is.
 
 Owns: `is_gguf` (a path names a GGUF file), `load_gguf_config` (ModelConfig from the `<arch>.*` keys of
-llama, mistral, qwen2, qwen3 and phi3 files; a sliding window caps the context, as for config.json), `load_gguf_weights` (HF-named tensors: F32 / F16 / BF16 cast to
-the compute dtype; the block formats of kernels/cpu/quant.py as uint8 [rows, blocks, block bytes], the
-layout the quantized products read; phi3's fused attn_qkv and ffn_up handed on as row views under the separate names),
-`quantized_types`, `column_units` (the blocks a TP split of o_proj
-and down_proj must keep whole) and `gguf_tokenizer_dir`. llama.cpp's converter interleaves the
-rows of a llama's q and k projections for its rotary; they are put back in HF's order here, whole rows
-of blocks at a time (a permutation of rows never touches a block). What the engine cannot serve as the
-file has it (another architecture, rope scaling, a tensor type without a kernel) is a CheckpointError
-naming it, raised before any weight is read.
+llama, mistral, qwen2, qwen3 and phi3 files; a sliding window caps the context, as for config.json),
+`load_gguf_weights` (HF-named tensors: F32 / F16 / BF16 cast to the compute dtype; the block formats of
+kernels/cpu/quant.py as uint8 [rows, blocks, block bytes], the layout the quantized products read; phi3's
+fused attn_qkv and ffn_up handed on as row views under the separate names), `quantized_types`,
+`column_units` (the blocks a TP split of o_proj and down_proj must keep whole) and `gguf_tokenizer_dir`.
+llama.cpp's converter interleaves the rows of a llama's q and k projections for its rotary; they are put
+back in HF's order here, whole rows of blocks at a time (a permutation of rows never touches a block).
+What the engine cannot serve as the file has it (another architecture, rope scaling, a tensor type
+without a kernel) is a CheckpointError naming it, raised before any weight is read.
 """
 from __future__ import annotations
 
@@ -25,7 +25,8 @@ import torch
 
 from phaseflip.engine.checkpoint.gguf_file import MAGIC, read_gguf, type_name
 from phaseflip.engine.checkpoint.gguf_tensors import FLOAT_TYPES, read_tensors
-from phaseflip.engine.checkpoint.loader import CheckpointError, check_shapes, unfused
+from phaseflip.engine.checkpoint.fused import unfused
+from phaseflip.engine.checkpoint.loader import CheckpointError, check_shapes
 from phaseflip.kernels.cpu.quant import FORMATS
 from phaseflip.rank.model_config import ModelConfig
 

@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 from pathlib import Path
 
 import torch
 from safetensors import SafetensorError, safe_open
 
-from phaseflip.rank.model_config import ARCHITECTURES, LinearRope, ModelConfig, RopeScaling, YarnRope
+from phaseflip.engine.checkpoint.fused import fused_shapes, unfused
+from phaseflip.rank.model_config import ARCHITECTURES, ModelConfig
 
 logger = logging.getLogger(__name__)
 
@@ -33,12 +33,6 @@ _DEFAULTS = {
     "Qwen3ForCausalLM": dict(max_position_embeddings=32768, head_dim=128, sliding_window=None),
     "Phi3ForCausalLM": dict(max_position_embeddings=4096, head_dim=None, sliding_window=None),
 }
-# architectures whose checkpoints store q/k/v as one qkv_proj and gate/up as one gate_up_proj (rows in
-# that order): read fused, handed on as row views under the separate names
-_FUSED_IN_FILE = ("Phi3ForCausalLM",)
-_FUSIONS = (("qkv_proj", ("q_proj", "k_proj", "v_proj")), ("gate_up_proj", ("gate_proj", "up_proj")))
-_DEFAULT_ROPE_THETA = 10_000.0
-_LLAMA3_ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 
 _DTYPES = {
     "float32": torch.float32, "fp32": torch.float32,
@@ -73,7 +67,8 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
     num_heads = _int_field(raw, "num_attention_heads", path)
     hidden = _int_field(raw, "hidden_size", path)
     head_dim = _int_field(raw, "head_dim", path, defaults["head_dim"] or hidden // num_heads)
-    rope_theta, rope_scaling = _parse_rope(raw, path)
+    from phaseflip.engine.checkpoint.rope_config import parse_rope   # it builds on this module
+    rope_theta, rope_scaling = parse_rope(raw, path)
     max_pos = _capped_max_positions(raw, arch, path, _int_field(raw, "max_position_embeddings", path,
                                                                  defaults["max_position_embeddings"]))
     fields = dict(
@@ -171,60 +166,6 @@ def _eos_ids(value, path: Path) -> tuple[int, ...]:
     return tuple(ids)
 
 
-def _parse_rope(raw: dict, path: Path) -> tuple[float, RopeScaling | None]:
-    """rope_parameters (transformers 5) wins; else legacy rope_theta + rope_scaling."""
-    if isinstance(raw.get("rope_parameters"), dict):
-        field, params = "rope_parameters", dict(raw["rope_parameters"])
-        params.setdefault("rope_theta", raw.get("rope_theta", _DEFAULT_ROPE_THETA))
-    else:
-        field, params = "rope_scaling", dict(raw.get("rope_scaling") or {})
-        params["rope_theta"] = raw.get("rope_theta", _DEFAULT_ROPE_THETA)
-    if any(isinstance(v, dict) for v in params.values()):
-        raise CheckpointError(f"{path}: field {field!r} holds per-layer-type parameters, which are not supported")
-    theta = float(_number_field(params, "rope_theta", path, _DEFAULT_ROPE_THETA))
-    if params.get("partial_rotary_factor", 1.0) != 1.0:
-        raise CheckpointError(f"{path}: field {field!r} has partial_rotary_factor="
-                              f"{params['partial_rotary_factor']!r}, which is not supported (the rotary covers "
-                              "the whole head: only 1.0)")
-    rope_type = params.get("rope_type", params.get("type", "default"))
-    if rope_type == "default":
-        return theta, None
-    if rope_type not in ("llama3", "linear", "yarn"):
-        raise CheckpointError(f"{path}: field {field!r} has unsupported rope_type {rope_type!r}; "
-                              "supported: 'default', 'llama3', 'linear', 'yarn'")
-    if rope_type == "linear":
-        return theta, LinearRope(factor=float(_number_field(params, "factor", path)))
-    if rope_type == "yarn":
-        return theta, _yarn(params, raw, path)
-    missing = [k for k in _LLAMA3_ROPE_KEYS if k not in params]
-    if missing:
-        raise CheckpointError(f"{path}: field {field!r} (llama3) is missing {', '.join(missing)}")
-    return theta, RopeScaling(
-        factor=float(params["factor"]),
-        low_freq_factor=float(params["low_freq_factor"]),
-        high_freq_factor=float(params["high_freq_factor"]),
-        original_max_position_embeddings=int(params["original_max_position_embeddings"]),
-    )
-
-
-def _yarn(params: dict, raw: dict, path: Path) -> YarnRope:
-    """YaRN's parameters as transformers reads them: factor defaults to max_position_embeddings over the
-    original context; attention_factor, unless given, from mscale (and mscale_all_dim)."""
-    original = _int_field(params, "original_max_position_embeddings", path)
-    factor = float(_number_field(params, "factor", path, _int_field(raw, "max_position_embeddings", path) / original))
-
-    def mscale(scale: float, m: float = 1.0) -> float:
-        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
-
-    attention = params.get("attention_factor")
-    if attention is None:
-        m, m_all = params.get("mscale"), params.get("mscale_all_dim")
-        attention = mscale(factor, m) / mscale(factor, m_all) if m and m_all else mscale(factor)
-    return YarnRope(factor=factor, original_max_position_embeddings=original, attention_factor=float(attention),
-                    beta_fast=float(params.get("beta_fast") or 32), beta_slow=float(params.get("beta_slow") or 1),
-                    truncate=bool(params.get("truncate", True)))
-
-
 def _capped_max_positions(raw: dict, arch: str, path: Path, max_pos: int) -> int:
     """Sliding-window attention is not implemented: cap the context at the window so it never applies."""
     window = raw.get("sliding_window", _DEFAULTS[arch]["sliding_window"])
@@ -284,37 +225,7 @@ def expected_tensor_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
         if c.qk_norm:
             shapes.update({p + "self_attn.q_norm.weight": (c.head_dim,),
                            p + "self_attn.k_norm.weight": (c.head_dim,)})
-    return _fused(shapes, c) if c.architecture in _FUSED_IN_FILE else shapes
-
-
-def _fused(shapes: dict[str, tuple[int, ...]], c: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """The file's names and shapes where it stores q/k/v and gate/up fused (their rows stacked)."""
-    out = {}
-    for name, shape in shapes.items():
-        for fused, parts in _FUSIONS:
-            part = next((p for p in parts if name.endswith(f".{p}.weight")), None)
-            if part is not None:
-                name = name.replace(f".{part}.", f".{fused}.")
-                shape = (out.get(name, (0,))[0] + shape[0], *shape[1:])
-        out[name] = shape
-    return out
-
-
-def unfused(weights: dict[str, torch.Tensor], c: ModelConfig) -> dict[str, torch.Tensor]:
-    """A fused file's tensors under the separate names, as row views of the fused ones (no copy; a
-    quantized one's rows are rows of blocks); the weights as they are for an architecture stored apart."""
-    if c.architecture not in _FUSED_IN_FILE:
-        return weights
-    rows = {"qkv_proj": [c.num_heads * c.head_dim] + [c.num_kv_heads * c.head_dim] * 2,
-            "gate_up_proj": [c.intermediate_size] * 2}
-    out = {}
-    for name, t in weights.items():
-        fused = next(((f, parts) for f, parts in _FUSIONS if name.endswith(f".{f}.weight")), None)
-        if fused is None:
-            out[name] = t
-            continue
-        out.update(zip((name.replace(fused[0], p) for p in fused[1]), t.split(rows[fused[0]])))
-    return out
+    return fused_shapes(shapes, c)
 
 
 def load_weights(model_dir: str | Path, config: ModelConfig, dtype: torch.dtype) -> dict[str, torch.Tensor]:
