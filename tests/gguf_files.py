@@ -94,6 +94,26 @@ def _permute(rows: np.ndarray, heads: int) -> np.ndarray:
     return rows.reshape(heads, 2, n // heads // 2, *rows.shape[1:]).swapaxes(1, 2).reshape(rows.shape)
 
 
+def llama3_rope_freqs(cfg: dict) -> np.ndarray:
+    """llama.cpp's rope_freqs for a llama3-scaled config: each rotary frequency's divisor (its converter's
+    formula, public)."""
+    import math
+    p = cfg["rope_parameters"]
+    dim, base, old = cfg["head_dim"], p["rope_theta"], p["original_max_position_embeddings"]
+    low, high = old / p["low_freq_factor"], old / p["high_freq_factor"]
+    out = []
+    for i in range(0, dim, 2):
+        wavelen = 2 * math.pi / (1.0 / (base ** (i / dim)))
+        if wavelen < high:
+            out.append(1.0)
+        elif wavelen > low:
+            out.append(p["factor"])
+        else:
+            smooth = (old / wavelen - p["low_freq_factor"]) / (p["high_freq_factor"] - p["low_freq_factor"])
+            out.append(1 / ((1 - smooth) / p["factor"] + smooth))
+    return np.array(out, dtype=np.float32)
+
+
 def write_llama_gguf(model_dir: Path, out: Path, kinds: dict[str, str], arch: str = "llama") -> dict[str, np.ndarray]:
     """The HF checkpoint at model_dir (a llama, or `arch` "phi3") written as a GGUF file `out` (its tokenizer
     files beside it), each tensor in kinds[hf name] (F32 where unnamed). Returns each tensor's values as
@@ -117,6 +137,8 @@ def write_llama_gguf(model_dir: Path, out: Path, kinds: dict[str, str], arch: st
     writer.add_value_length(cfg["head_dim"])
     writer.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
     writer.add_rope_freq_base(cfg.get("rope_theta") or cfg["rope_parameters"]["rope_theta"])
+    if cfg.get("rope_parameters", {}).get("rope_type") == "llama3":
+        writer.add_tensor("rope_freqs.weight", llama3_rope_freqs(cfg))
     decoded = {}
     for name, values in tensors.items():
         kind = kinds.get(name, "F32")

@@ -29,6 +29,14 @@ class LinearRope:
 
 
 @dataclass(frozen=True)
+class FrequencyFactors:
+    """Each rotary frequency divided by its own factor: how llama.cpp's GGUF files carry llama3 scaling
+    (the rope_freqs tensor its converter computes from the llama3 parameters)."""
+    factors: tuple[float, ...]
+    rope_type: ClassVar[str] = "factors"
+
+
+@dataclass(frozen=True)
 class YarnRope:
     """YaRN scaling, as transformers computes it: frequencies blended between interpolated (/ factor) and
     kept across the dimensions whose rotations over the original context fall between beta_slow and
@@ -58,7 +66,7 @@ class ModelConfig:
     tie_word_embeddings: bool
     qkv_bias: bool = False           # Qwen2
     qk_norm: bool = False            # Qwen3
-    rope_scaling: RopeScaling | LinearRope | YarnRope | None = None
+    rope_scaling: RopeScaling | LinearRope | YarnRope | FrequencyFactors | None = None
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     torch_dtype: str | None = None   # the checkpoint's declared dtype, informational

@@ -179,3 +179,26 @@ def test_phi3_files_cap_their_window_and_refuse_a_partial_or_scaled_rotary(tmp_p
         load_model_config(_phi3_header(tmp_path / "b.gguf", **{"phi3.rope.dimension_count": 12}))
     with pytest.raises(CheckpointError, match=r"rope scaling \(rope_factors_long.weight\)"):
         load_model_config(_phi3_header(tmp_path / "c.gguf", tensors=("rope_factors_long.weight",)))
+
+
+def test_a_llama3_scaled_file_reads_its_rope_freqs_and_serves_as_hf(tiny_model_dir, tmp_path):
+    """Llama 3.1+ GGUFs carry llama3 rope scaling as rope_freqs (a divisor per frequency, llama.cpp's
+    converter's formula): an F32 file of the tiny llama3-rope model gives HF's greedy tokens."""
+    from tests.gguf_files import write_llama_gguf
+    from tests.models import compare_greedy, hf_greedy
+    from phaseflip.engine.checkpoint.tokenizer import load_tokenizer
+    from phaseflip.kernels.reference.rotary import inv_frequencies
+    hf = tiny_model_dir("llama3rope")
+    write_llama_gguf(hf, tmp_path / "l3.gguf", {})
+    cfg, want_cfg = load_model_config(tmp_path / "l3.gguf"), load_model_config(hf)
+    assert len(cfg.rope_scaling.factors) == 8 and cfg.rope_theta == want_cfg.rope_theta == 500000.0
+    torch.testing.assert_close(inv_frequencies(16, cfg.rope_theta, cfg.rope_scaling),
+                               inv_frequencies(16, want_cfg.rope_theta, want_cfg.rope_scaling), rtol=1e-6, atol=0)
+    tok = load_tokenizer(hf)
+    prompts = [tok.encode(t) for t in ("The quick brown fox", "What is 2 + 2?", "Hello, world!")]
+    with LLM(str(tmp_path / "l3.gguf")) as llm:
+        ours = [o.outputs[0].token_ids for o in llm.generate(
+            [{"prompt_token_ids": p} for p in prompts], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True),
+            use_tqdm=False)]
+    ok, ties, msg = compare_greedy(ours, hf_greedy(hf, prompts, 16))
+    assert ok, msg

@@ -28,7 +28,7 @@ from phaseflip.engine.checkpoint.gguf_tensors import FLOAT_TYPES, read_tensors
 from phaseflip.engine.checkpoint.fused import unfused
 from phaseflip.engine.checkpoint.loader import CheckpointError, check_shapes
 from phaseflip.kernels.cpu.quant import FORMATS
-from phaseflip.rank.model_config import ModelConfig
+from phaseflip.rank.model_config import FrequencyFactors, ModelConfig
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                  "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "phi3": "Phi3ForCausalLM"}
@@ -70,10 +70,10 @@ def load_gguf_config(path: str | Path) -> ModelConfig:
     if arch not in ARCHITECTURES:
         raise CheckpointError(f"{path}: general.architecture={arch!r} is not served; served: {', '.join(ARCHITECTURES)}")
     scaling = _field(file, f"{arch}.rope.scaling.type", "none")
-    factors = [n for n in file.tensors if n.startswith(("rope_freqs", "rope_factors"))]
-    if scaling != "none" or factors:
+    factors = [n for n in file.tensors if n.startswith("rope_factors")]   # Phi-3's longrope pair
+    if scaling not in ("none", "llama3") or factors:
         raise CheckpointError(f"{path}: rope scaling ({scaling if scaling != 'none' else factors[0]}) in a GGUF "
-                              "file is not served; allowed: plain rope")
+                              "file is not served; allowed: plain rope, llama3's rope_freqs")
 
     def need(key: str):
         value = _field(file, f"{arch}.{key}")
@@ -92,6 +92,7 @@ def load_gguf_config(path: str | Path) -> ModelConfig:
     if rotary != head_dim:
         raise CheckpointError(f"{path}: {arch}.rope.dimension_count={rotary} rotates part of the {head_dim}-value "
                               "head, which is not served (the rotary covers the whole head)")
+    rope_scaling = _frequency_factors(path, file, head_dim)
     max_pos = int(need("context_length"))
     window = _field(file, f"{arch}.attention.sliding_window")
     if window is not None and 0 < int(window) < max_pos:   # as the loader does for config.json's sliding_window
@@ -103,13 +104,25 @@ def load_gguf_config(path: str | Path) -> ModelConfig:
             num_heads=heads, num_kv_heads=int(_field(file, f"{arch}.attention.head_count_kv", heads)),
             head_dim=head_dim,
             rms_norm_eps=float(need("attention.layer_norm_rms_epsilon")),
-            rope_theta=float(_field(file, f"{arch}.rope.freq_base", 10_000.0)),
+            rope_theta=float(_field(file, f"{arch}.rope.freq_base", 10_000.0)), rope_scaling=rope_scaling,
             max_position_embeddings=max_pos,
             tie_word_embeddings="output.weight" not in names, qkv_bias=arch == "qwen2", qk_norm=arch == "qwen3",
             bos_token_id=_field(file, "tokenizer.ggml.bos_token_id"),
             eos_token_ids=() if eos is None else (int(eos),), torch_dtype=None)
     except ValueError as e:
         raise CheckpointError(f"{path}: {e}") from e
+
+
+def _frequency_factors(path: Path, file, head_dim: int) -> FrequencyFactors | None:
+    """llama3 scaling as llama.cpp's converter stores it: rope_freqs, one divisor per rotary frequency."""
+    info = file.tensors.get("rope_freqs.weight")
+    if info is None:
+        return None
+    if info.type_id != 0 or info.dims != (head_dim // 2,):
+        raise CheckpointError(f"{path}: tensor 'rope_freqs.weight' is {type_name(info.type_id)} {info.dims}; "
+                              f"expected F32 ({head_dim // 2},), one factor per rotary frequency")
+    values = file.mapped()[info.offset:info.offset + info.num_bytes].view("<f4")
+    return FrequencyFactors(tuple(float(v) for v in values))
 
 
 def hf_name(gguf_name: str, arch: str | None = None) -> str | None:

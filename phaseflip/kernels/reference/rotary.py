@@ -12,13 +12,15 @@ import torch
 
 def inv_frequencies(head_dim: int, theta: float, scaling=None) -> torch.Tensor:
     """[head_dim // 2] float32; `scaling` is one of rank/model_config.py's scalings (its rope_type: llama3,
-    linear, yarn) or None."""
+    linear, yarn, factors) or None."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
     kind = getattr(scaling, "rope_type", "llama3")
     if scaling is None:
         return inv_freq
     if kind == "linear":
         return inv_freq / scaling.factor
+    if kind == "factors":
+        return inv_freq / torch.tensor(scaling.factors, dtype=torch.float32)
     if kind == "yarn":
         return _yarn(head_dim, theta, scaling)
     # llama3: long wavelengths are slowed by `factor`, short ones kept, the band between blended.
