@@ -21,7 +21,7 @@ from pathlib import Path
 
 import click
 
-from llamacpp_peer import _log, _run, _timed, llama_bench, read_gbps
+from llamacpp_peer import EXE, _log, _run, _span, _timed, llama_bench, read_gbps
 from phaseflip.engine.llm import LLM
 
 PROMPT, NEW, BATCHES, TG, PP = 200, 100, (1, 32), 128, 512
@@ -91,10 +91,6 @@ def summarise(rounds: list[dict], nbytes: int) -> dict:
     return {"rows": rows, "read_bound": bound}
 
 
-def _span(v: list[float]) -> str:
-    return f"{v[0]:.1f}" if len(v) == 1 else f"{min(v):.1f}-{max(v):.1f}"
-
-
 def print_table(name: str, result: dict, threads: int) -> None:
     click.echo(f"== {name}: phaseflip vs llama.cpp, {threads} threads ==")
     for row, r in result["rows"].items():
@@ -105,9 +101,6 @@ def print_table(name: str, result: dict, threads: int) -> None:
     click.echo(f"read bound of tg{TG}: {b['decode_bytes'] / 1e6:.1f} MB a token at {ends} GB/s (before/after, a "
                f"round): phaseflip {b['phaseflip_fraction_of_bound']:.2f} of it, llama.cpp "
                f"{b['llama_cpp_fraction_of_bound']:.2f}")
-
-
-EXE = click.Path(exists=True, dir_okay=False, executable=True, path_type=Path)
 
 
 @click.command()

@@ -22,8 +22,8 @@ import torch
 from phaseflip.engine.config import EngineConfig
 from phaseflip.cache import cache_dir
 from phaseflip.engine.checkpoint.gguf_model import column_units, quantized_types
-from phaseflip.kernels.dispatch import triton_available
 from phaseflip.engine.checkpoint.loader import resolve_dtype
+from phaseflip.kernels.dispatch import triton_available
 from phaseflip.rank.messages import RankBoot
 from phaseflip.rank.model_config import ModelConfig
 from phaseflip.rank.planner import LayoutPlan, kv_block_bytes, plan_layouts

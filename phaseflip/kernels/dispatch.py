@@ -132,7 +132,7 @@ def _quant_rows_body(blocks: torch.Tensor, ids: torch.Tensor, type_id: int) -> t
 
 
 def _quant_rows_fake(blocks, ids, type_id):
-    fmt = next(f for f in quant.FORMATS.values() if f.type_id == type_id)
+    fmt = quant.format_of_type(type_id)
     return blocks.new_empty((ids.shape[0], blocks.shape[1] // fmt.block_bytes * fmt.block_values),
                             dtype=torch.float32)
 

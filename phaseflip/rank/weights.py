@@ -4,7 +4,8 @@ Owns: RankWeights / LayerWeights and `shard_weights`, which describes this rank'
 (qkv_proj = [q; k; v] rows of its heads, gate_up_proj = [gate; up] rows of its MLP share) as views of
 the HF-named checkpoint tensors and `Stacked` row blocks: nothing is copied here; packing (arena.py)
 copies each source once, straight into its place. A weight in a GGUF block format is shared on whole
-blocks; a fused projection whose parts the file stores in different formats stays a `Split`. Module names follow the checkpoint so loading is a mapping, not a search.
+blocks; a fused projection whose parts the file stores in different formats stays a `Split`. Module
+names follow the checkpoint so loading is a mapping, not a search.
 """
 from __future__ import annotations
 
@@ -47,7 +48,7 @@ class Split:
     parts: tuple[torch.Tensor, ...]
 
     def __post_init__(self):
-        if len({(p.dtype, tuple(p.shape[1:])) for p in self.parts}) < 2:
+        if _one_storage(self.parts):
             raise ValueError("parts of one storage stack into one weight (Stacked), not a Split")
 
     @property
@@ -58,8 +59,12 @@ class Split:
 
 def stack(parts: tuple[torch.Tensor, ...]) -> Stacked | Split:
     """Row blocks of one fused projection: one weight where they share a storage, else a Split."""
-    same = len({(p.dtype, tuple(p.shape[1:])) for p in parts}) == 1
-    return Stacked(parts) if same else Split(parts)
+    return Stacked(parts) if _one_storage(parts) else Split(parts)
+
+
+def _one_storage(parts: tuple[torch.Tensor, ...]) -> bool:
+    """Whether the parts' rows are alike (dtype, and shape past the rows: a block format's block bytes)."""
+    return len({(p.dtype, tuple(p.shape[1:])) for p in parts}) == 1
 
 
 @dataclass

@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 
 from phaseflip.engine.checkpoint.loader import CheckpointError
-from phaseflip.kernels.cpu.quant import FORMATS
+from phaseflip.kernels.cpu.quant import format_of_type
 
 MAGIC = b"GGUF"
 VERSIONS = (2, 3)
@@ -131,7 +131,7 @@ def type_name(type_id: int) -> str:
     tables; another from the gguf package where it is installed, else by number."""
     if type_id in FLOAT_SIZES:
         return FLOAT_SIZES[type_id][0]
-    fmt = next((f for f in FORMATS.values() if f.type_id == type_id), None)
+    fmt = format_of_type(type_id)
     if fmt is not None:
         return fmt.name
     try:
@@ -145,7 +145,7 @@ def _num_bytes(dims: tuple[int, ...], type_id: int) -> int:
     values = int(np.prod(dims, dtype=np.int64))
     if type_id in FLOAT_SIZES:
         return values * FLOAT_SIZES[type_id][1]
-    fmt = next((f for f in FORMATS.values() if f.type_id == type_id), None)
+    fmt = format_of_type(type_id)
     if fmt is not None:
         return values // fmt.block_values * fmt.block_bytes
     try:   # a type the engine does not serve: its size from gguf, where installed (the loader names it)

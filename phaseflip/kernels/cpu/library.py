@@ -168,8 +168,8 @@ def _register_fake() -> None:
 
 
 def _quant_rows_shape(blocks: torch.Tensor, ids: torch.Tensor, type_id: int) -> torch.Tensor:
-    from phaseflip.kernels.cpu.quant import FORMATS   # quant.py calls this module: imported at the call
-    fmt = next(f for f in FORMATS.values() if f.type_id == type_id)
+    from phaseflip.kernels.cpu.quant import format_of_type   # quant.py calls this module: imported at the call
+    fmt = format_of_type(type_id)
     return blocks.new_empty((ids.shape[0], blocks.shape[1] // fmt.block_bytes * fmt.block_values), dtype=torch.float32)
 
 

@@ -1,7 +1,7 @@
 """Products on weights kept in a GGUF block format (kernels/cpu/quant.cpp): the formats served, their
 geometry, and `quant_linear` (x @ W^T with W's blocks as the file holds them).
 
-Owns: `FORMATS` (name -> `BlockFormat`: GGML's type id, values and bytes a block), `block_format`
+Owns: `FORMATS` (name -> `BlockFormat`: GGML's type id, values and bytes a block), `format_of_type`, `block_format`
 (a name, checked: another names what is served), `weight_format`, `storage` and `storage_name` (what a
 weight of the arena holds: a quantized one is uint8 [rows, blocks, block bytes], and the bytes a block
 takes name its format), `quant_linear`, `quant_rows` (rows of W decoded by index: a quantized
@@ -47,6 +47,12 @@ def block_format(name: str) -> BlockFormat:
 
 
 _BY_BLOCK_BYTES = {f.block_bytes: f for f in FORMATS.values()}   # each format's block has its own size
+_BY_TYPE_ID = {f.type_id: f for f in FORMATS.values()}
+
+
+def format_of_type(type_id: int) -> BlockFormat | None:
+    """The served format with GGML's type id `type_id`; None for another type."""
+    return _BY_TYPE_ID.get(type_id)
 
 
 def weight_format(weight: torch.Tensor) -> BlockFormat | None:

@@ -105,8 +105,8 @@ def _quant_rows_kernel(w_ptr, ids_ptr, out_ptr, stride_wn, K, TYPE: tl.constexpr
 
 
 def _geometry(blocks: torch.Tensor, type_id: int, k: int) -> tuple[int, int]:
-    from phaseflip.kernels.cpu.quant import FORMATS   # the served formats' geometry, one table
-    fmt = next((f for f in FORMATS.values() if f.type_id == type_id), None)
+    from phaseflip.kernels.cpu.quant import FORMATS, format_of_type   # the served formats' geometry
+    fmt = format_of_type(type_id)
     if fmt is None:
         raise ValueError(f"block format {type_id} is not served (served: "
                          f"{', '.join(f'{f.name} = {f.type_id}' for f in FORMATS.values())})")
@@ -137,8 +137,8 @@ def quant_linear_triton(x: torch.Tensor, blocks: torch.Tensor, type_id: int) -> 
 def quant_rows_triton(blocks: torch.Tensor, ids: torch.Tensor, type_id: int) -> torch.Tensor:
     """Rows `ids` (int64 [T]) of W, held as `blocks` uint8 [N, bytes a row] of GGML type `type_id`, as
     float32 [T, K]."""
-    from phaseflip.kernels.cpu.quant import FORMATS
-    fmt = next((f for f in FORMATS.values() if f.type_id == type_id), None)
+    from phaseflip.kernels.cpu.quant import format_of_type
+    fmt = format_of_type(type_id)
     k = blocks.shape[1] // fmt.block_bytes * fmt.block_values if fmt else 0
     values, nbytes = _geometry(blocks, type_id, k)
     out = torch.empty((ids.shape[0], k), dtype=torch.float32, device=blocks.device)
