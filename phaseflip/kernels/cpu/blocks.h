@@ -96,6 +96,12 @@ inline void fives(const uint8_t* q, uint32_t bits, vi* v) {
 #pragma GCC unroll 4
   for (int h = 0; h < H; ++h) v[h] = bor(v[h], shl4(band(shr(all, iota(h * pf::LANES)), one)));
 }
+
+// a 32-value block's small integers q as w = d * q + off
+inline void affine(const vi* q, float d, float off, pf::vf* v) {
+#pragma GCC unroll 4
+  for (int h = 0; h < H; ++h) v[h] = pf::fma(pf::set1(d), to_float(q[h]), pf::set1(off));
+}
 #endif
 
 struct Q8_0 {
@@ -113,68 +119,50 @@ struct Q8_0 {
   }
 };
 
-struct Q4_0 {
-  static constexpr int64_t id = 2, values_per = 32, bytes = 18;
-#ifdef PF_LANES
-  static void vectors(const uint8_t* b, int, pf::vf* v) {
-    const pf::vf d = pf::set1(half_at(b)), off = pf::set1(-8.f * half_at(b));
-    vi q[H];
-    nibbles(b + 2, q);
-#pragma GCC unroll 4
-    for (int h = 0; h < H; ++h) v[h] = pf::fma(d, to_float(q[h]), off);
-  }
-#endif
-  static void values(const uint8_t* b, float* out) {
-    const float d = half_at(b);
-    for (int j = 0; j < QK / 2; ++j) {
-      out[j] = d * ((b[2 + j] & 0xF) - 8);
-      out[j + QK / 2] = d * ((b[2 + j] >> 4) - 8);
-    }
-  }
-};
-
-struct Q4_1 {
-  static constexpr int64_t id = 3, values_per = 32, bytes = 20;
-#ifdef PF_LANES
-  static void vectors(const uint8_t* b, int, pf::vf* v) {
-    const pf::vf d = pf::set1(half_at(b)), m = pf::set1(half_at(b + 2));
-    vi q[H];
-    nibbles(b + 4, q);
-#pragma GCC unroll 4
-    for (int h = 0; h < H; ++h) v[h] = pf::fma(d, to_float(q[h]), m);
-  }
-#endif
-  static void values(const uint8_t* b, float* out) {
-    const float d = half_at(b), m = half_at(b + 2);
-    for (int j = 0; j < QK / 2; ++j) {
-      out[j] = d * (b[4 + j] & 0xF) + m;
-      out[j + QK / 2] = d * (b[4 + j] >> 4) + m;
-    }
-  }
-};
-
-// the 32 values of a Q5 block: its 16 nibble bytes at q, the fifth bits, w = d * value + off
-inline void q5_values(const uint8_t* q, uint32_t bits, float d, float off, float* out) {
+// the 32 values of a 4- or 5-bit block: its 16 nibble bytes at q (value j in byte j's low half, j + 16 in
+// its high half), the fifth bits (0 for a 4-bit block), w = d * value + off
+inline void small_values(const uint8_t* q, uint32_t bits, float d, float off, float* out) {
   for (int j = 0; j < QK / 2; ++j) {
     out[j] = d * ((q[j] & 0xF) | (((bits >> j) & 1) << 4)) + off;
     out[j + QK / 2] = d * ((q[j] >> 4) | (((bits >> (j + 16)) & 1) << 4)) + off;
   }
 }
 
+struct Q4_0 {
+  static constexpr int64_t id = 2, values_per = 32, bytes = 18;
+#ifdef PF_LANES
+  static void vectors(const uint8_t* b, int, pf::vf* v) {
+    vi q[H];
+    nibbles(b + 2, q);
+    affine(q, half_at(b), -8.f * half_at(b), v);
+  }
+#endif
+  static void values(const uint8_t* b, float* out) { small_values(b + 2, 0, half_at(b), -8.f * half_at(b), out); }
+};
+
+struct Q4_1 {
+  static constexpr int64_t id = 3, values_per = 32, bytes = 20;
+#ifdef PF_LANES
+  static void vectors(const uint8_t* b, int, pf::vf* v) {
+    vi q[H];
+    nibbles(b + 4, q);
+    affine(q, half_at(b), half_at(b + 2), v);
+  }
+#endif
+  static void values(const uint8_t* b, float* out) { small_values(b + 4, 0, half_at(b), half_at(b + 2), out); }
+};
+
 struct Q5_0 {
   static constexpr int64_t id = 6, values_per = 32, bytes = 22;
 #ifdef PF_LANES
   static void vectors(const uint8_t* b, int, pf::vf* v) {
-    const float d = half_at(b);
     vi q[H];
     fives(b + 6, u32_at(b + 2), q);
-#pragma GCC unroll 4
-    for (int h = 0; h < H; ++h) v[h] = pf::fma(pf::set1(d), to_float(q[h]), pf::set1(-16.f * d));
+    affine(q, half_at(b), -16.f * half_at(b), v);
   }
 #endif
   static void values(const uint8_t* b, float* out) {
-    const float d = half_at(b);
-    q5_values(b + 6, u32_at(b + 2), d, -16.f * d, out);
+    small_values(b + 6, u32_at(b + 2), half_at(b), -16.f * half_at(b), out);
   }
 };
 
@@ -182,14 +170,12 @@ struct Q5_1 {
   static constexpr int64_t id = 7, values_per = 32, bytes = 24;
 #ifdef PF_LANES
   static void vectors(const uint8_t* b, int, pf::vf* v) {
-    const pf::vf d = pf::set1(half_at(b)), m = pf::set1(half_at(b + 2));
     vi q[H];
     fives(b + 8, u32_at(b + 4), q);
-#pragma GCC unroll 4
-    for (int h = 0; h < H; ++h) v[h] = pf::fma(d, to_float(q[h]), m);
+    affine(q, half_at(b), half_at(b + 2), v);
   }
 #endif
-  static void values(const uint8_t* b, float* out) { q5_values(b + 8, u32_at(b + 4), half_at(b), half_at(b + 2), out); }
+  static void values(const uint8_t* b, float* out) { small_values(b + 8, u32_at(b + 4), half_at(b), half_at(b + 2), out); }
 };
 
 struct Q4_K {
