@@ -1,6 +1,7 @@
 """Tiny random HF checkpoints (and their tokenizer) for the test suite, plus the HF greedy reference.
 
-Owns: building small Llama/Mistral/Qwen2/Qwen3 models with transformers, saving them as an HF model
+Owns: building small Llama/Mistral/Qwen2/Qwen3/Phi-3 models and Mixtral/Qwen2-MoE/Qwen3-MoE mixtures with
+transformers, saving them as an HF model
 directory (config.json, *.safetensors [+ index], tokenizer.json, tokenizer_config.json), running HF fp32
 greedy decoding on them, and comparing an engine's greedy tokens with that reference (vLLM's
 check_logprobs_close convention: a divergence is forgiven only where the reference's top-2 gap is a tie).
@@ -19,7 +20,9 @@ import json
 from pathlib import Path
 from typing import Sequence
 
-KINDS = ("llama", "qwen2", "qwen3", "mistral", "llama3rope", "linearrope", "yarnrope", "phi3")
+KINDS = ("llama", "qwen2", "qwen3", "mistral", "llama3rope", "linearrope", "yarnrope", "phi3", "mixtral", "qwen2moe",
+         "qwen3moe")
+MOE_KINDS = KINDS[-3:]
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 TOKENIZER_VOCAB_SIZE = 384
 CHATML_TEMPLATE = (
@@ -56,6 +59,15 @@ _KIND = {
     "phi3": ("Phi3Config", "Phi3ForCausalLM", dict(pad_token_id=0)),   # fused qkv_proj and gate_up_proj
     "yarnrope": ("Qwen2Config", "Qwen2ForCausalLM", dict(   # Qwen2.5's long-context recipe
         rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=64))),
+    # mixtures of experts, top-2: Mixtral renormalises the two weights; Qwen2-MoE does not and adds a gated
+    # shared expert; Qwen3-MoE renormalises and keeps layer 1 dense (mlp_only_layers)
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(num_local_experts=4, num_experts_per_tok=2,
+                                                            intermediate_size=48, sliding_window=None)),
+    "qwen2moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM", dict(
+        num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48,
+        norm_topk_prob=False)),
+    "qwen3moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(
+        num_experts=6, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True, mlp_only_layers=[1])),
 }
 WEIGHT_STD = 0.08   # large enough that greedy top-2 gaps are rarely near-ties
 EMBED_STD = 0.5

@@ -24,7 +24,9 @@ def _layouts(plan, layouts) -> dict:
         spec = plan.layout_plan.spec(name)
         out[name] = [{"rank": r, "layers": _span(s.layers), "kv_heads": _span(s.kv_heads),
                       "mlp": _span(s.mlp), "vocab": _span(s.vocab), "has_embed": s.has_embed,
-                      "has_head": s.has_head, "tp_size": s.tp_size} for r, s in enumerate(spec.shards)]
+                      "has_head": s.has_head, "tp_size": s.tp_size,
+                      **({"expert_mlp": _span(s.expert_mlp), "shared_mlp": _span(s.shared_mlp)}
+                         if s.expert_mlp.count else {})} for r, s in enumerate(spec.shards)]
     return out
 
 

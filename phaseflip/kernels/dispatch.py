@@ -3,7 +3,8 @@ everywhere else (the CPU path, and the oracle the kernels are tested against); f
 library's on CUDA and the CPU's measured forms (kernels/cpu/linear.py) elsewhere.
 
 Owns: the entry points the model maths calls for the projections (`linear`), the embedding's lookup
-(`embedding`: a quantized table's rows decoded) and the pointwise kernels
+(`embedding`: a quantized table's rows decoded), an MoE layer's routing and expert products (`route`,
+`moe_experts`) and the pointwise kernels
 (`rms_norm`, `add_rms_norm`, `apply_rotary`, `silu_and_mul`), and the ops (`phaseflip::<name>`, defined
 with kernels/op_registry.py like every Python-bodied op of ours) that wrap the Triton launches (pointwise,
 and the products and lookups on GGUF blocks) so
@@ -24,7 +25,8 @@ import torch.nn.functional as F
 from phaseflip.kernels.cpu import linear as cpu_linear
 from phaseflip.kernels.cpu import quant
 from phaseflip.kernels.op_registry import define_op
-from phaseflip.kernels.reference import activation, norm, rotary
+from phaseflip.kernels.cpu import moe as cpu_moe
+from phaseflip.kernels.reference import activation, moe, norm, rotary
 
 _triton_available: bool | None = None
 
@@ -87,6 +89,21 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return activation.silu_and_mul(gate_up)
 
 
+def route(logits: torch.Tensor, top_k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Router logits [T, E] -> (weights float32 [T, k], expert ids [T, k]); plain torch ops everywhere
+    (a compiled step fuses them)."""
+    return moe.route(logits, top_k, normalize)
+
+
+def moe_experts(h: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, ids: torch.Tensor,
+                weights: torch.Tensor) -> torch.Tensor:
+    """The routed experts' SwiGLU FFNs, summed per token by routing weight (kernels/reference/moe.py's
+    contract): grouped by expert on the CPU; on CUDA the op's body."""
+    if h.is_cuda:
+        return torch.ops.phaseflip.moe_experts(h, gate_up, down, ids, weights)
+    return cpu_moe.experts(h, gate_up, down, ids, weights)
+
+
 # -- the ops (CUDA bodies), defined like every op of ours (kernels/op_registry.py) -----------------------
 def _rms_norm_body(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     if not triton_available():
@@ -131,6 +148,12 @@ def _quant_rows_body(blocks: torch.Tensor, ids: torch.Tensor, type_id: int) -> t
     return quant_rows_triton(blocks, ids, type_id)
 
 
+def _moe_experts_body(h, gate_up, down, ids, weights):
+    """Every expert over every token, masked by its routing weight (no data-dependent shape, so a CUDA
+    graph captures it)."""
+    return moe.experts(h, gate_up, down, ids, weights)
+
+
 def _quant_rows_fake(blocks, ids, type_id):
     fmt = quant.format_of_type(type_id)
     return blocks.new_empty((ids.shape[0], blocks.shape[1] // fmt.block_bytes * fmt.block_values),
@@ -155,3 +178,5 @@ define_op("silu_and_mul(Tensor gate_up) -> Tensor", _silu_and_mul_body,
 define_op("quant_linear(Tensor x, Tensor blocks, int type_id) -> Tensor", _quant_linear_body,
           lambda x, blocks, type_id: x.new_empty((x.shape[0], blocks.shape[0])))
 define_op("quant_rows(Tensor blocks, Tensor ids, int type_id) -> Tensor", _quant_rows_body, _quant_rows_fake)
+define_op("moe_experts(Tensor h, Tensor gate_up, Tensor down, Tensor ids, Tensor weights) -> Tensor",
+          _moe_experts_body, lambda h, gate_up, down, ids, weights: torch.empty_like(h))

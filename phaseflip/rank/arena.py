@@ -51,10 +51,14 @@ class HostImage:
         return self.data.numel()
 
 
-def weight_report(image: HostImage) -> dict:
+EXPERT_WEIGHTS = ("experts_gate_up", "experts_down")
+
+
+def weight_report(image: HostImage, experts_read: float = 1.0) -> dict:
     """What a layout's weights are stored as: bytes per storage type (a GGUF block format by its name,
     else the dtype's), each tensor's storage, and the bytes one decode token reads (every weight once,
-    of an embedding that is not also the head only the one row it looks up)."""
+    of an embedding that is not also the head only the one row it looks up, of an MoE's experts the
+    fraction `experts_read` a token routes to: top_k / num_experts)."""
     names_at = Counter(slot.offset for slot in image.slots.values())   # tied tensors share a slot
     tensors = {name: storage_name(slot.dtype, slot.shape) for name, slot in image.slots.items()}
     by_type: dict[str, int] = {}
@@ -62,8 +66,14 @@ def weight_report(image: HostImage) -> dict:
     for name, slot in {slot.offset: (name, slot) for name, slot in image.slots.items()}.values():
         by_type[tensors[name]] = by_type.get(tensors[name], 0) + slot.num_bytes
         one_row = name == "embed_tokens" and names_at[slot.offset] == 1
-        read += slot.num_bytes // slot.shape[0] if one_row else slot.num_bytes
+        read += (slot.num_bytes // slot.shape[0] if one_row else
+                 round(slot.num_bytes * experts_read) if name.endswith(EXPERT_WEIGHTS) else slot.num_bytes)
     return {"bytes_by_storage": by_type, "storage": tensors, "bytes_read_per_token": read}
+
+
+def experts_read(cfg) -> float:
+    """The fraction of an MoE layer's expert weights one token reads (1 for a dense model)."""
+    return 1.0 if cfg.moe is None else cfg.moe.top_k / cfg.moe.num_experts
 
 
 def _align(n: int) -> int:

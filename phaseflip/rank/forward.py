@@ -1,6 +1,7 @@
 """The transformer maths for one rank's shard, over paged KV, for a batch mixing prefill and decode.
 
-Owns: the forward pass of a Llama/Mistral/Qwen2/Qwen3 decoder written once (`forward`, over a
+Owns: the forward pass of a Llama/Mistral/Qwen2/Qwen3 decoder (and of the mixture-of-experts ones:
+`moe_block`) written once (`forward`, over a
 `StepState`: what one rank holds in one layout). What the rank holds comes
 from RankShard (layer range, heads, MLP share, vocab share); partial sums are reduced with explicit
 `comm.all_reduce` calls at their call sites. Never asks a process group how it is split.
@@ -16,7 +17,8 @@ import torch
 
 from phaseflip.kernels.attention import attend
 from phaseflip.kernels.cpu import fused_layer
-from phaseflip.kernels.dispatch import add_rms_norm, apply_rotary, embedding, linear, rms_norm, silu_and_mul
+from phaseflip.kernels.dispatch import (add_rms_norm, apply_rotary, embedding, linear, moe_experts, rms_norm, route,
+                                       silu_and_mul)
 from phaseflip.rank.kvcache import KVView
 from phaseflip.rank.model_config import ModelConfig
 from phaseflip.rank.weights import LayerWeights, RankWeights, Split
@@ -67,6 +69,22 @@ def mlp_block(lw: LayerWeights, h: torch.Tensor, comm: Comm) -> torch.Tensor:
     return comm.all_reduce(linear(silu_and_mul(project(h, lw.gate_up_proj)), lw.down_proj))
 
 
+def moe_block(lw: LayerWeights, cfg: ModelConfig, h: torch.Tensor, comm: Comm) -> torch.Tensor:
+    """A mixture-of-experts MLP: every rank routes every token (the router is whole on each), multiplies
+    its share of each chosen expert's FFN, adds its share of the shared expert (scaled by its gate), and
+    the partial sums are reduced once."""
+    m = cfg.moe
+    weights, ids = route(linear(h, lw.router), m.top_k, m.norm_topk_prob)        # [T, k] each
+    hidden = h.shape[-1]
+    gate_up = lw.experts_gate_up.view(m.num_experts, -1, hidden)                 # [E, 2 Ie, H]
+    down = lw.experts_down.view(m.num_experts, hidden, -1)                       # [E, H, Ie]
+    out = moe_experts(h, gate_up, down, ids, weights)                            # [T, H]
+    if lw.gate_up_proj is not None:   # the shared expert: a dense MLP every token takes
+        shared = linear(silu_and_mul(project(h, lw.gate_up_proj)), lw.down_proj)
+        out = out + torch.sigmoid(linear(h, lw.shared_gate)) * shared
+    return comm.all_reduce(out)
+
+
 def decoder_layer(lw: LayerWeights, cfg: ModelConfig, shard: RankShard, delta: torch.Tensor | None,
                   residual: torch.Tensor, meta: dict[str, torch.Tensor], kv: KVView, layer: int,
                   cos_sin: torch.Tensor, comm: Comm) -> tuple[torch.Tensor, torch.Tensor]:
@@ -76,7 +94,7 @@ def decoder_layer(lw: LayerWeights, cfg: ModelConfig, shard: RankShard, delta: t
     h, residual = _add_norm(delta, residual, lw.input_layernorm, eps)
     delta = attention_block(lw, cfg, shard, h, meta, kv, layer, cos_sin, comm)
     h, residual = add_rms_norm(delta, residual, lw.post_attention_layernorm, eps)
-    return mlp_block(lw, h, comm), residual
+    return (mlp_block(lw, h, comm) if lw.router is None else moe_block(lw, cfg, h, comm)), residual
 
 
 @dataclass(frozen=True)
@@ -102,7 +120,7 @@ def forward(state: StepState, meta: dict[str, torch.Tensor], layer_fn=decoder_la
     residual = embed(w, shard, meta["input_ids"], comm) if shard.has_embed else meta["hidden_in"]  # [T, H]
     cos_sin = state.rope_table[meta["positions"]]                    # [T, D]
     delta = None  # the last block's output, not yet added to the residual stream (fused add + norm)
-    if w.layers and fused_layer.serves(residual, w.layers[0].qkv_proj.dtype, shard.tp_size, kv.tensor,
+    if w.layers and w.dense and fused_layer.serves(residual, w.layers[0].qkv_proj.dtype, shard.tp_size, kv.tensor,
                                        meta["block_tables"]):
         delta, residual = fused_layer.decoder_layers(w.layers, cfg.rms_norm_eps, cfg.head_dim ** -0.5, residual,
                                                      meta, kv.tensor, cos_sin)   # one token, every layer, one call

@@ -1,6 +1,7 @@
 """ModelConfig: the architecture facts the model maths needs, parsed once from config.json.
 
-Owns: the frozen, validated description of a Llama/Mistral/Qwen2/Qwen3/Phi-3 decoder. It never reads files
+Owns: the frozen, validated description of a Llama/Mistral/Qwen2/Qwen3/Phi-3 decoder, and of the
+mixture-of-experts ones (Mixtral, Qwen2-MoE, Qwen3-MoE: `MoeConfig`). It never reads files
 (engine/checkpoint/loader.py does) and never holds weights.
 """
 from __future__ import annotations
@@ -8,7 +9,33 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Phi3ForCausalLM")
+ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Phi3ForCausalLM",
+                 "MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
+MOE_ARCHITECTURES = ARCHITECTURES[5:]
+
+
+@dataclass(frozen=True)
+class MoeConfig:
+    """The mixture-of-experts MLP: a router picks top_k of num_experts SwiGLU experts per token (softmax
+    over all experts in float32, then top-k; their weights renormalised to sum to 1 where norm_topk_prob);
+    Qwen2-MoE adds a shared expert every token takes, scaled by sigmoid(shared_expert_gate . x).
+    dense_layers: layers whose MLP is the dense one of intermediate_size (Qwen's mlp_only_layers and
+    decoder_sparse_step)."""
+    num_experts: int
+    top_k: int
+    expert_intermediate_size: int
+    norm_topk_prob: bool
+    shared_intermediate_size: int = 0   # 0: no shared expert
+    dense_layers: tuple[int, ...] = ()
+
+    def __post_init__(self):
+        for name in ("num_experts", "top_k", "expert_intermediate_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"config field {name}={getattr(self, name)} must be >= 1")
+        if self.top_k > self.num_experts:
+            raise ValueError(f"num_experts_per_tok={self.top_k} exceeds the {self.num_experts} experts")
+        if self.shared_intermediate_size < 0:
+            raise ValueError(f"shared_expert_intermediate_size={self.shared_intermediate_size} must be >= 0")
 
 
 @dataclass(frozen=True)
@@ -70,6 +97,7 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     torch_dtype: str | None = None   # the checkpoint's declared dtype, informational
+    moe: MoeConfig | None = None     # None: every layer's MLP is dense
 
     def __post_init__(self):
         if self.architecture not in ARCHITECTURES:
@@ -83,6 +111,16 @@ class ModelConfig:
                              f"num_key_value_heads={self.num_kv_heads}")
         if self.head_dim % 2:
             raise ValueError(f"head_dim={self.head_dim} must be even for rotary embeddings")
+        if (self.moe is not None) != (self.architecture in MOE_ARCHITECTURES):
+            raise ValueError(f"{self.architecture} {'needs' if self.moe is None else 'takes no'} mixture-of-experts "
+                             "fields (moe)")
+        if self.moe is not None and not all(0 <= i < self.num_layers for i in self.moe.dense_layers):
+            raise ValueError(f"mlp_only_layers={list(self.moe.dense_layers)} names a layer outside "
+                             f"0..{self.num_layers - 1}")
+
+    def is_sparse(self, layer: int) -> bool:
+        """Whether this layer's MLP is the mixture of experts."""
+        return self.moe is not None and layer not in self.moe.dense_layers
 
     @property
     def group_size(self) -> int:

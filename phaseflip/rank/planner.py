@@ -21,7 +21,7 @@ from fractions import Fraction
 from typing import Sequence
 
 from phaseflip.rank.model_config import ModelConfig
-from phaseflip.rank.shard import RankShard, Span
+from phaseflip.rank.shard import RankShard, Span, whole_experts
 
 LAYOUT_NAMES = ("pp", "tp")
 
@@ -239,7 +239,8 @@ def _is_tiling(spans: Sequence[Span]) -> bool:
 def _pp_layout(cfg: ModelConfig, layers: tuple[int, ...]) -> LayoutSpec:
     last = len(layers) - 1
     shards = tuple(RankShard(layers=span, kv_heads=Span(0, cfg.num_kv_heads), mlp=Span(0, cfg.intermediate_size),
-                             vocab=Span(0, cfg.vocab_size), has_embed=r == 0, has_head=r == last, tp_size=1)
+                             vocab=Span(0, cfg.vocab_size), has_embed=r == 0, has_head=r == last, tp_size=1,
+                             **whole_experts(cfg))
                    for r, span in enumerate(_spans(layers)))
     return LayoutSpec("pp", shards)
 
@@ -258,7 +259,20 @@ def _tp_layout(cfg: ModelConfig, kv: tuple[int, ...], column_units: tuple[int, i
     mlp = _spans([c * mlp_unit for c in proportional_split(cfg.intermediate_size // mlp_unit, kv,
                                                              "MLP intermediate columns")])
     vocab = _spans(proportional_split(cfg.vocab_size, kv, "vocab rows"))
+    experts = _expert_spans(cfg, kv)
     shards = tuple(RankShard(layers=Span(0, cfg.num_layers), kv_heads=h, mlp=m, vocab=v,
-                             has_embed=True, has_head=True, tp_size=len(kv))
-                   for h, m, v in zip(_spans(kv), mlp, vocab))
+                             has_embed=True, has_head=True, tp_size=len(kv), **e)
+                   for h, m, v, e in zip(_spans(kv), mlp, vocab, experts))
     return LayoutSpec("tp", shards)
+
+
+def _expert_spans(cfg: ModelConfig, kv: tuple[int, ...]) -> list[dict[str, Span]]:
+    """Each TP rank's share of every expert's intermediate columns and of the shared expert's, in
+    proportion like the dense MLP's (an expert's FFN is sharded like it)."""
+    m = cfg.moe
+    if m is None:
+        return [{}] * len(kv)
+    experts = _spans(proportional_split(m.expert_intermediate_size, kv, "expert intermediate columns"))
+    shared = (_spans(proportional_split(m.shared_intermediate_size, kv, "shared expert columns"))
+              if m.shared_intermediate_size else [Span(0, 0)] * len(kv))
+    return [dict(expert_mlp=e, shared_mlp=s) for e, s in zip(experts, shared)]

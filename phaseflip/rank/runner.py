@@ -113,7 +113,7 @@ class LayoutRunner:
     def layer_projections(self) -> list[tuple[torch.Tensor, ...]]:
         """Each layer's float projection weights, in the order a step multiplies them (none where the
         layers are quantized: their products take the quantized kernels, no measured forms)."""
-        layers = [(lw.qkv_proj, lw.o_proj, lw.gate_up_proj, lw.down_proj) for lw in self.weights.layers]
+        layers = [tuple(w for w, _ in _products(lw)) for lw in self.weights.layers]
         return [ws for ws in layers if not any(_quantized(w) for w in ws)]
 
     def projections(self):
@@ -121,8 +121,7 @@ class LayoutRunner:
         up to max_tokens rows, the head's one row per sampled sequence (quantized ones: none of the
         forms' measurements or GEMMs apply)."""
         rows = self.shapes.max_tokens
-        found = [(w, b, rows) for lw in self.weights.layers for w, b in
-                 ((lw.qkv_proj, lw.qkv_bias), (lw.o_proj, None), (lw.gate_up_proj, None), (lw.down_proj, None))]
+        found = [(w, b, rows) for lw in self.weights.layers for w, b in _products(lw)]
         if self.shard.has_head:
             found.append((self.weights.lm_head, None, self.shapes.max_num_seqs))
         return [p for p in found if not _quantized(p[0])]
@@ -273,3 +272,16 @@ class LayoutRunner:
 def _quantized(weight) -> bool:
     """A weight in a GGUF block format, or a Split of such parts."""
     return isinstance(weight, Split) or quant.weight_format(weight) is not None
+
+
+def _products(lw) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+    """(weight, bias) of each projection of a layer, in the order a step multiplies them; an MoE layer's
+    router and its first expert's two products (every expert's have their shapes)."""
+    found = [(lw.qkv_proj, lw.qkv_bias), (lw.o_proj, None)]
+    if lw.router is not None:
+        e = lw.router.shape[0]
+        found += [(lw.router, None), (lw.experts_gate_up.view(e, -1, lw.router.shape[1])[0], None),
+                  (lw.experts_down.view(e, lw.router.shape[1], -1)[0], None)]
+    if lw.gate_up_proj is not None:
+        found += [(lw.gate_up_proj, None), (lw.down_proj, None)]
+    return found

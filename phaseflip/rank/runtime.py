@@ -22,7 +22,7 @@ from phaseflip.kernels.cpu import forms, fused_layer, linear
 from phaseflip.kernels.reference.rotary import cos_sin_table
 from phaseflip.rank.boot_record import BootRecord, kernels_build, record_key
 from phaseflip.rank.arena import (WeightArena, allocate_arena, arena_bases, image_slots, pack_image,
-                                  weight_report)
+                                  experts_read, weight_report)
 from phaseflip.rank.comm import break_graphs_at_collectives
 from phaseflip.rank.flip import (DEFAULT_STAGING_BYTES, DEFAULT_STAGING_FRACTION, InjectedFault,
                                     allocate_staging, run_flip)
@@ -295,7 +295,7 @@ class RankRuntime:
             steps=steps, compile={name: dict(r.compile.report) for name, r in self.runners.items()},
             memory=dict(self.memory), eager_fallbacks=stats.eager_fallbacks, chunked_runs=stats.chunked_runs,
             micro_batched_runs=stats.micro_batched_runs,
-            weights={name: weight_report(img) for name, img in self.arena.images.items()})
+            weights={name: weight_report(img, experts_read(self.cfg)) for name, img in self.arena.images.items()})
 
     def stats(self) -> RankStats:
         return RankStats(self.rank, self.active, self.registry.captures_at_boot,

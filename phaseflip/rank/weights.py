@@ -1,7 +1,8 @@
 """Which slice of each checkpoint tensor a rank holds, fused the way forward.py reads it.
 
 Owns: RankWeights / LayerWeights and `shard_weights`, which describes this rank's fused tensors
-(qkv_proj = [q; k; v] rows of its heads, gate_up_proj = [gate; up] rows of its MLP share) as views of
+(qkv_proj = [q; k; v] rows of its heads, gate_up_proj = [gate; up] rows of its MLP share; an MoE layer's
+router whole and each expert's [gate; up] and down shares stacked expert after expert) as views of
 the HF-named checkpoint tensors and `Stacked` row blocks: nothing is copied here; packing (arena.py)
 copies each source once, straight into its place. A weight in a GGUF block format is shared on whole
 blocks; a fused projection whose parts the file stores in different formats stays a `Split`. Module
@@ -76,8 +77,12 @@ class LayerWeights:
     k_norm: torch.Tensor | None              # [D]
     o_proj: torch.Tensor                     # [H, hq * D]
     post_attention_layernorm: torch.Tensor   # [H]
-    gate_up_proj: torch.Tensor               # [2 * I, H]
-    down_proj: torch.Tensor                  # [H, I]
+    gate_up_proj: torch.Tensor | None        # [2 * I, H]: the dense MLP, or an MoE's shared expert (None: none)
+    down_proj: torch.Tensor | None           # [H, I]
+    router: torch.Tensor | None = None       # [E, H]: an MoE layer's router (every rank holds it whole)
+    experts_gate_up: torch.Tensor | None = None   # [E * 2 * Ie, H]: expert e's [gate; up] rows at e * 2 * Ie
+    experts_down: torch.Tensor | None = None      # [E * H, Ie]: expert e's down_proj at rows e * H
+    shared_gate: torch.Tensor | None = None       # [1, H]: the shared expert's sigmoid gate (Qwen2-MoE)
 
     @functools.cached_property
     def signature(self) -> tuple:
@@ -103,6 +108,11 @@ class RankWeights:
     layers: list[LayerWeights]
     norm: torch.Tensor | None                # [H]
     lm_head: torch.Tensor | None             # [V_rank, H]
+
+    @functools.cached_property
+    def dense(self) -> bool:
+        """Whether no layer here is a mixture of experts."""
+        return all(lw.router is None for lw in self.layers)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -158,6 +168,8 @@ def _layer(hf: dict, cfg: ModelConfig, shard: RankShard, i: int) -> LayerWeights
                       _rows(hf[f"{p}self_attn.k_proj.{kind}"], *kv_rows),
                       _rows(hf[f"{p}self_attn.v_proj.{kind}"], *kv_rows)))
 
+    dense = None if cfg.is_sparse(i) else p + "mlp."
+    mlp_weights = _mlp(hf, dense, mlp) if dense else _moe(hf, cfg, shard, p + "mlp.")
     return LayerWeights(
         input_layernorm=hf[p + "input_layernorm.weight"],
         qkv_proj=qkv("weight"),
@@ -166,10 +178,30 @@ def _layer(hf: dict, cfg: ModelConfig, shard: RankShard, i: int) -> LayerWeights
         k_norm=hf[p + "self_attn.k_norm.weight"] if cfg.qk_norm else None,
         o_proj=_cols(hf[p + "self_attn.o_proj.weight"], *q_rows),
         post_attention_layernorm=hf[p + "post_attention_layernorm.weight"],
-        gate_up_proj=stack((_rows(hf[p + "mlp.gate_proj.weight"], mlp.start, mlp.count),
-                            _rows(hf[p + "mlp.up_proj.weight"], mlp.start, mlp.count))),
-        down_proj=_cols(hf[p + "mlp.down_proj.weight"], mlp.start, mlp.count),
+        **mlp_weights,
     )
+
+
+def _mlp(hf: dict, p: str, share) -> dict:
+    """A SwiGLU MLP's fused weights (names under prefix p), its intermediate columns `share`."""
+    return dict(gate_up_proj=stack((_rows(hf[p + "gate_proj.weight"], share.start, share.count),
+                                    _rows(hf[p + "up_proj.weight"], share.start, share.count))),
+                down_proj=_cols(hf[p + "down_proj.weight"], share.start, share.count))
+
+
+def _moe(hf: dict, cfg: ModelConfig, shard: RankShard, p: str) -> dict:
+    """An MoE layer's weights: the router whole, every expert's share of its FFN (like the dense MLP's),
+    stacked expert after expert; the shared expert where the family has one."""
+    e, experts = shard.expert_mlp, range(cfg.moe.num_experts)
+    out = dict(router=hf[p + "gate.weight"],
+               experts_gate_up=Stacked(tuple(_rows(hf[f"{p}experts.{j}.{name}_proj.weight"], e.start, e.count)
+                                             for j in experts for name in ("gate", "up"))),
+               experts_down=Stacked(tuple(_cols(hf[f"{p}experts.{j}.down_proj.weight"], e.start, e.count)
+                                          for j in experts)),
+               gate_up_proj=None, down_proj=None)
+    if cfg.moe.shared_intermediate_size:
+        out.update(_mlp(hf, p + "shared_expert.", shard.shared_mlp), shared_gate=hf[p + "shared_expert_gate.weight"])
+    return out
 
 
 def shard_weights(hf: dict[str, torch.Tensor], cfg: ModelConfig, shard: RankShard) -> RankWeights:

@@ -141,8 +141,10 @@ def _where(e: dict) -> str:
 
 def shard_text(s: dict) -> str:
     """One rank's shard of a layout, as the manifest gives it."""
+    experts = "".join(f" {label} {s[key][0]}-{s[key][1]}" for key, label in
+                      (("expert_mlp", "each expert"), ("shared_mlp", "shared expert")) if s.get(key, [0, 0])[1])
     return (f"rank {s['rank']} layers {s['layers'][0]}-{s['layers'][1]} kv heads {s['kv_heads'][0]}-"
-            f"{s['kv_heads'][1]} mlp {s['mlp'][0]}-{s['mlp'][1]}")
+            f"{s['kv_heads'][1]} mlp {s['mlp'][0]}-{s['mlp'][1]}{experts}")
 
 
 def render_text(m: dict) -> str:

@@ -13,7 +13,8 @@ from safetensors.torch import load_file, save_file
 from phaseflip.engine.checkpoint.loader import (CheckpointError, expected_tensor_shapes, load_model_config, load_weights,
                                      resolve_dtype)
 from phaseflip.engine.checkpoint.tokenizer import load_tokenizer
-from phaseflip.rank.model_config import LinearRope, RopeScaling, YarnRope
+from phaseflip.engine.checkpoint.moe_config import engine_names
+from phaseflip.rank.model_config import LinearRope, MoeConfig, RopeScaling, YarnRope
 from tests.models import KINDS, TOKENIZER_VOCAB_SIZE, compare_greedy, hf_greedy, make_tokenizer
 
 SMOLLM2_DIR = Path.home() / ".cache" / "phaseflip" / "SmolLM2-135M-Instruct"
@@ -49,17 +50,26 @@ def _raises(match_all: list[str], fn, *args):
 
 # ---------------------------------------------------------------------------------------------- config
 
+MOE = {"mixtral": MoeConfig(num_experts=4, top_k=2, expert_intermediate_size=48, norm_topk_prob=True),
+       "qwen2moe": MoeConfig(num_experts=8, top_k=2, expert_intermediate_size=32, norm_topk_prob=False,
+                             shared_intermediate_size=48),
+       "qwen3moe": MoeConfig(num_experts=6, top_k=2, expert_intermediate_size=32, norm_topk_prob=True,
+                             dense_layers=(1,))}
+
+
 @pytest.mark.parametrize("kind", KINDS)
 def test_config_parses_each_architecture(tiny_model_dir, kind):
     model_dir = tiny_model_dir(kind)
     hf = json.loads((model_dir / "config.json").read_text())
     config = load_model_config(model_dir)
     assert config.architecture == hf["architectures"][0]
-    assert (config.vocab_size, config.hidden_size, config.intermediate_size) == (TOKENIZER_VOCAB_SIZE, 64, 128)
+    assert (config.vocab_size, config.hidden_size) == (TOKENIZER_VOCAB_SIZE, 64)
+    assert config.intermediate_size == (48 if kind == "mixtral" else 128)
     assert (config.num_layers, config.num_heads, config.num_kv_heads, config.group_size) == (3, 4, 2, 2)
     assert config.head_dim == (32 if kind == "qwen3" else 16)
-    assert config.qkv_bias == (kind in ("qwen2", "yarnrope"))
-    assert config.qk_norm == (kind == "qwen3")
+    assert config.qkv_bias == (kind in ("qwen2", "yarnrope", "qwen2moe"))
+    assert config.qk_norm == (kind in ("qwen3", "qwen3moe"))
+    assert config.moe == MOE.get(kind)
     assert config.tie_word_embeddings is False
     assert config.rms_norm_eps == hf["rms_norm_eps"]
     assert config.bos_token_id == 1 and config.eos_token_ids == (2,)
@@ -190,7 +200,8 @@ def test_weights_load_and_match_the_files(tiny_model_dir, kind):
     config = load_model_config(model_dir)
     weights = load_weights(model_dir, config, torch.float32)
     expected = expected_tensor_shapes(config)   # the file's names: Phi-3 stores qkv_proj and gate_up_proj
-    on_disk = load_file(str(model_dir / "model.safetensors"))
+    on_disk = engine_names(load_file(str(model_dir / "model.safetensors")), config)   # Mixtral's w1/w3/w2
+    expected = engine_names(expected, config)
     fused = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
     seen = set()
     for name, shape in expected.items():

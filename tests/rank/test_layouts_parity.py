@@ -7,7 +7,7 @@ import pytest
 
 from phaseflip import LLM, SamplingParams
 from tests.engine.test_parity import parity_prompts
-from tests.models import compare_greedy, hf_greedy
+from tests.models import MOE_KINDS, compare_greedy, hf_greedy
 
 NEW = 24
 GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True)
@@ -69,6 +69,20 @@ def test_other_families_layouts_match_hf(ref, kind, name):
     ok, ties, msg = compare_greedy(ours, expected)
     print(f"\n[parity] {kind}/{name}: {msg}")
     assert ok, msg
+
+
+@pytest.mark.parametrize("name", ["tp3", "pp3", "every1"])
+@pytest.mark.parametrize("kind", MOE_KINDS)
+def test_mixtures_of_experts_match_hf_in_every_layout(ref, kind, name):
+    """Experts sharded like the MLP over 3 TP ranks (32 columns: 11/11/10), whole layers in PP, and a
+    flip every step at 2 ranks: HF's tokens."""
+    d, prompts, expected = ref(kind)
+    ours, stats = run(d, prompts, **LAYOUTS[name])
+    ok, ties, msg = compare_greedy(ours, expected)
+    print(f"\n[parity] {kind}/{name}: {msg}; flips {stats['flips']}")
+    assert ok, msg
+    if name == "every1":
+        assert stats["flips"] >= NEW and stats["failed_flips"] == 0
 
 
 def test_smollm2_two_ranks_uneven_tp_with_real_flips(smollm_reference):

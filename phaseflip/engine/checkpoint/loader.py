@@ -32,6 +32,9 @@ _DEFAULTS = {
     "Qwen2ForCausalLM": dict(max_position_embeddings=32768, head_dim=None, sliding_window=None),
     "Qwen3ForCausalLM": dict(max_position_embeddings=32768, head_dim=128, sliding_window=None),
     "Phi3ForCausalLM": dict(max_position_embeddings=4096, head_dim=None, sliding_window=None),
+    "MixtralForCausalLM": dict(max_position_embeddings=4096 * 32, head_dim=None, sliding_window=None),
+    "Qwen2MoeForCausalLM": dict(max_position_embeddings=32768, head_dim=None, sliding_window=None),
+    "Qwen3MoeForCausalLM": dict(max_position_embeddings=32768, head_dim=None, sliding_window=None),
 }
 
 _DTYPES = {
@@ -67,7 +70,8 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
     num_heads = _int_field(raw, "num_attention_heads", path)
     hidden = _int_field(raw, "hidden_size", path)
     head_dim = _int_field(raw, "head_dim", path, defaults["head_dim"] or hidden // num_heads)
-    from phaseflip.engine.checkpoint.rope_config import parse_rope   # it builds on this module
+    from phaseflip.engine.checkpoint.moe_config import parse_moe     # these build on this module
+    from phaseflip.engine.checkpoint.rope_config import parse_rope
     rope_theta, rope_scaling = parse_rope(raw, path)
     max_pos = _capped_max_positions(raw, arch, path, _int_field(raw, "max_position_embeddings", path,
                                                                  defaults["max_position_embeddings"]))
@@ -84,12 +88,13 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
         rope_theta=rope_theta,
         max_position_embeddings=max_pos,
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-        qkv_bias=arch == "Qwen2ForCausalLM",
-        qk_norm=arch == "Qwen3ForCausalLM",
+        qkv_bias=arch == "Qwen2ForCausalLM" or (arch == "Qwen2MoeForCausalLM" and raw.get("qkv_bias", True)),
+        qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
         rope_scaling=rope_scaling,
         bos_token_id=raw.get("bos_token_id"),
         eos_token_ids=_eos_ids(raw.get("eos_token_id"), path),
         torch_dtype=raw.get("dtype") or raw.get("torch_dtype"),
+        moe=parse_moe(raw, arch, path),
     )
     try:
         return ModelConfig(**fields)
@@ -107,7 +112,7 @@ def _check_unsupported(raw: dict, arch: str, path: Path) -> None:
                               "supported (the rotary covers the whole head: only 1.0)")
     # Llama/Qwen3 attention_bias puts a bias on o_proj as well as q/k/v; Llama mlp_bias on the MLP.
     for name in ("attention_bias", "mlp_bias"):
-        if arch in ("LlamaForCausalLM", "Qwen3ForCausalLM") and raw.get(name):
+        if arch in ("LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM") and raw.get(name):
             raise CheckpointError(f"{path}: field {name!r}=true is not supported for {arch}")
 
 
@@ -169,7 +174,7 @@ def _eos_ids(value, path: Path) -> tuple[int, ...]:
 def _capped_max_positions(raw: dict, arch: str, path: Path, max_pos: int) -> int:
     """Sliding-window attention is not implemented: cap the context at the window so it never applies."""
     window = raw.get("sliding_window", _DEFAULTS[arch]["sliding_window"])
-    if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
+    if arch.startswith("Qwen"):
         uses_window = raw.get("use_sliding_window", False) and \
             raw.get("max_window_layers", 28) < raw.get("num_hidden_layers", 0)
         window = window if uses_window else None
@@ -200,7 +205,9 @@ def resolve_dtype(dtype: str | torch.dtype, device: str, checkpoint_dtype: str |
 # ---------------------------------------------------------------------------------------------- weights
 
 def expected_tensor_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Every tensor (HF name) the architecture's checkpoint holds, with its shape (fused ones fused)."""
+    """Every tensor (HF name) the architecture's checkpoint holds, with its shape (fused ones fused, an
+    MoE's experts under the file's names)."""
+    from phaseflip.engine.checkpoint.moe_config import file_names, moe_shapes   # it builds on this module
     c = config
     H, q_out, kv_out = c.hidden_size, c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
     shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (c.vocab_size, H), "model.norm.weight": (H,)}
@@ -215,6 +222,8 @@ def expected_tensor_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
             p + "self_attn.k_proj.weight": (kv_out, H),
             p + "self_attn.v_proj.weight": (kv_out, H),
             p + "self_attn.o_proj.weight": (H, q_out),
+        })
+        shapes.update(moe_shapes(c, i) if c.is_sparse(i) else {
             p + "mlp.gate_proj.weight": (c.intermediate_size, H),
             p + "mlp.up_proj.weight": (c.intermediate_size, H),
             p + "mlp.down_proj.weight": (H, c.intermediate_size),
@@ -225,7 +234,7 @@ def expected_tensor_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
         if c.qk_norm:
             shapes.update({p + "self_attn.q_norm.weight": (c.head_dim,),
                            p + "self_attn.k_norm.weight": (c.head_dim,)})
-    return fused_shapes(shapes, c)
+    return file_names(fused_shapes(shapes, c), c)
 
 
 def load_weights(model_dir: str | Path, config: ModelConfig, dtype: torch.dtype) -> dict[str, torch.Tensor]:
@@ -249,7 +258,8 @@ def load_weights(model_dir: str | Path, config: ModelConfig, dtype: torch.dtype)
         read = ", ".join(f.name for f in files)
         raise CheckpointError(f"{model_dir}: tensor {missing[0]!r} is missing from the checkpoint "
                               f"({len(missing)} missing in all; read: {read})")
-    return unfused(weights, config)
+    from phaseflip.engine.checkpoint.moe_config import engine_names
+    return engine_names(unfused(weights, config), config)
 
 
 def check_shapes(path: Path, shapes: dict[str, tuple[int, ...]], config: ModelConfig) -> None:
