@@ -40,11 +40,11 @@ def prompts(count: int, length: int, seed: int) -> list[list[int]]:
     return [[rng.randrange(100, 40000) for _ in range(length)] for _ in range(count)]
 
 
-def boot(path: Path, threads: int) -> LLM:
+def boot(path: Path, threads: int, **engine) -> LLM:
     _log(f"booting phaseflip on {path.name}")
     t0 = time.perf_counter()
     # no prefix caching: the rounds repeat their prompts, which llama.cpp computes every time
-    llm = LLM(model=str(path), num_threads=threads, max_model_len=1024, enable_prefix_caching=False)
+    llm = LLM(model=str(path), num_threads=threads, max_model_len=1024, enable_prefix_caching=False, **engine)
     for batch in BATCHES:
         _timed(llm, prompts(batch, PROMPT, 0), 2)   # warm-up: every step shape the rounds use
     _timed(llm, prompts(1, PP, 0), 1)
@@ -60,7 +60,9 @@ def decode_bytes(llm: LLM) -> int:
 
 
 def one_round(llm: LLM, path: Path, o: dict) -> dict:
-    """{workload: (llama.cpp tok/s, phaseflip tok/s)} and the tg step's read bracket (GB/s before, after)."""
+    """{workload: (llama.cpp tok/s, phaseflip tok/s)} and the tg step's read bracket (GB/s before, after):
+    llama.cpp runs the GGUF file `path`, phaseflip whatever `llm` serves (the same file, or the checkpoint
+    it was converted from)."""
     rows = {}
     pf = {b: b * (PROMPT + NEW) / _timed(llm, prompts(b, PROMPT, 1), NEW) for b in BATCHES}
     ll = llama_batched(o["llama_batched_bench"], path, o["threads"])

@@ -98,7 +98,7 @@ def route(logits: torch.Tensor, top_k: int, normalize: bool) -> tuple[torch.Tens
 def moe_experts(h: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, ids: torch.Tensor,
                 weights: torch.Tensor) -> torch.Tensor:
     """The routed experts' SwiGLU FFNs, summed per token by routing weight (kernels/reference/moe.py's
-    contract): grouped by expert on the CPU; on CUDA the op's body."""
+    contract): grouped by expert, on the CPU's product forms or Triton's on CUDA."""
     if h.is_cuda:
         return torch.ops.phaseflip.moe_experts(h, gate_up, down, ids, weights)
     return cpu_moe.experts(h, gate_up, down, ids, weights)
@@ -149,9 +149,12 @@ def _quant_rows_body(blocks: torch.Tensor, ids: torch.Tensor, type_id: int) -> t
 
 
 def _moe_experts_body(h, gate_up, down, ids, weights):
-    """Every expert over every token, masked by its routing weight (no data-dependent shape, so a CUDA
-    graph captures it)."""
-    return moe.experts(h, gate_up, down, ids, weights)
+    """The grouped Triton products; without triton every expert over every token, masked by its routing
+    weight (E / k times the work, no data-dependent shape either: a CUDA graph captures both)."""
+    if not triton_available():
+        return moe.experts(h, gate_up, down, ids, weights)
+    from phaseflip.kernels.triton.moe import moe_experts_triton
+    return moe_experts_triton(h, gate_up, down, ids, weights)
 
 
 def _quant_rows_fake(blocks, ids, type_id):

@@ -19,6 +19,7 @@ from typing import Callable
 import torch
 
 from phaseflip.kernels.reference import activation, norm, rotary
+from phaseflip.kernels.reference import moe as moe_ref
 from phaseflip.kernels.reference import quant as quant_ref
 from phaseflip.kernels.reference.attention import paged_attention_ref, store_kv
 
@@ -213,6 +214,24 @@ def _quant_check(type_id: int, rows: int, n: int, k: int, dtype) -> Callable[[st
     return check
 
 
+def _moe_check(tokens: int, experts: int, top_k: int, dtype) -> Callable[[str], float]:
+    """The grouped expert products through the op the model calls on CUDA, against the masked reference."""
+    def check(device: str) -> float:
+        from phaseflip.kernels import dispatch  # noqa: F401  (defines phaseflip::moe_experts)
+        g = torch.Generator().manual_seed(tokens * experts + top_k)
+        h = torch.randn(tokens, 96, generator=g).to(dtype)
+        gate_up = (torch.randn(experts, 2 * 80, 96, generator=g) * 0.2).to(dtype)
+        down = (torch.randn(experts, 96, 80, generator=g) * 0.2).to(dtype)
+        logits = torch.randn(tokens, experts, generator=g) + torch.linspace(0, 4, experts)  # some experts idle
+        weights, ids = moe_ref.route(logits, top_k, normalize=True)
+        got = torch.ops.phaseflip.moe_experts(*(t.to(device) for t in (h, gate_up, down, ids, weights))).float().cpu()
+        ref = moe_ref.experts(h, gate_up, down, ids, weights).float()
+        atol, rtol = TOL[dtype]   # bfloat16: two products rounded on the way, so scaled to the largest output
+        torch.testing.assert_close(got, ref, atol=atol * max(1.0, float(ref.abs().max())), rtol=rtol)
+        return float((got - ref).abs().max())
+    return check
+
+
 def _cases() -> dict[str, Callable[[str], float]]:
     c: dict[str, Callable[[str], float]] = {}
     decode = [(0, 1), (16, 1), (39, 1), (70, 1)]        # contexts 1, 17, 40, 71: not multiples of a page
@@ -257,6 +276,10 @@ def _cases() -> dict[str, Callable[[str], float]]:
         c[f"quant/{name}-fp32-1-row"] = _quant_check(type_id, 1, 80, 512, torch.float32)
         c[f"quant/{name}-bf16-20-rows"] = _quant_check(type_id, 20, 70, 512, torch.bfloat16)
     c["quant/Q4_K-fp32-no-rows"] = _quant_check(12, 0, 16, 256, torch.float32)
+    for tokens, experts, top_k, dtype in ((1, 8, 2, torch.float32), (5, 4, 1, torch.bfloat16),
+                                          (70, 6, 2, torch.float32), (40, 8, 4, torch.bfloat16)):
+        c[f"moe/{tokens}-tokens-{experts}-experts-top{top_k}-{str(dtype).removeprefix('torch.')}"] = \
+            _moe_check(tokens, experts, top_k, dtype)
     return c
 
 

@@ -120,8 +120,8 @@ def forward(state: StepState, meta: dict[str, torch.Tensor], layer_fn=decoder_la
     residual = embed(w, shard, meta["input_ids"], comm) if shard.has_embed else meta["hidden_in"]  # [T, H]
     cos_sin = state.rope_table[meta["positions"]]                    # [T, D]
     delta = None  # the last block's output, not yet added to the residual stream (fused add + norm)
-    if w.layers and w.dense and fused_layer.serves(residual, w.layers[0].qkv_proj.dtype, shard.tp_size, kv.tensor,
-                                       meta["block_tables"]):
+    if w.layers and fused_layer.serves(residual, w.layers[0].qkv_proj.dtype, shard.tp_size, kv.tensor,
+                                       meta["block_tables"], w.dense):
         delta, residual = fused_layer.decoder_layers(w.layers, cfg.rms_norm_eps, cfg.head_dim ** -0.5, residual,
                                                      meta, kv.tensor, cos_sin)   # one token, every layer, one call
     else:

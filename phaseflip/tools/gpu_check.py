@@ -16,7 +16,8 @@ the next one runs; once the time budget is spent the rest are recorded as skippe
   park_restore       10 flips with the arena poisoned before each refill: outputs identical, pointers stable
   restore            refill time against arena bytes / pinned bandwidth
   decode_throughput  decode tokens/s at batch 1, 8, 64 next to the weight-bandwidth bound
-  fp32_parity        fp32 greedy tokens on a tiny model against HF transformers
+  fp32_parity        fp32 greedy tokens of a tiny Llama and a tiny Qwen3-MoE (Triton's grouped experts in the
+                     captured steps) against HF transformers
   hf_decode          HF transformers at the same batches (static cache + torch.compile); a batch starts
                      only while it is expected to end within GRACE_S of the budget
   quantized_decode   the 1B shape as GGUF files of random blocks (Q8_0; a Q4_K_M make-up), served by the

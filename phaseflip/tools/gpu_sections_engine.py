@@ -277,14 +277,18 @@ def hf_decode(ctx: Context) -> dict:
 
 
 def fp32_parity(ctx: Context) -> dict:
+    """A tiny Llama (llama3 rope) and a tiny Qwen3-MoE (the grouped Triton experts inside captured steps)."""
     from tests.models import compare_greedy, hf_greedy, make_tiny_model
-    model_dir = make_tiny_model("llama3rope", ctx.work / "tiny-fp32")
     prompts = _prompts(4, 12, seed=3)
-    with _engine(ctx, model_dir, dtype="float32", compile="off", max_model_len=256) as llm:
-        ours = _tokens(llm.generate(prompts, _greedy(24), use_tqdm=False))
-        captured = llm.stats()["captures_at_boot"]
-    ok, ties, msg = compare_greedy(ours, hf_greedy(model_dir, prompts, 24))
-    return {"ok": ok, "tie_divergences": ties, "message": msg, "captures_at_boot": captured,
+    models = {}
+    for kind in ("llama3rope", "qwen3moe"):
+        model_dir = make_tiny_model(kind, ctx.work / f"tiny-{kind}")
+        with _engine(ctx, model_dir, dtype="float32", compile="off", max_model_len=256) as llm:
+            ours = _tokens(llm.generate(prompts, _greedy(24), use_tqdm=False))
+            captured = llm.stats()["captures_at_boot"]
+        ok, ties, msg = compare_greedy(ours, hf_greedy(model_dir, prompts, 24))
+        models[kind] = {"ok": ok, "tie_divergences": ties, "message": msg, "captures_at_boot": captured}
+    return {"ok": all(m["ok"] for m in models.values()), "models": models,
             "engine": f"fp32 on {ctx.profile.device}, captured uncompiled steps (compile='off')",
             "reference": "HF transformers fp32 on the CPU, full recompute per token"}
 

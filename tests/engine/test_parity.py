@@ -86,7 +86,7 @@ def fused_forced(monkeypatch) -> list:
     if library.decode_layers_op() is None:
         pytest.skip(f"no CPU kernels here: {library.kernel_report()['reason']}")
     calls, run = [], fused_layer.decoder_layers
-    monkeypatch.setattr(fused_layer, "_why_not", lambda dtype, tp_size: None)
+    monkeypatch.setattr(fused_layer, "_why_not", lambda dtype, tp_size, dense=True: None if dense else "MoE")
     monkeypatch.setattr(fused_layer, "decoder_layers", lambda *a: calls.append(1) or run(*a))
     return calls
 

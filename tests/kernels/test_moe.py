@@ -61,6 +61,26 @@ def test_cpu_grouped_experts_match_the_reference(dtype, tokens, experts, top_k):
     torch.testing.assert_close(ours.float(), moe.experts(*args).float(), **tol)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens", [1, 2, 4])
+def test_few_tokens_in_one_region_match_the_grouped_products(dtype, tokens):
+    """moe.cpp's call (decode steps) against the expert-by-expert path on the same inputs, an expert chosen
+    by several tokens among them."""
+    from phaseflip.kernels.cpu import library
+    from phaseflip.kernels.cpu import moe as cpu_moe
+    if library.moe_rows_op() is None:
+        pytest.skip(f"the CPU kernels are not built here: {library.kernel_report()['reason']}")
+    h, gate_up, down, _, _ = random_experts(tokens, 5, 2, dtype, seed=7)
+    ids = torch.tensor([[3, 1], [1, 4], [0, 3], [3, 2]])[:tokens]
+    weights = torch.tensor([[0.7, 0.3], [0.5, 0.5], [0.9, 0.1], [0.2, 0.8]])[:tokens]
+    got = library.moe_rows_op()(h, gate_up, down, ids, weights)
+    want = cpu_moe.grouped(h, gate_up, down, ids, weights)
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(got.float(), want.float(), **tol)
+    torch.testing.assert_close(got.float(), naive(h, gate_up, down, ids, weights).float(), **(
+        tol if dtype == torch.float32 else dict(rtol=3e-2, atol=3e-2)))
+
+
 def test_cpu_grouped_experts_compile_as_one_opaque_call():
     args = random_experts(7, 4, 2, torch.float32)
     compiled = torch.compile(lambda *a: dispatch.moe_experts(*a) * 2, fullgraph=True, dynamic=False)

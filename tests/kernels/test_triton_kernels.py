@@ -22,7 +22,7 @@ def test_cases_cover_the_issue_matrix():
     for part in ("g1-", "g3-", "g4-", "g8-", "d64-", "d128-", "page16-", "page32-", "splits1", "splits3"):
         assert any(part in n for n in decode), part
     kernels = {n.split("/")[0] for n in selfcheck.CASES}
-    assert kernels == {"attention", "kv_store", "rms_norm", "add_rms_norm", "rotary", "silu_and_mul", "quant"}
+    assert kernels == {"attention", "kv_store", "rms_norm", "add_rms_norm", "rotary", "silu_and_mul", "quant", "moe"}
 
 
 def test_run_cases_records_failures_and_goes_on(monkeypatch):

@@ -1,11 +1,12 @@
-"""The CPU kernels of our own (gemv.cpp, decode.cpp, prefill.cpp, layer.cpp, quant.cpp): built for
+"""The CPU kernels of our own (gemv.cpp, decode.cpp, prefill.cpp, layer.cpp, quant.cpp, moe.cpp): built for
 this machine on first use, loaded as torch ops.
 
 Owns: `few_rows_op` (`phaseflip::cpu_few_rows_linear`), `paged_attention_op`
 (`phaseflip::cpu_paged_attention`: phaseflip::paged_attention in C++, every CPU step of float32 or
 bfloat16, eager or compiled), `decode_layers_op` (`phaseflip::cpu_decode_layers`: one token through the
 decoder layers, kernels/cpu/fused_layer.py), `quant_linear_op` (`phaseflip::cpu_quant_linear`: products on
-weights in a GGUF block format, kernels/cpu/quant.py), each None where the kernels cannot be built or
+weights in a GGUF block format, kernels/cpu/quant.py), `moe_rows_op` (`phaseflip::cpu_moe_rows`: an MoE
+layer's experts for a few tokens in one parallel region, kernels/cpu/moe.py), each None where the kernels cannot be built or
 give a wrong answer, and `kernel_report` (whether they are there, why not, where they live, what the build cost).
 
 Why a few-rows product of our own: a decode step's projections multiply one to four rows by every weight,
@@ -49,12 +50,13 @@ from phaseflip.cache import cache_dir, cpu_flags, prune, used
 log = logging.getLogger(__name__)
 
 SOURCES = tuple(Path(__file__).with_name(name)
-                for name in ("gemv.cpp", "decode.cpp", "prefill.cpp", "layer.cpp", "quant.cpp"))
+                for name in ("gemv.cpp", "decode.cpp", "prefill.cpp", "layer.cpp", "quant.cpp", "moe.cpp"))
 HEADERS = tuple(Path(__file__).with_name(name)   # included by the sources (part of the build's key)
                 for name in ("simd.h", "dtype.h", "parallel.h", "dot.h", "tile.h", "paged.h", "wide.h", "int8.h",
                                   "blocks.h"))
 KEEP_BUILDS = 8   # the most recently used builds kept in the cache (each source edit makes a new one)
 MAX_ROWS = 256    # the kernel's rows a pass (gemv.cpp's MAX_ROWS): more take equal passes
+MOE_ROWS = 4      # the most tokens cpu_moe_rows takes (moe.cpp's MAX_TOKENS)
 # the row counts the load-time check multiplies: every one to 64 (each one-pass form, each panel width,
 # 1-4 panels), then partial and whole panels up to a pass, and two and three passes (every count to 256
 # would cost ~0.2 s a boot)
@@ -86,6 +88,12 @@ def quant_linear_op():
     """torch.ops.phaseflip.cpu_quant_linear (quant.cpp: x @ W^T, W in a GGUF block format); None where the
     kernels are not here (kernel_report)."""
     return torch.ops.phaseflip.cpu_quant_linear if _loaded() else None
+
+
+def moe_rows_op():
+    """torch.ops.phaseflip.cpu_moe_rows (moe.cpp: the chosen experts of up to MOE_ROWS tokens); None where the
+    kernels are not here (kernel_report)."""
+    return torch.ops.phaseflip.cpu_moe_rows if _loaded() else None
 
 
 def _loaded() -> bool:

@@ -1,7 +1,8 @@
-"""Mixture-of-experts expert products on the CPU: grouped by expert, on the house's product forms.
+"""Mixture-of-experts expert products on the CPU: grouped by expert, on the house's kernels.
 
-Owns: `experts` (phaseflip::cpu_moe_experts: kernels/reference/moe.py's contract). The (token, slot)
-pairs are sorted by expert; each expert that any token chose multiplies its tokens' rows once (its
+Owns: `experts` (phaseflip::cpu_moe_experts: kernels/reference/moe.py's contract). Up to MOE_ROWS tokens
+(decode steps) take moe.cpp's one-region call (library.moe_rows_op), where it built. Otherwise the
+(token, slot) pairs are sorted by expert; each expert that any token chose multiplies its tokens' rows once (its
 [gate; up] rows, SwiGLU, its down rows: kernels/cpu/linear.py's forms, the few-rows kernel at decode), and
 each result row is added into its token's output scaled by its routing weight. Only the chosen experts'
 weights are read, each once a step. One opaque op, so that a compiled step calls it as one extern (its
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from phaseflip.kernels.cpu import library
 from phaseflip.kernels.cpu import linear as cpu_linear
 from phaseflip.kernels.op_registry import define_op
 from phaseflip.kernels.reference.activation import silu_and_mul
@@ -23,6 +25,13 @@ def experts(h: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, ids: tor
 
 
 def _experts_body(h, gate_up, down, ids, weights):
+    if 1 <= h.shape[0] <= library.MOE_ROWS and h.dtype in library.DTYPES and library.moe_rows_op() is not None:
+        return library.moe_rows_op()(h.contiguous(), gate_up, down, ids.contiguous(), weights.float().contiguous())
+    return grouped(h, gate_up, down, ids, weights)
+
+
+def grouped(h, gate_up, down, ids, weights):
+    """The expert-by-expert path (any token count): each chosen expert's tokens through its products."""
     k = ids.shape[1]
     flat = ids.flatten()
     order = torch.argsort(flat, stable=True)            # (token, slot) pairs, expert by expert
