@@ -21,8 +21,9 @@ from pathlib import Path
 from typing import Sequence
 
 KINDS = ("llama", "qwen2", "qwen3", "mistral", "llama3rope", "linearrope", "yarnrope", "phi3", "mixtral", "qwen2moe",
-         "qwen3moe")
-MOE_KINDS = KINDS[-3:]
+         "qwen3moe", "mistralwindow", "qwen2window")
+MOE_KINDS = ("mixtral", "qwen2moe", "qwen3moe")
+WINDOW_KINDS = ("mistralwindow", "qwen2window")
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 TOKENIZER_VOCAB_SIZE = 384
 CHATML_TEMPLATE = (
@@ -68,6 +69,10 @@ _KIND = {
         norm_topk_prob=False)),
     "qwen3moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(
         num_experts=6, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True, mlp_only_layers=[1])),
+    # sliding windows shorter than most parity prompts: every layer (Mistral), layers 1 and 2 (Qwen2)
+    "mistralwindow": ("MistralConfig", "MistralForCausalLM", dict(sliding_window=24)),
+    "qwen2window": ("Qwen2Config", "Qwen2ForCausalLM", dict(use_sliding_window=True, sliding_window=20,
+                                                            max_window_layers=1)),
 }
 WEIGHT_STD = 0.08   # large enough that greedy top-2 gaps are rarely near-ties
 EMBED_STD = 0.5

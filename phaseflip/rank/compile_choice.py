@@ -164,7 +164,7 @@ class CompileChoice:
         """Whether this rank's eager 1-row decode runs the fused layers (kernels/cpu/fused_layer.py)."""
         w = self.state.weights
         return bool(w.layers) and fused_layer.report(w.layers[0].qkv_proj.dtype, self.state.shard.tp_size,
-                                                     w.dense)["reason"] is None
+                                                     w.plain)["reason"] is None
 
     def _picked(self, phase: Phase) -> str:
         picked = {self.choices[(phase.value, b)] for b, _ in phase_buckets(self.shapes, phase)}

@@ -61,7 +61,7 @@ def attention_block(lw: LayerWeights, cfg: ModelConfig, shard: RankShard, h: tor
         q, k = apply_rotary(q, cos_sin), apply_rotary(k, cos_sin)
     else:  # one rotary over the q and k heads together: half the small ops per layer
         q, k = apply_rotary(qk.view(-1, hq + hkv, d), cos_sin).split([hq, hkv], dim=1)
-    o = attend(q.contiguous(), k.contiguous(), v.contiguous(), kv.tensor, layer, meta, d ** -0.5)  # [T, hq, D]
+    o = attend(q.contiguous(), k.contiguous(), v.contiguous(), kv.tensor, layer, meta, d ** -0.5, lw.window)
     return comm.all_reduce(linear(o.view(-1, hq * d), lw.o_proj))  # [T, H]
 
 
@@ -121,7 +121,7 @@ def forward(state: StepState, meta: dict[str, torch.Tensor], layer_fn=decoder_la
     cos_sin = state.rope_table[meta["positions"]]                    # [T, D]
     delta = None  # the last block's output, not yet added to the residual stream (fused add + norm)
     if w.layers and fused_layer.serves(residual, w.layers[0].qkv_proj.dtype, shard.tp_size, kv.tensor,
-                                       meta["block_tables"], w.dense):
+                                       meta["block_tables"], w.plain):
         delta, residual = fused_layer.decoder_layers(w.layers, cfg.rms_norm_eps, cfg.head_dim ** -0.5, residual,
                                                      meta, kv.tensor, cos_sin)   # one token, every layer, one call
     else:

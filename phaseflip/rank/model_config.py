@@ -98,6 +98,7 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = ()
     torch_dtype: str | None = None   # the checkpoint's declared dtype, informational
     moe: MoeConfig | None = None     # None: every layer's MLP is dense
+    windows: tuple[int, ...] = ()    # each layer's sliding window (0: full attention); (): none anywhere
 
     def __post_init__(self):
         if self.architecture not in ARCHITECTURES:
@@ -114,9 +115,15 @@ class ModelConfig:
         if (self.moe is not None) != (self.architecture in MOE_ARCHITECTURES):
             raise ValueError(f"{self.architecture} {'needs' if self.moe is None else 'takes no'} mixture-of-experts "
                              "fields (moe)")
+        if self.windows and (len(self.windows) != self.num_layers or min(self.windows) < 0):
+            raise ValueError(f"windows={list(self.windows)}: one window >= 0 per layer ({self.num_layers})")
         if self.moe is not None and not all(0 <= i < self.num_layers for i in self.moe.dense_layers):
             raise ValueError(f"mlp_only_layers={list(self.moe.dense_layers)} names a layer outside "
                              f"0..{self.num_layers - 1}")
+
+    def window(self, layer: int) -> int:
+        """Layer's sliding window: a query at position p attends keys p - window < j <= p (0: every j <= p)."""
+        return self.windows[layer] if self.windows else 0
 
     def is_sparse(self, layer: int) -> bool:
         """Whether this layer's MLP is the mixture of experts."""

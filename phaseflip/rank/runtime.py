@@ -256,7 +256,7 @@ class RankRuntime:
                                                       recorded=record.get("gemv"))
         if runner.weights.layers:
             report["fused_layers"] = fused_layer.report(runner.weights.layers[0].qkv_proj.dtype,
-                                                        runner.shard.tp_size, runner.weights.dense)
+                                                        runner.shard.tp_size, runner.weights.plain)
 
     # -- commands ------------------------------------------------------------------------------
     def run_step(self, cmd: RunStep) -> StepReply:

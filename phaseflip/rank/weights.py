@@ -83,12 +83,14 @@ class LayerWeights:
     experts_gate_up: torch.Tensor | None = None   # [E * 2 * Ie, H]: expert e's [gate; up] rows at e * 2 * Ie
     experts_down: torch.Tensor | None = None      # [E * H, Ie]: expert e's down_proj at rows e * H
     shared_gate: torch.Tensor | None = None       # [1, H]: the shared expert's sigmoid gate (Qwen2-MoE)
+    window: int = 0                          # the layer's sliding window (0: full attention)
 
     @functools.cached_property
     def signature(self) -> tuple:
-        """Each weight's name, shape and dtype: what a compiled layer is specialised on (the layers of a
-        GGUF file may store their projections in different formats)."""
-        return tuple((name, tuple(t.shape), t.dtype) for name, t in self.tensors().items())
+        """Each weight's name, shape and dtype, and the window: what a compiled layer is specialised on (the
+        layers of a GGUF file may store their projections in different formats; a model may alternate
+        sliding and full attention)."""
+        return (self.window, *((name, tuple(t.shape), t.dtype) for name, t in self.tensors().items()))
 
     def tensors(self) -> dict[str, torch.Tensor]:
         """Each weight by name; a Split's parts as `<name>.<j>`."""
@@ -97,7 +99,7 @@ class LayerWeights:
             t = getattr(self, f.name)
             if isinstance(t, Split):
                 out.update({f"{f.name}.{j}": p for j, p in enumerate(t.parts)})
-            elif t is not None:
+            elif t is not None and f.name != "window":
                 out[f.name] = t
         return out
 
@@ -110,9 +112,9 @@ class RankWeights:
     lm_head: torch.Tensor | None             # [V_rank, H]
 
     @functools.cached_property
-    def dense(self) -> bool:
-        """Whether no layer here is a mixture of experts."""
-        return all(lw.router is None for lw in self.layers)
+    def plain(self) -> bool:
+        """Whether every layer here has a dense MLP and full attention (what the fused decode layers run)."""
+        return all(lw.router is None and not lw.window for lw in self.layers)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -134,7 +136,7 @@ def replace_tensors(w: RankWeights, new: dict[str, torch.Tensor]) -> RankWeights
         def one(name: str, old):
             if isinstance(old, Split):
                 return Split(tuple(new[f"layers.{i}.{name}.{j}"] for j in range(len(old.parts))))
-            return new.get(f"layers.{i}.{name}")
+            return old if name == "window" else new.get(f"layers.{i}.{name}")
         return LayerWeights(**{f.name: one(f.name, getattr(lw, f.name)) for f in fields(LayerWeights)})
     return RankWeights(embed_tokens=new.get("embed_tokens"), norm=new.get("norm"), lm_head=new.get("lm_head"),
                        layers=[layer(i, lw) for i, lw in enumerate(w.layers)])
@@ -179,6 +181,7 @@ def _layer(hf: dict, cfg: ModelConfig, shard: RankShard, i: int) -> LayerWeights
         o_proj=_cols(hf[p + "self_attn.o_proj.weight"], *q_rows),
         post_attention_layernorm=hf[p + "post_attention_layernorm.weight"],
         **mlp_weights,
+        window=cfg.window(i),
     )
 
 

@@ -172,9 +172,10 @@ def _phi3_header(path, tensors=(), **extra):
     return path
 
 
-def test_phi3_files_cap_their_window_and_refuse_a_partial_or_scaled_rotary(tmp_path):
+def test_phi3_files_keep_their_window_and_refuse_a_partial_or_scaled_rotary(tmp_path):
     cfg = load_model_config(_phi3_header(tmp_path / "a.gguf", **{"phi3.attention.sliding_window": 100}))
-    assert cfg.architecture == "Phi3ForCausalLM" and cfg.max_position_embeddings == 100 and cfg.head_dim == 16
+    assert cfg.architecture == "Phi3ForCausalLM" and cfg.head_dim == 16
+    assert cfg.windows == (100,) * cfg.num_layers and cfg.max_position_embeddings > 100
     with pytest.raises(CheckpointError, match=r"phi3.rope.dimension_count=12 rotates part of the 16-value head"):
         load_model_config(_phi3_header(tmp_path / "b.gguf", **{"phi3.rope.dimension_count": 12}))
     with pytest.raises(CheckpointError, match=r"rope scaling \(rope_factors_long.weight\)"):

@@ -67,7 +67,8 @@ def test_config_parses_each_architecture(tiny_model_dir, kind):
     assert config.intermediate_size == (48 if kind == "mixtral" else 128)
     assert (config.num_layers, config.num_heads, config.num_kv_heads, config.group_size) == (3, 4, 2, 2)
     assert config.head_dim == (32 if kind == "qwen3" else 16)
-    assert config.qkv_bias == (kind in ("qwen2", "yarnrope", "qwen2moe"))
+    assert config.qkv_bias == (kind in ("qwen2", "yarnrope", "qwen2moe", "qwen2window"))
+    assert config.windows == {"mistralwindow": (24, 24, 24), "qwen2window": (0, 20, 20)}.get(kind, ())
     assert config.qk_norm == (kind in ("qwen3", "qwen3moe"))
     assert config.moe == MOE.get(kind)
     assert config.tie_word_embeddings is False
@@ -126,11 +127,19 @@ def test_config_defaults_follow_hf(tiny_model_dir, tmp_path):
     assert load_model_config(qwen3).head_dim == 128   # Qwen3Config's default, not hidden // heads
 
 
-def test_sliding_window_caps_max_positions(tiny_model_dir, tmp_path):
-    mistral = _copy(tiny_model_dir("mistral"), tmp_path)
-    assert load_model_config(mistral).max_position_embeddings == 256
-    assert load_model_config(_edit_config(mistral, sliding_window=128)).max_position_embeddings == 128
-    assert load_model_config(_edit_config(mistral, sliding_window=4096)).max_position_embeddings == 256
+def test_sliding_windows_per_layer_as_transformers_sets_them(tiny_model_dir, tmp_path):
+    mistral = _copy(tiny_model_dir("mistral"), tmp_path / "mistral")
+    assert load_model_config(mistral).windows == ()
+    windowed = load_model_config(_edit_config(mistral, sliding_window=128))
+    assert windowed.windows == (128, 128, 128) and windowed.max_position_embeddings == 256   # full context
+    assert load_model_config(_edit_config(mistral, sliding_window=4096)).windows == ()   # never outgrown
+    qwen2 = _copy(tiny_model_dir("qwen2"), tmp_path / "qwen2")
+    assert load_model_config(_edit_config(qwen2, sliding_window=16, max_window_layers=1)).windows == ()
+    assert load_model_config(_edit_config(qwen2, sliding_window=16, max_window_layers=1,
+                                          use_sliding_window=True, layer_types=None)).windows == (0, 16, 16)
+    typed = _edit_config(qwen2, layer_types=["sliding_attention", "full_attention", "sliding_attention"])
+    assert load_model_config(typed).windows == (16, 0, 16)
+    _raises(["config.json", "'layer_types'"], load_model_config, _edit_config(qwen2, layer_types=["local"] * 3))
 
 
 @pytest.mark.parametrize("changes, parts", [

@@ -60,7 +60,7 @@ def references(tiny_model_dir):
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
 @pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3", "mistral", "llama3rope", "linearrope", "yarnrope",
-                                  "phi3", "mixtral", "qwen2moe", "qwen3moe"])
+                                  "phi3", "mixtral", "qwen2moe", "qwen3moe", "mistralwindow", "qwen2window"])
 def test_tiny_models_match_hf(references, kind, variant):
     model_dir, prompts, ref = references(kind)
     ours = run_engine(model_dir, prompts, variant)
@@ -86,7 +86,7 @@ def fused_forced(monkeypatch) -> list:
     if library.decode_layers_op() is None:
         pytest.skip(f"no CPU kernels here: {library.kernel_report()['reason']}")
     calls, run = [], fused_layer.decoder_layers
-    monkeypatch.setattr(fused_layer, "_why_not", lambda dtype, tp_size, dense=True: None if dense else "MoE")
+    monkeypatch.setattr(fused_layer, "_why_not", lambda dtype, tp_size, plain=True: None if plain else "MoE")
     monkeypatch.setattr(fused_layer, "decoder_layers", lambda *a: calls.append(1) or run(*a))
     return calls
 

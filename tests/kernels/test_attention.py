@@ -126,11 +126,14 @@ def test_float16_on_the_cpu_runs_the_reference():
 
 
 def check(out, args, seqs, hist, tol=1e-5):
-    t = 0
+    """Each real token against naive attention over its positions (with args["window"] W: the last W of
+    them, transformers' sliding mask); padding tokens zero."""
+    t, window = 0, args.get("window", 0)
     for (cached, new), (kh, vh, _) in zip(seqs, hist):
         for i in range(new):
             ctx = cached + i + 1
-            ref = naive(args["q"][t], kh[:ctx], vh[:ctx], args["scale"])
+            first = max(0, ctx - window) if window else 0
+            ref = naive(args["q"][t], kh[first:ctx], vh[first:ctx], args["scale"])
             torch.testing.assert_close(out[t], ref, atol=tol, rtol=tol)
             t += 1
     assert torch.all(out[t:] == 0), "padding tokens must produce zeros"
@@ -179,6 +182,18 @@ def test_decodes_at_model_head_sizes_match_naive(hq, hkv, d):
     seqs = [(n, 1) for n in (2, 90, 7, 40, 300)]
     args, hist = build(seqs, num_blocks=160, pad_tokens=1, pad_seqs=1, hq=hq, hkv=hkv, d=d, block_size=16)
     check(IMPLS["cpp_op"](**args), args, seqs, hist)
+
+
+@pytest.mark.parametrize("window", [1, 5, 16, 33, 1000])
+@pytest.mark.parametrize("hq, hkv, d", [(9, 3, 64), (4, 4, 24)])   # the vector path, the plain loops
+@pytest.mark.parametrize("impl", sorted(IMPLS))
+def test_sliding_windows_match_naive(impl, hq, hkv, d, window):
+    """A window inside a block, across blocks, longer than every context: decodes read from the window's
+    oldest position (mid-block), prompt chunks weigh the positions before each row's window 0."""
+    seqs = [(2, 1), (90, 1), (40, 1), (0, 40), (37, 50), (300, 17)]
+    args, hist = build(seqs, num_blocks=200, pad_tokens=2, pad_seqs=1, hq=hq, hkv=hkv, d=d, block_size=16)
+    args["window"] = window
+    check(IMPLS[impl](**args), args, seqs, hist, tol=1e-4)
 
 
 def test_decodes_with_scores_past_exp_range_match_naive():

@@ -2,7 +2,7 @@
 ones kept in their blocks, and where its tokenizer is.
 
 Owns: `is_gguf` (a path names a GGUF file), `load_gguf_config` (ModelConfig from the `<arch>.*` keys of
-llama, mistral, qwen2, qwen3 and phi3 files; a sliding window caps the context, as for config.json),
+llama, mistral, qwen2, qwen3 and phi3 files; a sliding window on every layer),
 `load_gguf_weights` (HF-named tensors: F32 / F16 / BF16 cast to the compute dtype; the block formats of
 kernels/cpu/quant.py as uint8 [rows, blocks, block bytes], the layout the quantized products read; phi3's
 fused attn_qkv and ffn_up handed on as row views under the separate names), `quantized_types`,
@@ -94,13 +94,12 @@ def load_gguf_config(path: str | Path) -> ModelConfig:
                               "head, which is not served (the rotary covers the whole head)")
     rope_scaling = _frequency_factors(path, file, head_dim)
     max_pos = int(need("context_length"))
-    window = _field(file, f"{arch}.attention.sliding_window")
-    if window is not None and 0 < int(window) < max_pos:   # as the loader does for config.json's sliding_window
-        max_pos = int(window)
+    layers = int(need("block_count"))
+    window = int(_field(file, f"{arch}.attention.sliding_window", 0) or 0)   # on every layer, as llama.cpp reads it
     try:
         return ModelConfig(
             architecture=ARCHITECTURES[arch], vocab_size=int(vocab), hidden_size=hidden,
-            intermediate_size=int(need("feed_forward_length")), num_layers=int(need("block_count")),
+            intermediate_size=int(need("feed_forward_length")), num_layers=layers,
             num_heads=heads, num_kv_heads=int(_field(file, f"{arch}.attention.head_count_kv", heads)),
             head_dim=head_dim,
             rms_norm_eps=float(need("attention.layer_norm_rms_epsilon")),
@@ -108,7 +107,8 @@ def load_gguf_config(path: str | Path) -> ModelConfig:
             max_position_embeddings=max_pos,
             tie_word_embeddings="output.weight" not in names, qkv_bias=arch == "qwen2", qk_norm=arch == "qwen3",
             bos_token_id=_field(file, "tokenizer.ggml.bos_token_id"),
-            eos_token_ids=() if eos is None else (int(eos),), torch_dtype=None)
+            eos_token_ids=() if eos is None else (int(eos),), torch_dtype=None,
+            windows=(window,) * layers if 0 < window < max_pos else ())
     except ValueError as e:
         raise CheckpointError(f"{path}: {e}") from e
 

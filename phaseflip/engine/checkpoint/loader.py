@@ -11,7 +11,6 @@ weights (rank/weights.py and rank/arena.py do that from the dict returned here).
 from __future__ import annotations
 
 import json
-import logging
 from pathlib import Path
 
 import torch
@@ -19,8 +18,6 @@ from safetensors import SafetensorError, safe_open
 
 from phaseflip.engine.checkpoint.fused import fused_shapes, unfused
 from phaseflip.rank.model_config import ARCHITECTURES, ModelConfig
-
-logger = logging.getLogger(__name__)
 
 CONFIG_FILE = "config.json"
 INDEX_FILE = "model.safetensors.index.json"
@@ -73,8 +70,7 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
     from phaseflip.engine.checkpoint.moe_config import parse_moe     # these build on this module
     from phaseflip.engine.checkpoint.rope_config import parse_rope
     rope_theta, rope_scaling = parse_rope(raw, path)
-    max_pos = _capped_max_positions(raw, arch, path, _int_field(raw, "max_position_embeddings", path,
-                                                                 defaults["max_position_embeddings"]))
+    max_pos = _int_field(raw, "max_position_embeddings", path, defaults["max_position_embeddings"])
     fields = dict(
         architecture=arch,
         vocab_size=_int_field(raw, "vocab_size", path),
@@ -95,6 +91,7 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
         eos_token_ids=_eos_ids(raw.get("eos_token_id"), path),
         torch_dtype=raw.get("dtype") or raw.get("torch_dtype"),
         moe=parse_moe(raw, arch, path),
+        windows=_windows(raw, arch, path, max_pos),
     )
     try:
         return ModelConfig(**fields)
@@ -171,18 +168,29 @@ def _eos_ids(value, path: Path) -> tuple[int, ...]:
     return tuple(ids)
 
 
-def _capped_max_positions(raw: dict, arch: str, path: Path, max_pos: int) -> int:
-    """Sliding-window attention is not implemented: cap the context at the window so it never applies."""
+def _windows(raw: dict, arch: str, path: Path, max_pos: int) -> tuple[int, ...]:
+    """Each layer's sliding window as transformers sets it (0: full attention; (): no layer has one that
+    the context can outgrow): a config's layer_types, else Mistral's, Mixtral's and Phi-3's sliding_window
+    on every layer, Qwen's on the layers from max_window_layers on where use_sliding_window."""
+    layers = _int_field(raw, "num_hidden_layers", path)
     window = raw.get("sliding_window", _DEFAULTS[arch]["sliding_window"])
-    if arch.startswith("Qwen"):
-        uses_window = raw.get("use_sliding_window", False) and \
-            raw.get("max_window_layers", 28) < raw.get("num_hidden_layers", 0)
-        window = window if uses_window else None
-    if window is None or window >= max_pos:
-        return max_pos
-    logger.info("%s: sliding_window=%d < max_position_embeddings=%d; capping the context at %d",
-                path, window, max_pos, window)
-    return int(window)
+    if arch.startswith("Qwen") and not raw.get("use_sliding_window", False):
+        window = None
+    if not window:
+        return ()
+    window = _int_field(raw, "sliding_window", path)
+    if window >= max_pos:
+        return ()
+    types = raw.get("layer_types")
+    if types is None:
+        first = _int_field(raw, "max_window_layers", path, 28) if arch.startswith("Qwen") else 0
+        types = ["sliding_attention" if i >= first else "full_attention" for i in range(layers)]
+    if not isinstance(types, list) or len(types) != layers or \
+            not set(types) <= {"sliding_attention", "full_attention"}:
+        raise CheckpointError(f"{path}: field 'layer_types' must list 'sliding_attention' or 'full_attention' "
+                              f"for each of the {layers} layers, got {types!r}")
+    windows = tuple(window if t == "sliding_attention" else 0 for t in types)
+    return windows if any(windows) else ()
 
 
 # ---------------------------------------------------------------------------------------------- dtype

@@ -4,7 +4,8 @@
 // a sequence that brings a prompt chunk (more than one token) goes to prefill.cpp. The contract is
 // kernels/attention.py's (store this step's K/V at slot_mapping, then attend; padding tokens give
 // zeros), as the op `phaseflip::cpu_paged_attention` (phaseflip::paged_attention's schema): every step
-// of float32 or bfloat16, any head size, eager or compiled. Built and loaded by
+// of float32 or bfloat16, any head size, eager or compiled. With a sliding window a decode token reads
+// only its window's rows. Built and loaded by
 // phaseflip/kernels/cpu/library.py with the other kernels.
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -28,26 +29,26 @@ template <typename T>
 inline float widen(T x) { return static_cast<float>(x); }
 
 #ifdef PF_LANES
-// fn(pos, k row, v row) for each of a sequence's L cached positions of kv head h, block by block (no
+// fn(pos - p0, k row, v row) for each of a sequence's cached positions [p0, L) of kv head h, block by block (no
 // division per position: a divide a row costs as much as a few vectors of scores). With Fetch, each
 // position also asks for the same position's K and V rows one block on (the blocks lie anywhere in the
 // cache, beyond the hardware's prefetch: without it the K pass waits on memory)
 template <typename T, bool Fetch, typename Fn>
-inline void for_rows(const Cache& c, const int64_t* table, int64_t L, int64_t h, int64_t d, Fn&& fn) {
+inline void for_rows(const Cache& c, const int64_t* table, int64_t p0, int64_t L, int64_t h, int64_t d, Fn&& fn) {
   const int64_t blocks = (L + c.block_size - 1) / c.block_size;
-  for (int64_t b = 0, pos = 0; pos < L; ++b) {
+  for (int64_t b = p0 / c.block_size, pos = p0; pos < L; ++b) {
     const T* k = row<T>(c, table[b], 0, h, 0);
     const T* v = row<T>(c, table[b], 0, h, 1);
     const T* kn = b + 1 < blocks ? row<T>(c, table[b + 1], 0, h, 0) : nullptr;
     const T* vn = b + 1 < blocks ? row<T>(c, table[b + 1], 0, h, 1) : nullptr;
-    const int64_t n = std::min(c.block_size, L - pos);
-    for (int64_t off = 0; off < n; ++off, ++pos) {
+    const int64_t n = std::min(c.block_size, L - b * c.block_size);
+    for (int64_t off = pos - b * c.block_size; off < n; ++off, ++pos) {
       if (Fetch && kn != nullptr)
         for (int64_t byte = 0; byte < d * (int64_t)sizeof(T); byte += 64) {
           _mm_prefetch(reinterpret_cast<const char*>(kn + off * c.so) + byte, _MM_HINT_T0);
           _mm_prefetch(reinterpret_cast<const char*>(vn + off * c.so) + byte, _MM_HINT_T1);
         }
-      fn(pos, k + off * c.so, v + off * c.so);
+      fn(pos - p0, k + off * c.so, v + off * c.so);
     }
   }
 }
@@ -56,9 +57,10 @@ inline void for_rows(const Cache& c, const int64_t* table, int64_t L, int64_t h,
 // at a time for all G heads (G * CH independent accumulators: one per head would make a chain of
 // dependent FMAs, one per position)
 template <typename T, int G, int CH>
-void attend_vec(const float* qf /* [G, D], scaled */, T* out, const Cache& c, const int64_t* table, int64_t L,
-                int64_t h, int64_t d, float* scores /* [G, L] */) {
-  for_rows<T, true>(c, table, L, h, d, [&](int64_t pos, const T* kr, const T*) {
+void attend_vec(const float* qf /* [G, D], scaled */, T* out, const Cache& c, const int64_t* table, int64_t p0,
+                int64_t end, int64_t h, int64_t d, float* scores /* [G, L] */) {
+  const int64_t L = end - p0;   // positions read
+  for_rows<T, true>(c, table, p0, end, h, d, [&](int64_t pos, const T* kr, const T*) {
     pf::vf acc[G];
     for (int g = 0; g < G; ++g) acc[g] = pf::zero();
     for (int64_t i = 0; i < d; i += pf::LANES) {
@@ -72,7 +74,7 @@ void attend_vec(const float* qf /* [G, D], scaled */, T* out, const Cache& c, co
     pf::vf acc[G][CH];
     for (int g = 0; g < G; ++g)
       for (int j = 0; j < CH; ++j) acc[g][j] = pf::zero();
-    for_rows<T, false>(c, table, L, h, d, [&](int64_t pos, const T*, const T* vr) {
+    for_rows<T, false>(c, table, p0, end, h, d, [&](int64_t pos, const T*, const T* vr) {
       for (int j = 0; j < CH; ++j) {
         const pf::vf vv = pf::load(vr + i0 + pf::LANES * j);
         for (int g = 0; g < G; ++g) acc[g][j] = pf::fma(pf::set1(scores[g * L + pos]), vv, acc[g][j]);
@@ -91,22 +93,25 @@ void attend_vec(const float* qf /* [G, D], scaled */, T* out, const Cache& c, co
 // AVX-512's 32 registers, 12 of AVX2's 16 (the V row and the broadcast score take two more; 12, not 8,
 // gives SmolLM2's G = 3 two passes over V instead of four: a faster decode attention)
 template <typename T, int G>
-bool attend_vec_any(const float* qf, T* out, const Cache& c, const int64_t* table, int64_t L, int64_t h,
+bool attend_vec_any(const float* qf, T* out, const Cache& c, const int64_t* table, int64_t p0, int64_t L, int64_t h,
                     int64_t d, float* scores) {
   constexpr int accs = pf::LANES == 16 ? 16 : 12;
-  if (d % (4 * pf::LANES) == 0 && G * 4 <= accs) return attend_vec<T, G, 4>(qf, out, c, table, L, h, d, scores), true;
-  if (d % (2 * pf::LANES) == 0 && G * 2 <= accs) return attend_vec<T, G, 2>(qf, out, c, table, L, h, d, scores), true;
-  if (d % pf::LANES == 0) return attend_vec<T, G, 1>(qf, out, c, table, L, h, d, scores), true;
+  if (d % (4 * pf::LANES) == 0 && G * 4 <= accs)
+    return attend_vec<T, G, 4>(qf, out, c, table, p0, L, h, d, scores), true;
+  if (d % (2 * pf::LANES) == 0 && G * 2 <= accs)
+    return attend_vec<T, G, 2>(qf, out, c, table, p0, L, h, d, scores), true;
+  if (d % pf::LANES == 0) return attend_vec<T, G, 1>(qf, out, c, table, p0, L, h, d, scores), true;
   return false;
 }
 #endif
 
 // Any D and G: plain loops
 template <typename T>
-void attend_loops(const float* qf, T* out, const Cache& c, const int64_t* table, int64_t L, int64_t h, int64_t G,
-                  int64_t d, float* scores, float* acc /* [G, D] */) {
+void attend_loops(const float* qf, T* out, const Cache& c, const int64_t* table, int64_t p0, int64_t end, int64_t h,
+                  int64_t G, int64_t d, float* scores, float* acc /* [G, D] */) {
+  const int64_t L = end - p0;   // positions read: p0 + pos
   for (int64_t pos = 0; pos < L; ++pos) {
-    const T* kr = row<T>(c, table[pos / c.block_size], pos % c.block_size, h, 0);
+    const T* kr = row<T>(c, table[(p0 + pos) / c.block_size], (p0 + pos) % c.block_size, h, 0);
     for (int64_t g = 0; g < G; ++g) {
       float s = 0.f;
 #pragma omp simd reduction(+ : s)
@@ -117,7 +122,7 @@ void attend_loops(const float* qf, T* out, const Cache& c, const int64_t* table,
   paged::softmax_rows(scores, G, L, L);
   std::fill_n(acc, G * d, 0.f);
   for (int64_t pos = 0; pos < L; ++pos) {
-    const T* vr = row<T>(c, table[pos / c.block_size], pos % c.block_size, h, 1);
+    const T* vr = row<T>(c, table[(p0 + pos) / c.block_size], (p0 + pos) % c.block_size, h, 1);
     for (int64_t g = 0; g < G; ++g) {
       const float p = scores[g * L + pos];
 #pragma omp simd
@@ -134,33 +139,33 @@ namespace paged {
 // One sequence's G query heads of kv head h over its cached positions: scores, softmax, weighted V.
 // Two passes over the context, K then V, each row read once for all G heads; sums in float32.
 template <typename T>
-void attend_token(const T* q /* [G, D] */, T* out /* [G, D] */, const Cache& c, const int64_t* table, int64_t L,
-                  float scale, int64_t h, int64_t G, int64_t d, std::vector<float>& buf) {
-  buf.resize(G * (L + 2 * d));
-  float* scores = buf.data();                 // [G, L]
-  float* qf = scores + G * L;                 // [G, D] the queries as float, scaled
+void attend_token(const T* q /* [G, D] */, T* out /* [G, D] */, const Cache& c, const int64_t* table, int64_t p0,
+                  int64_t L, float scale, int64_t h, int64_t G, int64_t d, std::vector<float>& buf) {
+  buf.resize(G * (L - p0 + 2 * d));
+  float* scores = buf.data();                 // [G, L - p0]
+  float* qf = scores + G * (L - p0);          // [G, D] the queries as float, scaled
   float* acc = qf + G * d;                    // [G, D]
   for (int64_t i = 0; i < G * d; ++i) qf[i] = widen(q[i]) * scale;
 #ifdef PF_LANES
   switch (G) {
-    case 1: if (attend_vec_any<T, 1>(qf, out, c, table, L, h, d, scores)) return; break;
-    case 2: if (attend_vec_any<T, 2>(qf, out, c, table, L, h, d, scores)) return; break;
-    case 3: if (attend_vec_any<T, 3>(qf, out, c, table, L, h, d, scores)) return; break;
-    case 4: if (attend_vec_any<T, 4>(qf, out, c, table, L, h, d, scores)) return; break;
-    case 5: if (attend_vec_any<T, 5>(qf, out, c, table, L, h, d, scores)) return; break;
-    case 6: if (attend_vec_any<T, 6>(qf, out, c, table, L, h, d, scores)) return; break;
-    case 7: if (attend_vec_any<T, 7>(qf, out, c, table, L, h, d, scores)) return; break;
-    case 8: if (attend_vec_any<T, 8>(qf, out, c, table, L, h, d, scores)) return; break;
+    case 1: if (attend_vec_any<T, 1>(qf, out, c, table, p0, L, h, d, scores)) return; break;
+    case 2: if (attend_vec_any<T, 2>(qf, out, c, table, p0, L, h, d, scores)) return; break;
+    case 3: if (attend_vec_any<T, 3>(qf, out, c, table, p0, L, h, d, scores)) return; break;
+    case 4: if (attend_vec_any<T, 4>(qf, out, c, table, p0, L, h, d, scores)) return; break;
+    case 5: if (attend_vec_any<T, 5>(qf, out, c, table, p0, L, h, d, scores)) return; break;
+    case 6: if (attend_vec_any<T, 6>(qf, out, c, table, p0, L, h, d, scores)) return; break;
+    case 7: if (attend_vec_any<T, 7>(qf, out, c, table, p0, L, h, d, scores)) return; break;
+    case 8: if (attend_vec_any<T, 8>(qf, out, c, table, p0, L, h, d, scores)) return; break;
     default: break;
   }
 #endif
-  attend_loops<T>(qf, out, c, table, L, h, G, d, scores, acc);
+  attend_loops<T>(qf, out, c, table, p0, L, h, G, d, scores, acc);
 }
 
-template void attend_token<float>(const float*, float*, const Cache&, const int64_t*, int64_t, float, int64_t,
+template void attend_token<float>(const float*, float*, const Cache&, const int64_t*, int64_t, int64_t, float, int64_t,
                                   int64_t, int64_t, std::vector<float>&);
 template void attend_token<c10::BFloat16>(const c10::BFloat16*, c10::BFloat16*, const Cache&, const int64_t*, int64_t,
-                                          float, int64_t, int64_t, int64_t, std::vector<float>&);
+                                          int64_t, float, int64_t, int64_t, int64_t, std::vector<float>&);
 
 }  // namespace paged
 
@@ -188,8 +193,8 @@ void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const Ca
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t s = i / hkv, h = i % hkv, t = b.first(s);
       if (!b.attends(s) || b.count(s) != 1) continue;   // a padding sequence: its rows stay zero
-      paged::attend_token<T>(qp + (t * hq + h * G) * d, op + (t * hq + h * G) * d, c, b.table(s), b.lens[s], b.scale, h,
-                             G, d, buf);
+      paged::attend_token<T>(qp + (t * hq + h * G) * d, op + (t * hq + h * G) * d, c, b.table(s), b.oldest(b.lens[s]),
+                             b.lens[s], b.scale, h, G, d, buf);
     }
   });
   for (int64_t s = 0; s < b.seqs; ++s)   // prompt chunks, one after another (each parallel inside)
@@ -201,7 +206,7 @@ void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const Ca
 // and attended block within the cache
 Batch checked(const char* op, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& kv,
               const at::Tensor& slot_mapping, const at::Tensor& block_tables, const at::Tensor& seq_lens,
-              const at::Tensor& query_start_loc, double scale) {
+              const at::Tensor& query_start_loc, double scale, int64_t window) {
   TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.sizes() == k.sizes() && kv.dim() == 5 &&
                   q.size(2) == k.size(2) && kv.size(4) == q.size(2) && kv.size(3) == k.size(1) &&
                   q.size(1) % k.size(1) == 0,
@@ -212,7 +217,7 @@ Batch checked(const char* op, const at::Tensor& q, const at::Tensor& k, const at
                   v.scalar_type() == kv.scalar_type(),
               op, ": q, k, v and the cache of one dtype, got ", q.scalar_type(), ", ", k.scalar_type(), ", ",
               v.scalar_type(), ", ", kv.scalar_type());
-  Batch b = paged::batch_of(op, slot_mapping, block_tables, seq_lens, query_start_loc, scale);
+  Batch b = paged::batch_of(op, slot_mapping, block_tables, seq_lens, query_start_loc, scale, window);
   TORCH_CHECK(b.tokens == q.size(0), op, ": slot_mapping ", slot_mapping.sizes(), " for ", q.size(0), " tokens");
   for (int64_t s = 0; s < b.seqs; ++s) {
     const int64_t n = b.count(s), L = b.lens[s];
@@ -235,20 +240,21 @@ at::Tensor attention(const char* op, const at::Tensor& q, const at::Tensor& k, c
 
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& kv_cache,
                            int64_t layer, const at::Tensor& slot_mapping, const at::Tensor& block_tables,
-                           const at::Tensor& seq_lens, const at::Tensor& query_start_loc, double scale) {
+                           const at::Tensor& seq_lens, const at::Tensor& query_start_loc, double scale,
+                           int64_t window) {
   const char* op = "cpu_paged_attention";
   TORCH_CHECK(kv_cache.dim() == 6 && layer >= 0 && layer < kv_cache.size(1), op,
               ": the cache [blocks, layers, 2, block_size, Hkv, D] and a layer of it, got ", kv_cache.sizes(),
               " and layer ", layer);
   const at::Tensor kv = kv_cache.select(1, layer);
   return attention(op, q, k, v, kv, checked(op, q, k, v, kv, slot_mapping, block_tables, seq_lens, query_start_loc,
-                                            scale));
+                                            scale, window));
 }
 
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(phaseflip, m) {
   m.def("cpu_paged_attention(Tensor q, Tensor k, Tensor v, Tensor(a!) kv_cache, SymInt layer, Tensor slot_mapping, "
-        "Tensor block_tables, Tensor seq_lens, Tensor query_start_loc, float scale) -> Tensor");
+        "Tensor block_tables, Tensor seq_lens, Tensor query_start_loc, float scale, int window=0) -> Tensor");
   m.impl("cpu_paged_attention", c10::DispatchKey::CPU, TORCH_FN(paged_attention));
 }

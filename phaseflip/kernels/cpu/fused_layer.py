@@ -27,12 +27,12 @@ DTYPES = (torch.float32, torch.bfloat16)
 
 
 def serves(residual: torch.Tensor, weight_dtype: torch.dtype, tp_size: int, kv_cache: torch.Tensor,
-           block_tables: torch.Tensor, dense: bool = True) -> bool:
+           block_tables: torch.Tensor, plain: bool = True) -> bool:
     """Whether forward's layers, their projections' weights of weight_dtype, run as one decode_layers call
-    (see the module's "When"); dense: no layer is a mixture of experts."""
+    (see the module's "When"); plain: every layer has a dense MLP and full attention."""
     if residual.is_cuda or torch.compiler.is_compiling() or kv_cache.dim() != 6 or residual.dtype != weight_dtype:
         return False
-    return residual.shape[0] == 1 and block_tables.shape[0] == 1 and _why_not(weight_dtype, tp_size, dense) is None
+    return residual.shape[0] == 1 and block_tables.shape[0] == 1 and _why_not(weight_dtype, tp_size, plain) is None
 
 
 def decoder_layers(layers: list, eps: float, scale: float, residual: torch.Tensor, meta: dict[str, torch.Tensor],
@@ -48,16 +48,16 @@ def decoder_layers(layers: list, eps: float, scale: float, residual: torch.Tenso
         meta["slot_mapping"], meta["block_tables"], meta["seq_lens"], cos_sin, eps, scale)
 
 
-def report(dtype: torch.dtype, tp_size: int, dense: bool = True) -> dict:
+def report(dtype: torch.dtype, tp_size: int, plain: bool = True) -> dict:
     """Whether this rank's eager batch-1 steps run the fused layers, and why not where they do not."""
-    reason = _why_not(dtype, tp_size, dense)
+    reason = _why_not(dtype, tp_size, plain)
     return {"choice": "operators" if reason else "fused layers", "reason": reason}
 
 
-def _why_not(dtype: torch.dtype, tp_size: int, dense: bool = True) -> str | None:
+def _why_not(dtype: torch.dtype, tp_size: int, plain: bool = True) -> str | None:
     """Why one token's steps of this dtype on a rank of tp_size do not run fused (None: they do)."""
-    if not dense:
-        return "mixture-of-experts layers (their experts take kernels/cpu/moe.py)"
+    if not plain:
+        return "mixture-of-experts or sliding-window layers (the fused layers run dense MLPs, full attention)"
     if tp_size != 1:
         return f"layers split over {tp_size} ranks (partial sums reduced between phases)"
     if dtype == torch.uint8:

@@ -49,17 +49,21 @@ struct Batch {
   const int64_t* starts;   // [S + 1] each sequence's first token; null: token s is sequence s's one
   int64_t tokens, seqs, width;
   float scale;
+  int64_t window;          // a query at position p attends p - window < j <= p (0: every j <= p)
   at::Tensor held[4];
   const int64_t* table(int64_t s) const { return tables + s * width; }
   int64_t first(int64_t s) const { return starts ? starts[s] : s; }
   int64_t count(int64_t s) const { return starts ? starts[s + 1] - starts[s] : 1; }
   bool attends(int64_t s) const { return lens[s] > 0 && first(s) < tokens; }   // reads its context
+  int64_t oldest(int64_t seen) const { return window > 0 ? std::max<int64_t>(0, seen - window) : 0; }   // of [0, seen)
 };
 
 // The Batch of an op's metadata tensors (query_start_loc undefined: one token a sequence), their dtype
 // and shapes checked (a TORCH_CHECK naming op)
 inline Batch batch_of(const char* op, const at::Tensor& slot_mapping, const at::Tensor& block_tables,
-                      const at::Tensor& seq_lens, const at::Tensor& query_start_loc, double scale) {
+                      const at::Tensor& seq_lens, const at::Tensor& query_start_loc, double scale,
+                      int64_t window = 0) {
+  TORCH_CHECK(window >= 0, op, ": window ", window, " must be >= 0 (0: none)");
   const bool one_each = !query_start_loc.defined();
   for (const at::Tensor* m : {&slot_mapping, &block_tables, &seq_lens, &query_start_loc})
     TORCH_CHECK(!m->defined() || (m->scalar_type() == at::kLong && !m->is_cuda()), op, ": int64 CPU metadata");
@@ -71,6 +75,7 @@ inline Batch batch_of(const char* op, const at::Tensor& slot_mapping, const at::
               one_each ? at::IntArrayRef() : query_start_loc.sizes());
   Batch b{};
   b.tokens = slot_mapping.size(0), b.seqs = S, b.width = block_tables.size(1), b.scale = static_cast<float>(scale);
+  b.window = window;
   const auto read = [&b](int i, const at::Tensor& m) {
     b.held[i] = m.contiguous();
     return b.held[i].data_ptr<int64_t>();
@@ -126,19 +131,19 @@ inline void softmax_rows(float* scores, int64_t G, int64_t L, int64_t stride) {
   }
 }
 
-// One query token's G heads (those of kv head h) over the first L cached positions of a sequence whose
-// blocks are `table`, already stored: scores, softmax, weighted V, sums in float32 (decode.cpp). buf: the
-// caller's scratch.
+// One query token's G heads (those of kv head h) over cached positions [p0, L) of a sequence whose blocks
+// are `table`, already stored (p0: the oldest its window keeps, else 0): scores, softmax, weighted V, sums
+// in float32 (decode.cpp). buf: the caller's scratch.
 template <typename T>
-void attend_token(const T* q /* [G, D] */, T* out /* [G, D] */, const Cache& c, const int64_t* table, int64_t L,
-                  float scale, int64_t h, int64_t G, int64_t d, std::vector<float>& buf);
+void attend_token(const T* q /* [G, D] */, T* out /* [G, D] */, const Cache& c, const int64_t* table, int64_t p0,
+                  int64_t L, float scale, int64_t h, int64_t G, int64_t d, std::vector<float>& buf);
 
 struct Heads {   // a layer's attention heads: query heads, kv heads, head size
   int64_t hq, hkv, d;
 };
 
 // Sequence s's prompt chunk of n tokens, the last n of its L cached positions (already stored): token i
-// attends positions 0 .. L - n + i. q and out: the step's [T, Hq, D] rows. Any head size.
+// attends positions 0 .. L - n + i (its window's: b.oldest(L - n + i + 1) ..). q and out: the step's [T, Hq, D] rows. Any head size.
 template <typename T>
 void attend_chunk(const T* q, T* out, const Cache& c, const Batch& b, int64_t s, const Heads& heads);
 

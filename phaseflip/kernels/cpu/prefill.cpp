@@ -6,7 +6,8 @@
 // a tile's values contiguous), V as [L][Dp] (D rounded up to whole tiles of columns, zero past D, so any
 // head size runs in the same tiles); then tasks of QB query tokens (x the kv head's G query
 // heads) each run scores -> softmax -> weighted V for their rows, every group of MR rows only over the
-// positions its last token sees. A build without vectors attends each token of the chunk as decode.cpp
+// positions its last token sees (a sliding window weighs the positions before a row's window 0). A build
+// without vectors attends each token of the chunk as decode.cpp
 // attends a decode token, over the positions it sees.
 #include <c10/util/Exception.h>
 #include <vector>
@@ -69,9 +70,9 @@ struct Rows {   // one task's query rows: tokens i0 .. i1 - 1 of the chunk, G he
 };
 
 // One task: kv head h's G query heads of tokens rows.i0 .. i1 - 1; buf holds its float32 rows
-template <typename T>
+template <typename T, typename Oldest>
 void attend_rows(const T* q, T* out, const Context& ctx, int64_t h, const Rows& rows, int64_t hq, float scale,
-                 std::vector<float>& buf) {
+                 const Oldest& oldest, std::vector<float>& buf) {
   const int64_t d = ctx.d, R = rows.count(), Rp = (R + MR - 1) / MR * MR;
   const int64_t width = (rows.sees(R - 1) + NC - 1) / NC * NC;   // the last row's positions, whole tiles
   buf.assign(Rp * d + MR * width + MR * NC, 0.f);
@@ -88,8 +89,9 @@ void attend_rows(const T* q, T* out, const Context& ctx, int64_t h, const Rows& 
       tile::rows<float, MR, NV>(qf + g0 * d, d, ctx.k_of(h) + j * d * NC, NC, d, s + j * NC, width);
     for (int64_t r = 0; g0 + r <= last; ++r) {   // rows past the last are never written out
       float* sr = s + r * width;
-      const int64_t n = rows.sees(g0 + r);
-      softmax_rows(sr, 1, n, width);
+      const int64_t n = rows.sees(g0 + r), lo = oldest(n);
+      softmax_rows(sr + lo, 1, n - lo, width);
+      std::fill(sr, sr + lo, 0.f);         // positions before the row's window: weigh 0
       std::fill(sr + n, sr + seen, 0.f);   // positions after the row's token: weigh 0
     }
     for (int64_t e0 = 0; e0 < d; e0 += NC) {
@@ -118,7 +120,8 @@ void attend_chunk(const T* q, T* out, const Cache& c, const Batch& b, int64_t s,
     for (int64_t task = t0; task < t1; ++task) {
       const int64_t z = task / hkv, blk = z % 2 ? blocks - 1 - z / 2 : z / 2;
       const Rows rows{blk * QB, std::min(n, (blk + 1) * QB), G, L - n};
-      attend_rows<T>(q + t * heads.hq * d, out + t * heads.hq * d, ctx, task % hkv, rows, heads.hq, b.scale, buf);
+      attend_rows<T>(q + t * heads.hq * d, out + t * heads.hq * d, ctx, task % hkv, rows, heads.hq, b.scale,
+                     [&b](int64_t seen) { return b.oldest(seen); }, buf);
     }
   });
 }
@@ -131,7 +134,8 @@ void attend_chunk(const T* q, T* out, const Cache& c, const Batch& b, int64_t s,
     std::vector<float> buf;
     for (int64_t i = i0; i < i1; ++i) {   // token i / hkv of the chunk sees L - n + i / hkv + 1 positions
       const int64_t at = ((t + i / hkv) * heads.hq + (i % hkv) * G) * d;
-      attend_token<T>(q + at, out + at, c, b.table(s), L - n + i / hkv + 1, b.scale, i % hkv, G, d, buf);
+      const int64_t seen = L - n + i / hkv + 1;
+      attend_token<T>(q + at, out + at, c, b.table(s), b.oldest(seen), seen, b.scale, i % hkv, G, d, buf);
     }
   });
 }

@@ -3,7 +3,8 @@ Triton kernels are tested against, and the CUDA body where triton is missing (ea
 with the host).
 
 Owns: `store_kv` (this step's K/V into the paged cache at slot_mapping) and `paged_attention_ref` (store,
-then every query token over its sequence's cached context). The metadata is kernels/attention.py's.
+then every query token over its sequence's cached context, or with a sliding window W over its last W
+positions: keys p - W < j <= p, transformers' sliding mask). The metadata is kernels/attention.py's.
 """
 from __future__ import annotations
 
@@ -29,7 +30,7 @@ def _gather_context(cache, block_table, length):
     return ctx.transpose(-3, -2)                               # [..., Hkv, L, D]
 
 
-def _decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale):
+def _decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, window: int = 0):
     # q: [n, Hq, D], one query per sequence, attending its whole context. Written out with einsum:
     # on the CPU, SDPA with enable_gqa is ~50x slower than this for one query row.
     n, hq, d = q.shape
@@ -37,7 +38,10 @@ def _decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale):
     max_len = int(seq_lens.max())
     k = _gather_context(k_cache, block_tables, max_len)        # [n, Hkv, L, D]
     v = _gather_context(v_cache, block_tables, max_len)
-    mask = torch.arange(max_len, device=q.device)[None, :] < seq_lens[:, None]  # [n, L]
+    pos = torch.arange(max_len, device=q.device)[None, :]
+    mask = pos < seq_lens[:, None]                                               # [n, L]
+    if window:
+        mask &= pos >= seq_lens[:, None] - window
     s = torch.einsum("nhgd,nhld->nhgl", q.view(n, hkv, hq // hkv, d), k) * scale
     p = s.masked_fill(~mask[:, None, None, :], float("-inf")).softmax(-1)
     return torch.einsum("nhgl,nhld->nhgd", p, v).reshape(n, hq, d)
@@ -48,28 +52,32 @@ def _expand_kv(x, group):
     return x if group == 1 else x.repeat_interleave(group, dim=1)
 
 
-def _prefill_attention(q, k, v, k_cache, v_cache, block_table, seq_len, scale):
+def _prefill_attention(q, k, v, k_cache, v_cache, block_table, seq_len, scale, window: int = 0):
     # q: [n, Hq, D] are the last n positions of a context of seq_len tokens (causal).
     n = q.shape[0]
     group = q.shape[1] // k.shape[1]
     start = seq_len - n
     qh = q.transpose(0, 1)[None]                               # [1, Hq, n, D]
-    if start == 0:  # no cached prefix: this chunk's own K/V are the whole context
+    if start == 0 and not window:  # no cached prefix: this chunk's own K/V are the whole context
         kc, vc = k.transpose(0, 1)[None], v.transpose(0, 1)[None]
         mask = None
     else:
         kc = _gather_context(k_cache, block_table, seq_len)[None]  # [1, Hkv, L, D]
         vc = _gather_context(v_cache, block_table, seq_len)[None]
         pos = torch.arange(seq_len, device=q.device)
-        mask = pos[None, :] <= (start + pos[:n])[:, None]          # [n, L]
+        q_pos = (start + pos[:n])[:, None]
+        mask = pos[None, :] <= q_pos                               # [n, L]
+        if window:
+            mask &= pos[None, :] > q_pos - window
     out = F.scaled_dot_product_attention(qh, _expand_kv(kc, group), _expand_kv(vc, group),
                                          attn_mask=mask, is_causal=mask is None, scale=scale)
     return out[0].transpose(0, 1)                              # [n, Hq, D]
 
 
 def paged_attention_ref(q, k, v, k_cache, v_cache, slot_mapping, block_tables, seq_lens,
-                        query_start_loc, scale: float):
-    """The torch reference; see the module docstring for the metadata. Returns [T, Hq, D]."""
+                        query_start_loc, scale: float, window: int = 0):
+    """The torch reference; see the module docstring for the metadata and window (0: none). Returns
+    [T, Hq, D]."""
     store_kv(k, v, k_cache, v_cache, slot_mapping)
     out = torch.zeros_like(q)
     starts = query_start_loc.tolist()
@@ -78,11 +86,11 @@ def paged_attention_ref(q, k, v, k_cache, v_cache, slot_mapping, block_tables, s
     if decode_rows:
         rows = torch.tensor(decode_rows, device=q.device)
         tok = query_start_loc[rows]
-        out[tok] = _decode_attention(q[tok], k_cache, v_cache, block_tables[rows], seq_lens[rows], scale)
+        out[tok] = _decode_attention(q[tok], k_cache, v_cache, block_tables[rows], seq_lens[rows], scale, window)
     for i, seq_len in enumerate(lens):
         a, b = starts[i], starts[i + 1]
         if seq_len == 0 or b - a <= 1:
             continue
         out[a:b] = _prefill_attention(q[a:b], k[a:b], v[a:b], k_cache, v_cache, block_tables[i],
-                                      seq_len, scale)
+                                      seq_len, scale, window)
     return out
