@@ -110,7 +110,7 @@ def _call_op(args: dict) -> torch.Tensor:
 
 def _attention_check(seqs, group: int, d: int, page: int, *, entry: str = "op", num_splits=None,
                      dtype=torch.float32, pad=(0, 0), hkv: int = 2, tile_n: int = 32,
-                     window: int = 0) -> Callable[[str], float]:
+                     window: int = 0, softcap: float = 0.0) -> Callable[[str], float]:
     def check(device: str) -> float:
         from phaseflip.kernels.triton import attention as ta
         from phaseflip.kernels.triton.kv_store import store_kv_triton
@@ -118,6 +118,8 @@ def _attention_check(seqs, group: int, d: int, page: int, *, entry: str = "op", 
                            device=device, seed=len(seqs) * 131 + group * 7 + d + page)
         if window:
             args["window"] = window
+        if softcap:
+            args["softcap"] = softcap
         ref_out, _, _ = _reference_attention(args)
         if entry == "op":   # on CUDA through the custom op and its dispatch; the interpreter directly
             out = _call_op(args) if device.startswith("cuda") else ta.store_and_attend(**args)
@@ -125,11 +127,11 @@ def _attention_check(seqs, group: int, d: int, page: int, *, entry: str = "op", 
             store_kv_triton(args["k"], args["v"], args["k_cache"], args["v_cache"], args["slot_mapping"])
             common = (args["q"], args["k_cache"], args["v_cache"], args["block_tables"], args["seq_lens"])
             if entry == "decode":
-                out = ta.paged_decode_attention(*common, args["scale"], window=window, num_splits=num_splits,
-                                                tile_n=tile_n)
+                out = ta.paged_decode_attention(*common, args["scale"], window=window, softcap=softcap,
+                                                num_splits=num_splits, tile_n=tile_n)
             else:
                 out = ta.paged_prefill_attention(*common, args["query_start_loc"], args["scale"], window=window,
-                                                 num_splits=num_splits, tile_n=tile_n)
+                                                 softcap=softcap, num_splits=num_splits, tile_n=tile_n)
         return _compare(out, ref_out, dtype)
     return check
 
@@ -258,6 +260,9 @@ def _cases() -> dict[str, Callable[[str], float]]:
         c[f"attention/prefill-window{window}-splits{splits}"] = _attention_check(
             mixed, 3, 64, 16, entry="prefill", num_splits=splits, pad=(2, 1), window=window)
     c["attention/op-window-bf16"] = _attention_check(mixed, 4, 64, 16, dtype=torch.bfloat16, pad=(2, 1), window=9)
+    c["attention/decode-softcap-splits3"] = _attention_check(decode, 2, 64, 16, entry="decode", num_splits=3,
+                                                             softcap=0.5)
+    c["attention/op-window-softcap"] = _attention_check(mixed, 2, 64, 16, pad=(1, 1), window=8, softcap=0.5)
     c["attention/op-one-token"] = _attention_check([(0, 1)], 4, 64, 16)
     c["attention/op-all-padding"] = _attention_check([], 2, 64, 16, pad=(2, 2))
     c["attention/op-empty"] = _attention_check([], 2, 64, 16)

@@ -30,12 +30,14 @@ def run_cpp_op(**args):
 IMPLS = {"op": lambda **a: torch.ops.phaseflip.paged_attention(**a), "cpp_op": run_cpp_op, "ref": run_ref}
 
 
-def naive(q, keys, values, scale):
+def naive(q, keys, values, scale, softcap=0.0):
     # q: [Hq, D]; keys/values: [L, Hkv, D] -> [Hq, D]
     g = q.shape[0] // keys.shape[1]
     k = keys.repeat_interleave(g, dim=1)
     v = values.repeat_interleave(g, dim=1)
     s = torch.einsum("hd,lhd->hl", q, k) * scale
+    if softcap:
+        s = softcap * torch.tanh(s / softcap)
     return torch.einsum("hl,lhd->hd", s.softmax(-1), v)
 
 
@@ -133,7 +135,7 @@ def check(out, args, seqs, hist, tol=1e-5):
         for i in range(new):
             ctx = cached + i + 1
             first = max(0, ctx - window) if window else 0
-            ref = naive(args["q"][t], kh[first:ctx], vh[first:ctx], args["scale"])
+            ref = naive(args["q"][t], kh[first:ctx], vh[first:ctx], args["scale"], args.get("softcap", 0.0))
             torch.testing.assert_close(out[t], ref, atol=tol, rtol=tol)
             t += 1
     assert torch.all(out[t:] == 0), "padding tokens must produce zeros"
@@ -193,6 +195,16 @@ def test_sliding_windows_match_naive(impl, hq, hkv, d, window):
     seqs = [(2, 1), (90, 1), (40, 1), (0, 40), (37, 50), (300, 17)]
     args, hist = build(seqs, num_blocks=200, pad_tokens=2, pad_seqs=1, hq=hq, hkv=hkv, d=d, block_size=16)
     args["window"] = window
+    check(IMPLS[impl](**args), args, seqs, hist, tol=1e-4)
+
+
+@pytest.mark.parametrize("window", [0, 20])
+@pytest.mark.parametrize("impl", sorted(IMPLS))
+def test_soft_capped_scores_match_naive(impl, window):
+    """Gemma 2's cap: scores (large here) taken as softcap * tanh(s / softcap) before the softmax."""
+    seqs = [(2, 1), (90, 1), (0, 40), (37, 50)]
+    args, hist = build(seqs, num_blocks=120, pad_tokens=1, pad_seqs=1, hq=9, hkv=3, d=64, block_size=16)
+    args.update(q=args["q"] * 8, softcap=5.0, window=window)
     check(IMPLS[impl](**args), args, seqs, hist, tol=1e-4)
 
 

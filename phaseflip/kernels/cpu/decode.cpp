@@ -58,7 +58,7 @@ inline void for_rows(const Cache& c, const int64_t* table, int64_t p0, int64_t L
 // dependent FMAs, one per position)
 template <typename T, int G, int CH>
 void attend_vec(const float* qf /* [G, D], scaled */, T* out, const Cache& c, const int64_t* table, int64_t p0,
-                int64_t end, int64_t h, int64_t d, float* scores /* [G, L] */) {
+                int64_t end, float softcap, int64_t h, int64_t d, float* scores /* [G, L] */) {
   const int64_t L = end - p0;   // positions read
   for_rows<T, true>(c, table, p0, end, h, d, [&](int64_t pos, const T* kr, const T*) {
     pf::vf acc[G];
@@ -69,7 +69,7 @@ void attend_vec(const float* qf /* [G, D], scaled */, T* out, const Cache& c, co
     }
     for (int g = 0; g < G; ++g) scores[g * L + pos] = pf::sum(acc[g]);
   });
-  paged::softmax_rows(scores, G, L, L);
+  paged::softmax_rows(scores, G, L, L, softcap);
   for (int64_t i0 = 0; i0 < d; i0 += pf::LANES * CH) {
     pf::vf acc[G][CH];
     for (int g = 0; g < G; ++g)
@@ -93,22 +93,22 @@ void attend_vec(const float* qf /* [G, D], scaled */, T* out, const Cache& c, co
 // AVX-512's 32 registers, 12 of AVX2's 16 (the V row and the broadcast score take two more; 12, not 8,
 // gives SmolLM2's G = 3 two passes over V instead of four: a faster decode attention)
 template <typename T, int G>
-bool attend_vec_any(const float* qf, T* out, const Cache& c, const int64_t* table, int64_t p0, int64_t L, int64_t h,
-                    int64_t d, float* scores) {
+bool attend_vec_any(const float* qf, T* out, const Cache& c, const int64_t* table, int64_t p0, int64_t L,
+                    float softcap, int64_t h, int64_t d, float* scores) {
   constexpr int accs = pf::LANES == 16 ? 16 : 12;
   if (d % (4 * pf::LANES) == 0 && G * 4 <= accs)
-    return attend_vec<T, G, 4>(qf, out, c, table, p0, L, h, d, scores), true;
+    return attend_vec<T, G, 4>(qf, out, c, table, p0, L, softcap, h, d, scores), true;
   if (d % (2 * pf::LANES) == 0 && G * 2 <= accs)
-    return attend_vec<T, G, 2>(qf, out, c, table, p0, L, h, d, scores), true;
-  if (d % pf::LANES == 0) return attend_vec<T, G, 1>(qf, out, c, table, p0, L, h, d, scores), true;
+    return attend_vec<T, G, 2>(qf, out, c, table, p0, L, softcap, h, d, scores), true;
+  if (d % pf::LANES == 0) return attend_vec<T, G, 1>(qf, out, c, table, p0, L, softcap, h, d, scores), true;
   return false;
 }
 #endif
 
 // Any D and G: plain loops
 template <typename T>
-void attend_loops(const float* qf, T* out, const Cache& c, const int64_t* table, int64_t p0, int64_t end, int64_t h,
-                  int64_t G, int64_t d, float* scores, float* acc /* [G, D] */) {
+void attend_loops(const float* qf, T* out, const Cache& c, const int64_t* table, int64_t p0, int64_t end,
+                  float softcap, int64_t h, int64_t G, int64_t d, float* scores, float* acc /* [G, D] */) {
   const int64_t L = end - p0;   // positions read: p0 + pos
   for (int64_t pos = 0; pos < L; ++pos) {
     const T* kr = row<T>(c, table[(p0 + pos) / c.block_size], (p0 + pos) % c.block_size, h, 0);
@@ -119,7 +119,7 @@ void attend_loops(const float* qf, T* out, const Cache& c, const int64_t* table,
       scores[g * L + pos] = s;
     }
   }
-  paged::softmax_rows(scores, G, L, L);
+  paged::softmax_rows(scores, G, L, L, softcap);
   std::fill_n(acc, G * d, 0.f);
   for (int64_t pos = 0; pos < L; ++pos) {
     const T* vr = row<T>(c, table[(p0 + pos) / c.block_size], (p0 + pos) % c.block_size, h, 1);
@@ -140,7 +140,7 @@ namespace paged {
 // Two passes over the context, K then V, each row read once for all G heads; sums in float32.
 template <typename T>
 void attend_token(const T* q /* [G, D] */, T* out /* [G, D] */, const Cache& c, const int64_t* table, int64_t p0,
-                  int64_t L, float scale, int64_t h, int64_t G, int64_t d, std::vector<float>& buf) {
+                  int64_t L, float scale, float softcap, int64_t h, int64_t G, int64_t d, std::vector<float>& buf) {
   buf.resize(G * (L - p0 + 2 * d));
   float* scores = buf.data();                 // [G, L - p0]
   float* qf = scores + G * (L - p0);          // [G, D] the queries as float, scaled
@@ -148,24 +148,24 @@ void attend_token(const T* q /* [G, D] */, T* out /* [G, D] */, const Cache& c, 
   for (int64_t i = 0; i < G * d; ++i) qf[i] = widen(q[i]) * scale;
 #ifdef PF_LANES
   switch (G) {
-    case 1: if (attend_vec_any<T, 1>(qf, out, c, table, p0, L, h, d, scores)) return; break;
-    case 2: if (attend_vec_any<T, 2>(qf, out, c, table, p0, L, h, d, scores)) return; break;
-    case 3: if (attend_vec_any<T, 3>(qf, out, c, table, p0, L, h, d, scores)) return; break;
-    case 4: if (attend_vec_any<T, 4>(qf, out, c, table, p0, L, h, d, scores)) return; break;
-    case 5: if (attend_vec_any<T, 5>(qf, out, c, table, p0, L, h, d, scores)) return; break;
-    case 6: if (attend_vec_any<T, 6>(qf, out, c, table, p0, L, h, d, scores)) return; break;
-    case 7: if (attend_vec_any<T, 7>(qf, out, c, table, p0, L, h, d, scores)) return; break;
-    case 8: if (attend_vec_any<T, 8>(qf, out, c, table, p0, L, h, d, scores)) return; break;
+    case 1: if (attend_vec_any<T, 1>(qf, out, c, table, p0, L, softcap, h, d, scores)) return; break;
+    case 2: if (attend_vec_any<T, 2>(qf, out, c, table, p0, L, softcap, h, d, scores)) return; break;
+    case 3: if (attend_vec_any<T, 3>(qf, out, c, table, p0, L, softcap, h, d, scores)) return; break;
+    case 4: if (attend_vec_any<T, 4>(qf, out, c, table, p0, L, softcap, h, d, scores)) return; break;
+    case 5: if (attend_vec_any<T, 5>(qf, out, c, table, p0, L, softcap, h, d, scores)) return; break;
+    case 6: if (attend_vec_any<T, 6>(qf, out, c, table, p0, L, softcap, h, d, scores)) return; break;
+    case 7: if (attend_vec_any<T, 7>(qf, out, c, table, p0, L, softcap, h, d, scores)) return; break;
+    case 8: if (attend_vec_any<T, 8>(qf, out, c, table, p0, L, softcap, h, d, scores)) return; break;
     default: break;
   }
 #endif
-  attend_loops<T>(qf, out, c, table, p0, L, h, G, d, scores, acc);
+  attend_loops<T>(qf, out, c, table, p0, L, softcap, h, G, d, scores, acc);
 }
 
-template void attend_token<float>(const float*, float*, const Cache&, const int64_t*, int64_t, int64_t, float, int64_t,
-                                  int64_t, int64_t, std::vector<float>&);
+template void attend_token<float>(const float*, float*, const Cache&, const int64_t*, int64_t, int64_t, float, float,
+                                  int64_t, int64_t, int64_t, std::vector<float>&);
 template void attend_token<c10::BFloat16>(const c10::BFloat16*, c10::BFloat16*, const Cache&, const int64_t*, int64_t,
-                                          int64_t, float, int64_t, int64_t, int64_t, std::vector<float>&);
+                                          int64_t, float, float, int64_t, int64_t, int64_t, std::vector<float>&);
 
 }  // namespace paged
 
@@ -194,7 +194,7 @@ void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const Ca
       const int64_t s = i / hkv, h = i % hkv, t = b.first(s);
       if (!b.attends(s) || b.count(s) != 1) continue;   // a padding sequence: its rows stay zero
       paged::attend_token<T>(qp + (t * hq + h * G) * d, op + (t * hq + h * G) * d, c, b.table(s), b.oldest(b.lens[s]),
-                             b.lens[s], b.scale, h, G, d, buf);
+                             b.lens[s], b.scale, b.softcap, h, G, d, buf);
     }
   });
   for (int64_t s = 0; s < b.seqs; ++s)   // prompt chunks, one after another (each parallel inside)
@@ -206,7 +206,7 @@ void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const Ca
 // and attended block within the cache
 Batch checked(const char* op, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& kv,
               const at::Tensor& slot_mapping, const at::Tensor& block_tables, const at::Tensor& seq_lens,
-              const at::Tensor& query_start_loc, double scale, int64_t window) {
+              const at::Tensor& query_start_loc, double scale, int64_t window, double softcap) {
   TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.sizes() == k.sizes() && kv.dim() == 5 &&
                   q.size(2) == k.size(2) && kv.size(4) == q.size(2) && kv.size(3) == k.size(1) &&
                   q.size(1) % k.size(1) == 0,
@@ -217,7 +217,7 @@ Batch checked(const char* op, const at::Tensor& q, const at::Tensor& k, const at
                   v.scalar_type() == kv.scalar_type(),
               op, ": q, k, v and the cache of one dtype, got ", q.scalar_type(), ", ", k.scalar_type(), ", ",
               v.scalar_type(), ", ", kv.scalar_type());
-  Batch b = paged::batch_of(op, slot_mapping, block_tables, seq_lens, query_start_loc, scale, window);
+  Batch b = paged::batch_of(op, slot_mapping, block_tables, seq_lens, query_start_loc, scale, window, softcap);
   TORCH_CHECK(b.tokens == q.size(0), op, ": slot_mapping ", slot_mapping.sizes(), " for ", q.size(0), " tokens");
   for (int64_t s = 0; s < b.seqs; ++s) {
     const int64_t n = b.count(s), L = b.lens[s];
@@ -241,20 +241,20 @@ at::Tensor attention(const char* op, const at::Tensor& q, const at::Tensor& k, c
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& kv_cache,
                            int64_t layer, const at::Tensor& slot_mapping, const at::Tensor& block_tables,
                            const at::Tensor& seq_lens, const at::Tensor& query_start_loc, double scale,
-                           int64_t window) {
+                           int64_t window, double softcap) {
   const char* op = "cpu_paged_attention";
   TORCH_CHECK(kv_cache.dim() == 6 && layer >= 0 && layer < kv_cache.size(1), op,
               ": the cache [blocks, layers, 2, block_size, Hkv, D] and a layer of it, got ", kv_cache.sizes(),
               " and layer ", layer);
   const at::Tensor kv = kv_cache.select(1, layer);
   return attention(op, q, k, v, kv, checked(op, q, k, v, kv, slot_mapping, block_tables, seq_lens, query_start_loc,
-                                            scale, window));
+                                            scale, window, softcap));
 }
 
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(phaseflip, m) {
   m.def("cpu_paged_attention(Tensor q, Tensor k, Tensor v, Tensor(a!) kv_cache, SymInt layer, Tensor slot_mapping, "
-        "Tensor block_tables, Tensor seq_lens, Tensor query_start_loc, float scale, int window=0) -> Tensor");
+        "Tensor block_tables, Tensor seq_lens, Tensor query_start_loc, float scale, int window=0, float softcap=0.0) -> Tensor");
   m.impl("cpu_paged_attention", c10::DispatchKey::CPU, TORCH_FN(paged_attention));
 }

@@ -120,7 +120,7 @@ void attend_heads(const Weights<W>& w, const Step& st, const paged::Cache& c, Sc
     const int64_t h = g / G, end = std::min(heads.end, (h + 1) * G);
     W* out = s.attn.data() + g * d;
     if (st.b.lens[0] > 0)
-      paged::attend_token<W>(s.q.data() + g * d, out, c, st.b.table(0), 0, st.b.lens[0], st.b.scale, h, end - g, d,
+      paged::attend_token<W>(s.q.data() + g * d, out, c, st.b.table(0), 0, st.b.lens[0], st.b.scale, 0.f, h, end - g, d,
                              buf);
     else
       std::fill_n(out, (end - g) * d, static_cast<W>(0.f));

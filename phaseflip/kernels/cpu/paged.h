@@ -50,6 +50,7 @@ struct Batch {
   int64_t tokens, seqs, width;
   float scale;
   int64_t window;          // a query at position p attends p - window < j <= p (0: every j <= p)
+  float softcap;           // scores s (scaled) taken as softcap * tanh(s / softcap) before the softmax (0: as they are)
   at::Tensor held[4];
   const int64_t* table(int64_t s) const { return tables + s * width; }
   int64_t first(int64_t s) const { return starts ? starts[s] : s; }
@@ -62,8 +63,9 @@ struct Batch {
 // and shapes checked (a TORCH_CHECK naming op)
 inline Batch batch_of(const char* op, const at::Tensor& slot_mapping, const at::Tensor& block_tables,
                       const at::Tensor& seq_lens, const at::Tensor& query_start_loc, double scale,
-                      int64_t window = 0) {
+                      int64_t window = 0, double softcap = 0.0) {
   TORCH_CHECK(window >= 0, op, ": window ", window, " must be >= 0 (0: none)");
+  TORCH_CHECK(softcap >= 0, op, ": softcap ", softcap, " must be >= 0 (0: none)");
   const bool one_each = !query_start_loc.defined();
   for (const at::Tensor* m : {&slot_mapping, &block_tables, &seq_lens, &query_start_loc})
     TORCH_CHECK(!m->defined() || (m->scalar_type() == at::kLong && !m->is_cuda()), op, ": int64 CPU metadata");
@@ -75,7 +77,7 @@ inline Batch batch_of(const char* op, const at::Tensor& slot_mapping, const at::
               one_each ? at::IntArrayRef() : query_start_loc.sizes());
   Batch b{};
   b.tokens = slot_mapping.size(0), b.seqs = S, b.width = block_tables.size(1), b.scale = static_cast<float>(scale);
-  b.window = window;
+  b.window = window, b.softcap = static_cast<float>(softcap);
   const auto read = [&b](int i, const at::Tensor& m) {
     b.held[i] = m.contiguous();
     return b.held[i].data_ptr<int64_t>();
@@ -102,10 +104,13 @@ inline void check(const Batch& b, const Cache& c) {
   }
 }
 
-// G rows of L scores, `stride` apart, each replaced by its softmax
-inline void softmax_rows(float* scores, int64_t G, int64_t L, int64_t stride) {
+// G rows of L scores, `stride` apart, each replaced by its softmax (of softcap * tanh(score / softcap) where
+// softcap > 0: Gemma 2's soft-capping)
+inline void softmax_rows(float* scores, int64_t G, int64_t L, int64_t stride, float softcap = 0.f) {
   for (int64_t g = 0; g < G; ++g) {
     float* sg = scores + g * stride;
+    if (softcap > 0.f)
+      for (int64_t i = 0; i < L; ++i) sg[i] = softcap * std::tanh(sg[i] / softcap);
     float mx = -INFINITY, sum = 0.f;
     int64_t pos = 0;
 #ifdef PF_LANES
@@ -136,7 +141,7 @@ inline void softmax_rows(float* scores, int64_t G, int64_t L, int64_t stride) {
 // in float32 (decode.cpp). buf: the caller's scratch.
 template <typename T>
 void attend_token(const T* q /* [G, D] */, T* out /* [G, D] */, const Cache& c, const int64_t* table, int64_t p0,
-                  int64_t L, float scale, int64_t h, int64_t G, int64_t d, std::vector<float>& buf);
+                  int64_t L, float scale, float softcap, int64_t h, int64_t G, int64_t d, std::vector<float>& buf);
 
 struct Heads {   // a layer's attention heads: query heads, kv heads, head size
   int64_t hq, hkv, d;

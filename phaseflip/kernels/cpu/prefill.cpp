@@ -72,7 +72,7 @@ struct Rows {   // one task's query rows: tokens i0 .. i1 - 1 of the chunk, G he
 // One task: kv head h's G query heads of tokens rows.i0 .. i1 - 1; buf holds its float32 rows
 template <typename T, typename Oldest>
 void attend_rows(const T* q, T* out, const Context& ctx, int64_t h, const Rows& rows, int64_t hq, float scale,
-                 const Oldest& oldest, std::vector<float>& buf) {
+                 float softcap, const Oldest& oldest, std::vector<float>& buf) {
   const int64_t d = ctx.d, R = rows.count(), Rp = (R + MR - 1) / MR * MR;
   const int64_t width = (rows.sees(R - 1) + NC - 1) / NC * NC;   // the last row's positions, whole tiles
   buf.assign(Rp * d + MR * width + MR * NC, 0.f);
@@ -90,7 +90,7 @@ void attend_rows(const T* q, T* out, const Context& ctx, int64_t h, const Rows& 
     for (int64_t r = 0; g0 + r <= last; ++r) {   // rows past the last are never written out
       float* sr = s + r * width;
       const int64_t n = rows.sees(g0 + r), lo = oldest(n);
-      softmax_rows(sr + lo, 1, n - lo, width);
+      softmax_rows(sr + lo, 1, n - lo, width, softcap);
       std::fill(sr, sr + lo, 0.f);         // positions before the row's window: weigh 0
       std::fill(sr + n, sr + seen, 0.f);   // positions after the row's token: weigh 0
     }
@@ -121,7 +121,7 @@ void attend_chunk(const T* q, T* out, const Cache& c, const Batch& b, int64_t s,
       const int64_t z = task / hkv, blk = z % 2 ? blocks - 1 - z / 2 : z / 2;
       const Rows rows{blk * QB, std::min(n, (blk + 1) * QB), G, L - n};
       attend_rows<T>(q + t * heads.hq * d, out + t * heads.hq * d, ctx, task % hkv, rows, heads.hq, b.scale,
-                     [&b](int64_t seen) { return b.oldest(seen); }, buf);
+                     b.softcap, [&b](int64_t seen) { return b.oldest(seen); }, buf);
     }
   });
 }
@@ -135,7 +135,7 @@ void attend_chunk(const T* q, T* out, const Cache& c, const Batch& b, int64_t s,
     for (int64_t i = i0; i < i1; ++i) {   // token i / hkv of the chunk sees L - n + i / hkv + 1 positions
       const int64_t at = ((t + i / hkv) * heads.hq + (i % hkv) * G) * d;
       const int64_t seen = L - n + i / hkv + 1;
-      attend_token<T>(q + at, out + at, c, b.table(s), b.oldest(seen), seen, b.scale, i % hkv, G, d, buf);
+      attend_token<T>(q + at, out + at, c, b.table(s), b.oldest(seen), seen, b.scale, b.softcap, i % hkv, G, d, buf);
     }
   });
 }

@@ -4,7 +4,8 @@ with the host).
 
 Owns: `store_kv` (this step's K/V into the paged cache at slot_mapping) and `paged_attention_ref` (store,
 then every query token over its sequence's cached context, or with a sliding window W over its last W
-positions: keys p - W < j <= p, transformers' sliding mask). The metadata is kernels/attention.py's.
+positions: keys p - W < j <= p, transformers' sliding mask; scores soft-capped where softcap > 0, as Gemma 2
+does). The metadata is kernels/attention.py's.
 """
 from __future__ import annotations
 
@@ -30,7 +31,11 @@ def _gather_context(cache, block_table, length):
     return ctx.transpose(-3, -2)                               # [..., Hkv, L, D]
 
 
-def _decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, window: int = 0):
+def _capped(s: torch.Tensor, softcap: float) -> torch.Tensor:
+    return softcap * torch.tanh(s / softcap) if softcap else s
+
+
+def _decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, window: int = 0, softcap: float = 0.0):
     # q: [n, Hq, D], one query per sequence, attending its whole context. Written out with einsum:
     # on the CPU, SDPA with enable_gqa is ~50x slower than this for one query row.
     n, hq, d = q.shape
@@ -42,7 +47,7 @@ def _decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, window
     mask = pos < seq_lens[:, None]                                               # [n, L]
     if window:
         mask &= pos >= seq_lens[:, None] - window
-    s = torch.einsum("nhgd,nhld->nhgl", q.view(n, hkv, hq // hkv, d), k) * scale
+    s = _capped(torch.einsum("nhgd,nhld->nhgl", q.view(n, hkv, hq // hkv, d), k) * scale, softcap)
     p = s.masked_fill(~mask[:, None, None, :], float("-inf")).softmax(-1)
     return torch.einsum("nhgl,nhld->nhgd", p, v).reshape(n, hq, d)
 
@@ -52,7 +57,8 @@ def _expand_kv(x, group):
     return x if group == 1 else x.repeat_interleave(group, dim=1)
 
 
-def _prefill_attention(q, k, v, k_cache, v_cache, block_table, seq_len, scale, window: int = 0):
+def _prefill_attention(q, k, v, k_cache, v_cache, block_table, seq_len, scale, window: int = 0,
+                       softcap: float = 0.0):
     # q: [n, Hq, D] are the last n positions of a context of seq_len tokens (causal).
     n = q.shape[0]
     group = q.shape[1] // k.shape[1]
@@ -69,15 +75,21 @@ def _prefill_attention(q, k, v, k_cache, v_cache, block_table, seq_len, scale, w
         mask = pos[None, :] <= q_pos                               # [n, L]
         if window:
             mask &= pos[None, :] > q_pos - window
-    out = F.scaled_dot_product_attention(qh, _expand_kv(kc, group), _expand_kv(vc, group),
-                                         attn_mask=mask, is_causal=mask is None, scale=scale)
+    if softcap:   # SDPA has no cap: the scores written out
+        s = _capped(qh @ _expand_kv(kc, group).transpose(-1, -2) * scale, softcap)
+        if mask is None:
+            mask = torch.ones(n, kc.shape[-2], dtype=torch.bool, device=q.device).tril()
+        out = s.masked_fill(~mask, float("-inf")).softmax(-1) @ _expand_kv(vc, group)
+    else:
+        out = F.scaled_dot_product_attention(qh, _expand_kv(kc, group), _expand_kv(vc, group),
+                                             attn_mask=mask, is_causal=mask is None, scale=scale)
     return out[0].transpose(0, 1)                              # [n, Hq, D]
 
 
 def paged_attention_ref(q, k, v, k_cache, v_cache, slot_mapping, block_tables, seq_lens,
-                        query_start_loc, scale: float, window: int = 0):
-    """The torch reference; see the module docstring for the metadata and window (0: none). Returns
-    [T, Hq, D]."""
+                        query_start_loc, scale: float, window: int = 0, softcap: float = 0.0):
+    """The torch reference; see the module docstring for the metadata, window and softcap (0: none).
+    Returns [T, Hq, D]."""
     store_kv(k, v, k_cache, v_cache, slot_mapping)
     out = torch.zeros_like(q)
     starts = query_start_loc.tolist()
@@ -86,11 +98,12 @@ def paged_attention_ref(q, k, v, k_cache, v_cache, slot_mapping, block_tables, s
     if decode_rows:
         rows = torch.tensor(decode_rows, device=q.device)
         tok = query_start_loc[rows]
-        out[tok] = _decode_attention(q[tok], k_cache, v_cache, block_tables[rows], seq_lens[rows], scale, window)
+        out[tok] = _decode_attention(q[tok], k_cache, v_cache, block_tables[rows], seq_lens[rows], scale, window,
+                                     softcap)
     for i, seq_len in enumerate(lens):
         a, b = starts[i], starts[i + 1]
         if seq_len == 0 or b - a <= 1:
             continue
         out[a:b] = _prefill_attention(q[a:b], k[a:b], v[a:b], k_cache, v_cache, block_tables[i],
-                                      seq_len, scale, window)
+                                      seq_len, scale, window, softcap)
     return out

@@ -2,7 +2,7 @@
 along the context when there are too few programs to fill the device, plus the reduce of the splits.
 
 Owns: `paged_attention_triton` (each sequence's query tokens attend its paged context, causally, or
-within a sliding window: a tile reads from its first row's window start), its
+within a sliding window: a tile reads from its first row's window start; scores soft-capped on request), its
 two named entry points `paged_decode_attention` (one query per sequence) and `paged_prefill_attention`
 (chunks over a cached prefix), and `store_and_attend`, the CUDA body of `phaseflip::paged_attention`.
 The torch reference and the metadata layout are in kernels/attention.py.
@@ -44,7 +44,7 @@ def _find_seq(qsl_ptr, tile, num_seqs, BLOCK_Q: tl.constexpr):
 
 @triton.jit
 def _attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, acc_ptr, m_ptr, l_ptr,
-                      block_tables_ptr, seq_lens_ptr, qsl_ptr, qk_scale, window, num_seqs, num_splits,
+                      block_tables_ptr, seq_lens_ptr, qsl_ptr, qk_scale, window, softcap, num_seqs, num_splits,
                       num_q_heads, stride_qt, stride_qh, stride_ot, stride_oh, stride_kb, stride_ks,
                       stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
                       G: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
@@ -99,6 +99,10 @@ def _attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, acc_ptr, m_ptr, 
             s = tl.dot(q.to(tl.float32), k.to(tl.float32), input_precision=PREC) * qk_scale
         else:
             s = tl.dot(q, k, input_precision=PREC) * qk_scale                       # [BLOCK_M, TILE_N]
+        if softcap > 0:   # softcap * tanh(s / softcap) on the natural-log scores, tanh written with exp2
+            x = s / (1.4426950408889634 * softcap)
+            t = tl.exp2(-2.8853900817779268 * tl.abs(x))   # e^(-2|x|)
+            s = tl.where(x < 0, -1.0, 1.0) * (1.0 - t) / (1.0 + t) * (softcap * 1.4426950408889634)
         seen = pos_ok[None, :] & (pos[None, :] <= q_pos[:, None])
         if window > 0:
             seen = seen & (pos[None, :] > q_pos[:, None] - window)
@@ -169,8 +173,8 @@ def _block_q(num_tokens: int, num_seqs: int, group: int) -> int:
 
 
 def paged_attention_triton(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale: float, *,
-                           window: int = 0, block_q: int | None = None, num_splits: int | None = None,
-                           tile_n: int = 64, num_warps: int = 4) -> torch.Tensor:
+                           window: int = 0, softcap: float = 0.0, block_q: int | None = None,
+                           num_splits: int | None = None, tile_n: int = 64, num_warps: int = 4) -> torch.Tensor:
     """q: [T, Hq, D]; caches: [num_blocks, page, Hkv, D] (last dim contiguous); metadata and window as in
     kernels/attention.py. Returns [T, Hq, D]; padding tokens and padding sequences give zeros."""
     num_tokens, hq, d = q.shape
@@ -196,7 +200,7 @@ def paged_attention_triton(q, k_cache, v_cache, block_tables, seq_lens, query_st
     block_d = max(16, triton.next_power_of_2(d))
     _attention_kernel[(num_tiles, hkv, num_splits)](
         q, k_cache, v_cache, out, acc, m, l, block_tables, seq_lens, query_start_loc, scale * LOG2E, window,
-        num_seqs, num_splits, hq, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        float(softcap), num_seqs, num_splits, hq, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1),
         v_cache.stride(2), block_tables.stride(0),
         G=group, BLOCK_Q=block_q, BLOCK_M=block_m, HEAD_DIM=d, BLOCK_D=block_d, PAGE=page,
@@ -210,25 +214,27 @@ def paged_attention_triton(q, k_cache, v_cache, block_tables, seq_lens, query_st
 
 
 def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale: float, *, window: int = 0,
-                           num_splits: int | None = None, tile_n: int = 64) -> torch.Tensor:
+                           softcap: float = 0.0, num_splits: int | None = None, tile_n: int = 64) -> torch.Tensor:
     """One query per sequence (q: [S, Hq, D], the last position of each context of seq_lens)."""
     qsl = torch.arange(q.shape[0] + 1, dtype=torch.int64, device=q.device)
     return paged_attention_triton(q, k_cache, v_cache, block_tables, seq_lens, qsl, scale, window=window,
-                                  block_q=1, num_splits=num_splits, tile_n=tile_n)
+                                  softcap=softcap, block_q=1, num_splits=num_splits, tile_n=tile_n)
 
 
 def paged_prefill_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale: float, *,
-                            window: int = 0, num_splits: int | None = None, tile_n: int = 64) -> torch.Tensor:
+                            window: int = 0, softcap: float = 0.0, num_splits: int | None = None,
+                            tile_n: int = 64) -> torch.Tensor:
     """Chunks of queries (varlen, query_start_loc) over a cached prefix: the chunk's K/V must already
     be in the cache (store_kv_triton first), since every key is read from the pages."""
     group = q.shape[1] // k_cache.shape[2]
     return paged_attention_triton(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
-                                  window=window, block_q=max(1, 64 // group), num_splits=num_splits, tile_n=tile_n)
+                                  window=window, softcap=softcap, block_q=max(1, 64 // group), num_splits=num_splits,
+                                  tile_n=tile_n)
 
 
 def store_and_attend(q, k, v, k_cache, v_cache, slot_mapping, block_tables, seq_lens, query_start_loc,
-                     scale: float, window: int = 0) -> torch.Tensor:
+                     scale: float, window: int = 0, softcap: float = 0.0) -> torch.Tensor:
     """The CUDA body of phaseflip::paged_attention: store this step's K/V, then attend."""
     store_kv_triton(k, v, k_cache, v_cache, slot_mapping)
     return paged_attention_triton(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
-                                  window=window)
+                                  window=window, softcap=softcap)
