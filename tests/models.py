@@ -1,7 +1,7 @@
 """Tiny random HF checkpoints (and their tokenizer) for the test suite, plus the HF greedy reference.
 
-Owns: building small Llama/Mistral/Qwen2/Qwen3/Phi-3 models and Mixtral/Qwen2-MoE/Qwen3-MoE mixtures with
-transformers, saving them as an HF model
+Owns: building small Llama/Mistral/Qwen2/Qwen3/Phi-3/Gemma 2/Gemma 3 models and Mixtral/Qwen2-MoE/Qwen3-MoE
+mixtures with transformers, saving them as an HF model
 directory (config.json, *.safetensors [+ index], tokenizer.json, tokenizer_config.json), running HF fp32
 greedy decoding on them, and comparing an engine's greedy tokens with that reference (vLLM's
 check_logprobs_close convention: a divergence is forgiven only where the reference's top-2 gap is a tie).
@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Sequence
 
 KINDS = ("llama", "qwen2", "qwen3", "mistral", "llama3rope", "linearrope", "yarnrope", "phi3", "mixtral", "qwen2moe",
-         "qwen3moe", "mistralwindow", "qwen2window")
+         "qwen3moe", "mistralwindow", "qwen2window", "gemma2", "gemma3")
 MOE_KINDS = ("mixtral", "qwen2moe", "qwen3moe")
 WINDOW_KINDS = ("mistralwindow", "qwen2window")
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
@@ -73,6 +73,15 @@ _KIND = {
     "mistralwindow": ("MistralConfig", "MistralForCausalLM", dict(sliding_window=24)),
     "qwen2window": ("Qwen2Config", "Qwen2ForCausalLM", dict(use_sliding_window=True, sliding_window=20,
                                                             max_window_layers=1)),
+    # Gemma: sliding layers 0 and 2, caps low enough to bend the scores and logits of these weights; Gemma 3
+    # with its q/k norms, its own rope on the sliding layers and a linear-scaled one on the full layer
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", dict(
+        query_pre_attn_scalar=24, sliding_window=24, attn_logit_softcapping=2.0, final_logit_softcapping=5.0)),
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", dict(
+        query_pre_attn_scalar=24, sliding_window=24,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        rope_parameters={"full_attention": dict(rope_type="linear", factor=2.0, rope_theta=100000.0),
+                         "sliding_attention": dict(rope_type="default", rope_theta=10000.0)})),
 }
 WEIGHT_STD = 0.08   # large enough that greedy top-2 gaps are rarely near-ties
 EMBED_STD = 0.5

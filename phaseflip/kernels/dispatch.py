@@ -4,8 +4,8 @@ library's on CUDA and the CPU's measured forms (kernels/cpu/linear.py) elsewhere
 
 Owns: the entry points the model maths calls for the projections (`linear`), the embedding's lookup
 (`embedding`: a quantized table's rows decoded), an MoE layer's routing and expert products (`route`,
-`moe_experts`) and the pointwise kernels
-(`rms_norm`, `add_rms_norm`, `apply_rotary`, `silu_and_mul`), and the ops (`phaseflip::<name>`, defined
+`moe_experts`) and the pointwise kernels (`rms_norm`, `add_rms_norm`, `apply_rotary`, `silu_and_mul`,
+`gelu_tanh_and_mul`), and the ops (`phaseflip::<name>`, defined
 with kernels/op_registry.py like every Python-bodied op of ours) that wrap the Triton launches (pointwise,
 and the products and lookups on GGUF blocks) so
 torch.compile treats each as one opaque call and a CUDA graph captures it. Attention and the KV store
@@ -87,6 +87,11 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     if gate_up.is_cuda:
         return torch.ops.phaseflip.silu_and_mul(gate_up)
     return activation.silu_and_mul(gate_up)
+
+
+def gelu_tanh_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """Gemma's GeGLU: torch's own ops everywhere (a compiled step fuses them; a CUDA graph captures them)."""
+    return activation.gelu_tanh_and_mul(gate_up)
 
 
 def route(logits: torch.Tensor, top_k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:

@@ -26,7 +26,7 @@ from phaseflip.graphs.saved_steps import SavedLayer, SavedSteps, wrapper_options
 from phaseflip.kernels.cpu import fused_layer, quant
 from phaseflip.kernels.cpu import linear as cpu_linear
 from phaseflip.kernels.cpu.linear import GEMV_ROWS
-from phaseflip.rank.forward import StepState, compute_logits, decoder_layer, forward
+from phaseflip.rank.forward import StepState, compute_logits, decoder_layer, final_softcap, forward
 from phaseflip.rank.boot_record import BootRecord
 from phaseflip.rank.messages import Phase
 from phaseflip.rank.step_inputs import bucket_rows, phase_buckets
@@ -193,7 +193,7 @@ class CompileChoice:
                 compiled(rows)
         else:
             report = self._measure(compiled, rows, measure,
-                                   lambda v: compute_logits(self.state.weights.lm_head, v["hidden_in"]))
+                                   lambda v: _head_logits(self.state, v))
         self.head = ((lambda head, hidden: compiled({"hidden_in": hidden}))
                      if report["choice"] == "compiled" else None)
         self.report["head"] = report
@@ -205,7 +205,7 @@ class CompileChoice:
         if isinstance(decode, SavedSteps):
             return SavedSteps(_head_logits, decode.owner, decode.dir.parent / "head")
         compiled = compile_region(compute_logits)
-        return lambda v: compiled(self.state.weights.lm_head, v["hidden_in"])
+        return lambda v: compiled(self.state.weights.lm_head, v["hidden_in"], final_softcap(self.state.cfg))
 
     def _measure(self, compiled, views: dict[str, torch.Tensor], measure: bool, eager=None) -> dict:
         """One bucket: the first compiled call (it compiles when no earlier bucket had these guards),
@@ -247,4 +247,4 @@ class CompileChoice:
 
 def _head_logits(state: StepState, views: dict[str, torch.Tensor]) -> torch.Tensor:
     """The LM head's logits of views["hidden_in"] (the step a compiled head runs)."""
-    return compute_logits(state.weights.lm_head, views["hidden_in"])
+    return compute_logits(state.weights.lm_head, views["hidden_in"], final_softcap(state.cfg))

@@ -1,7 +1,7 @@
 """The transformer maths for one rank's shard, over paged KV, for a batch mixing prefill and decode.
 
 Owns: the forward pass of a Llama/Mistral/Qwen2/Qwen3 decoder (and of the mixture-of-experts ones:
-`moe_block`) written once (`forward`, over a
+`moe_block`, and Gemma 2/3's departures: cfg.gemma) written once (`forward`, over a
 `StepState`: what one rank holds in one layout). What the rank holds comes
 from RankShard (layer range, heads, MLP share, vocab share); partial sums are reduced with explicit
 `comm.all_reduce` calls at their call sites. Never asks a process group how it is split.
@@ -17,8 +17,8 @@ import torch
 
 from phaseflip.kernels.attention import attend
 from phaseflip.kernels.cpu import fused_layer
-from phaseflip.kernels.dispatch import (add_rms_norm, apply_rotary, embedding, linear, moe_experts, rms_norm, route,
-                                       silu_and_mul)
+from phaseflip.kernels.dispatch import (add_rms_norm, apply_rotary, embedding, gelu_tanh_and_mul, linear, moe_experts,
+                                       rms_norm, route, silu_and_mul)
 from phaseflip.rank.kvcache import KVView
 from phaseflip.rank.model_config import ModelConfig
 from phaseflip.rank.weights import LayerWeights, RankWeights, Split
@@ -29,15 +29,16 @@ class Comm(Protocol):
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor: ...
 
 
-def embed(w: RankWeights, shard: RankShard, input_ids: torch.Tensor, comm: Comm) -> torch.Tensor:
-    # input_ids: [T] -> [T, H]
+def embed(w: RankWeights, cfg: ModelConfig, shard: RankShard, input_ids: torch.Tensor, comm: Comm) -> torch.Tensor:
+    # input_ids: [T] -> [T, H]; Gemma's times sqrt(H) as its dtype holds it
     v = shard.vocab
     if shard.tp_size == 1:
-        return embedding(input_ids, w.embed_tokens, w.dtype)
-    local = input_ids - v.start
-    outside = (local < 0) | (local >= v.count)
-    x = embedding(local.clamp(0, v.count - 1), w.embed_tokens, w.dtype) * ~outside[:, None]
-    return comm.all_reduce(x)
+        x = embedding(input_ids, w.embed_tokens, w.dtype)
+    else:
+        local = input_ids - v.start
+        outside = (local < 0) | (local >= v.count)
+        x = comm.all_reduce(embedding(local.clamp(0, v.count - 1), w.embed_tokens, w.dtype) * ~outside[:, None])
+    return x * float(torch.tensor(cfg.hidden_size ** 0.5, dtype=x.dtype)) if cfg.gemma else x
 
 
 def project(x: torch.Tensor, w: torch.Tensor | Split, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -61,12 +62,14 @@ def attention_block(lw: LayerWeights, cfg: ModelConfig, shard: RankShard, h: tor
         q, k = apply_rotary(q, cos_sin), apply_rotary(k, cos_sin)
     else:  # one rotary over the q and k heads together: half the small ops per layer
         q, k = apply_rotary(qk.view(-1, hq + hkv, d), cos_sin).split([hq, hkv], dim=1)
-    o = attend(q.contiguous(), k.contiguous(), v.contiguous(), kv.tensor, layer, meta, d ** -0.5, lw.window)
+    softcap = cfg.gemma.attn_softcap if cfg.gemma else 0.0
+    o = attend(q.contiguous(), k.contiguous(), v.contiguous(), kv.tensor, layer, meta, cfg.attention_scale,
+               lw.window, softcap)                                                    # [T, hq, D]
     return comm.all_reduce(linear(o.view(-1, hq * d), lw.o_proj))  # [T, H]
 
 
-def mlp_block(lw: LayerWeights, h: torch.Tensor, comm: Comm) -> torch.Tensor:
-    return comm.all_reduce(linear(silu_and_mul(project(h, lw.gate_up_proj)), lw.down_proj))
+def mlp_block(lw: LayerWeights, h: torch.Tensor, comm: Comm, act=silu_and_mul) -> torch.Tensor:
+    return comm.all_reduce(linear(act(project(h, lw.gate_up_proj)), lw.down_proj))
 
 
 def moe_block(lw: LayerWeights, cfg: ModelConfig, h: torch.Tensor, comm: Comm) -> torch.Tensor:
@@ -93,8 +96,14 @@ def decoder_layer(lw: LayerWeights, cfg: ModelConfig, shard: RankShard, delta: t
     eps = cfg.rms_norm_eps
     h, residual = _add_norm(delta, residual, lw.input_layernorm, eps)
     delta = attention_block(lw, cfg, shard, h, meta, kv, layer, cos_sin, comm)
+    if lw.attn_out_norm is not None:   # Gemma: each block's output normed before it joins the stream
+        delta = rms_norm(delta, lw.attn_out_norm, eps)
     h, residual = add_rms_norm(delta, residual, lw.post_attention_layernorm, eps)
-    return (mlp_block(lw, h, comm) if lw.router is None else moe_block(lw, cfg, h, comm)), residual
+    if lw.router is not None:
+        return moe_block(lw, cfg, h, comm), residual
+    if cfg.gemma is None:
+        return mlp_block(lw, h, comm), residual
+    return rms_norm(mlp_block(lw, h, comm, gelu_tanh_and_mul), lw.mlp_out_norm, eps), residual
 
 
 @dataclass(frozen=True)
@@ -108,6 +117,7 @@ class StepState:
     kv: KVView
     rope_table: torch.Tensor
     comm: Comm
+    local_rope_table: torch.Tensor | None = None   # the sliding layers' own (Gemma 3); None: rope_table
 
 
 def forward(state: StepState, meta: dict[str, torch.Tensor], layer_fn=decoder_layer) -> torch.Tensor:
@@ -117,8 +127,9 @@ def forward(state: StepState, meta: dict[str, torch.Tensor], layer_fn=decoder_la
     stage that holds the head, the raw residual stream otherwise. layer_fn: decoder_layer itself, or a
     compiled version of it."""
     w, cfg, shard, kv, comm = state.weights, state.cfg, state.shard, state.kv, state.comm
-    residual = embed(w, shard, meta["input_ids"], comm) if shard.has_embed else meta["hidden_in"]  # [T, H]
+    residual = embed(w, cfg, shard, meta["input_ids"], comm) if shard.has_embed else meta["hidden_in"]  # [T, H]
     cos_sin = state.rope_table[meta["positions"]]                    # [T, D]
+    local = cos_sin if state.local_rope_table is None else state.local_rope_table[meta["positions"]]
     delta = None  # the last block's output, not yet added to the residual stream (fused add + norm)
     if w.layers and fused_layer.serves(residual, w.layers[0].qkv_proj.dtype, shard.tp_size, kv.tensor,
                                        meta["block_tables"], w.plain):
@@ -126,7 +137,8 @@ def forward(state: StepState, meta: dict[str, torch.Tensor], layer_fn=decoder_la
                                                      meta, kv.tensor, cos_sin)   # one token, every layer, one call
     else:
         for i, lw in enumerate(w.layers):
-            delta, residual = layer_fn(lw, cfg, shard, delta, residual, meta, kv, i, cos_sin, comm)
+            delta, residual = layer_fn(lw, cfg, shard, delta, residual, meta, kv, i, local if lw.window else cos_sin,
+                                       comm)
     if shard.has_head:
         return _add_norm(delta, residual, w.norm, cfg.rms_norm_eps)[0]
     return residual if delta is None else residual + delta
@@ -139,6 +151,13 @@ def _add_norm(delta, residual, weight, eps):
     return add_rms_norm(delta, residual, weight, eps)
 
 
-def compute_logits(lm_head: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
-    # hidden: [N, H] (final-normed rows to sample), lm_head: [V_rank, H] -> [N, V_rank] in float32
-    return linear(hidden, lm_head).float()
+def compute_logits(lm_head: torch.Tensor, hidden: torch.Tensor, softcap: float = 0.0) -> torch.Tensor:
+    # hidden: [N, H] (final-normed rows to sample), lm_head: [V_rank, H] -> [N, V_rank] in float32;
+    # softcap > 0: softcap * tanh(logits / softcap) (Gemma 2's final soft-capping)
+    logits = linear(hidden, lm_head).float()
+    return softcap * torch.tanh(logits / softcap) if softcap else logits
+
+
+def final_softcap(cfg: ModelConfig) -> float:
+    """The cap compute_logits applies for this model (0: none)."""
+    return cfg.gemma.final_softcap if cfg.gemma else 0.0

@@ -1,7 +1,7 @@
 """ModelConfig: the architecture facts the model maths needs, parsed once from config.json.
 
-Owns: the frozen, validated description of a Llama/Mistral/Qwen2/Qwen3/Phi-3 decoder, and of the
-mixture-of-experts ones (Mixtral, Qwen2-MoE, Qwen3-MoE: `MoeConfig`). It never reads files
+Owns: the frozen, validated description of a Llama/Mistral/Qwen2/Qwen3/Phi-3 decoder, of the
+mixture-of-experts ones (Mixtral, Qwen2-MoE, Qwen3-MoE: `MoeConfig`) and of Gemma 2/3 (`GemmaStyle`). It never reads files
 (engine/checkpoint/loader.py does) and never holds weights.
 """
 from __future__ import annotations
@@ -10,8 +10,23 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Phi3ForCausalLM",
-                 "MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
-MOE_ARCHITECTURES = ARCHITECTURES[5:]
+                 "MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "Gemma2ForCausalLM",
+                 "Gemma3ForCausalLM")
+MOE_ARCHITECTURES = ARCHITECTURES[5:8]
+GEMMA_ARCHITECTURES = ARCHITECTURES[8:]
+
+
+@dataclass(frozen=True)
+class GemmaStyle:
+    """Where a Gemma 2/3 layer departs from a Llama one: the embedding times sqrt(hidden); RMSNorm weights
+    applied as (1 + w) (the loader adds the 1); a norm on each block's output before it joins the residual
+    stream; GeGLU (tanh-approximated GELU); attention scaled by query_pre_attn_scalar^-0.5; tanh
+    soft-capping of the attention scores and of the final logits (Gemma 2); the sliding layers' own rope
+    base (Gemma 3's rope_local_base_freq)."""
+    query_pre_attn_scalar: float
+    attn_softcap: float = 0.0        # 0: none
+    final_softcap: float = 0.0       # 0: none
+    local_rope_theta: float | None = None   # None: the sliding layers take the model's rope
 
 
 @dataclass(frozen=True)
@@ -99,6 +114,7 @@ class ModelConfig:
     torch_dtype: str | None = None   # the checkpoint's declared dtype, informational
     moe: MoeConfig | None = None     # None: every layer's MLP is dense
     windows: tuple[int, ...] = ()    # each layer's sliding window (0: full attention); (): none anywhere
+    gemma: GemmaStyle | None = None  # Gemma 2/3's departures; None: a Llama-style layer
 
     def __post_init__(self):
         if self.architecture not in ARCHITECTURES:
@@ -112,6 +128,8 @@ class ModelConfig:
                              f"num_key_value_heads={self.num_kv_heads}")
         if self.head_dim % 2:
             raise ValueError(f"head_dim={self.head_dim} must be even for rotary embeddings")
+        if (self.gemma is not None) != (self.architecture in GEMMA_ARCHITECTURES):
+            raise ValueError(f"{self.architecture} {'needs' if self.gemma is None else 'takes no'} Gemma fields (gemma)")
         if (self.moe is not None) != (self.architecture in MOE_ARCHITECTURES):
             raise ValueError(f"{self.architecture} {'needs' if self.moe is None else 'takes no'} mixture-of-experts "
                              "fields (moe)")
@@ -120,6 +138,11 @@ class ModelConfig:
         if self.moe is not None and not all(0 <= i < self.num_layers for i in self.moe.dense_layers):
             raise ValueError(f"mlp_only_layers={list(self.moe.dense_layers)} names a layer outside "
                              f"0..{self.num_layers - 1}")
+
+    @property
+    def attention_scale(self) -> float:
+        """What the attention scores are scaled by: head_dim^-0.5, Gemma's query_pre_attn_scalar^-0.5."""
+        return (self.gemma.query_pre_attn_scalar if self.gemma else self.head_dim) ** -0.5
 
     def window(self, layer: int) -> int:
         """Layer's sliding window: a query at position p attends keys p - window < j <= p (0: every j <= p)."""

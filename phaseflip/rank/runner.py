@@ -25,7 +25,7 @@ from phaseflip.kernels.cpu import quant
 from phaseflip.kernels.cpu.linear import GEMV_ROWS
 from phaseflip.rank.comm import NoComm, RankComm
 from phaseflip.rank.compile_choice import CompileChoice
-from phaseflip.rank.forward import StepState, compute_logits, forward
+from phaseflip.rank.forward import StepState, compute_logits, final_softcap, forward
 from phaseflip.rank.kvcache import KVView
 from phaseflip.rank.model_config import ModelConfig
 from phaseflip.rank.messages import Phase, PromptLogprobs, SampledToken, StepBatch
@@ -62,6 +62,7 @@ class RankContext:
     rank: int
     shapes: StepShapes
     rope_table: torch.Tensor
+    local_rope_table: torch.Tensor | None   # the sliding layers' own rope (Gemma 3); None: rope_table
     buffers: StaticBuffers
     registry: GraphRegistry
     sampler: Sampler
@@ -91,7 +92,8 @@ class LayoutRunner:
         # The maths reduces partial sums over the ranks sharing a layer: nobody in PP.
         self.tp_comm = self.comm if self.shard.tp_size > 1 else NoComm()
         # which backend each (role, bucket) records, and the compiled steps (compile_choice.py)
-        state = StepState(self.weights, self.cfg, self.shard, self.kv, self.rope_table, self.tp_comm)
+        state = StepState(self.weights, self.cfg, self.shard, self.kv, self.rope_table, self.tp_comm,
+                          ctx.local_rope_table)
         self.step_fn = functools.partial(forward, state)   # step_fn(meta, layer_fn=...): this layout's step
         self.compile = CompileChoice(self.layout, self.step_fn, state, self.buffers, self.shapes)
         # decode steps end in sampled ids where this rank samples from the whole vocabulary (set False
@@ -103,7 +105,9 @@ class LayoutRunner:
     def head(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits of these rows: the compiled head where one was chosen for this few rows (CPU)."""
         head = self.compile.head if hidden.shape[0] <= GEMV_ROWS else None
-        return (head or compute_logits)(self.weights.lm_head, hidden)
+        if head is not None:
+            return head(self.weights.lm_head, hidden)
+        return compute_logits(self.weights.lm_head, hidden, final_softcap(self.cfg))
 
     def _decode_fns(self, fn):
         """What a decode bucket records: the step itself, or on a rank that samples in the step, its
@@ -258,7 +262,7 @@ class LayoutRunner:
 
     def _full_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """The whole vocabulary's logits of these rows on the output rank (None elsewhere)."""
-        logits = compute_logits(self.weights.lm_head, hidden)
+        logits = compute_logits(self.weights.lm_head, hidden, final_softcap(self.cfg))
         return self._gather_logits(logits) if self.shard.tp_size > 1 else logits
 
     def _gather_logits(self, logits: torch.Tensor) -> torch.Tensor | None:

@@ -156,10 +156,13 @@ class RankRuntime:
         self.buffers = StaticBuffers(specs, self.device)
         self.rope = cos_sin_table(self.cfg.head_dim, boot.max_model_len, self.cfg.rope_theta,
                                   self.cfg.rope_scaling).to(self.device)
+        local = self.cfg.gemma.local_rope_theta if self.cfg.gemma else None   # Gemma 3's sliding layers
+        self.local_rope = None if local is None else cos_sin_table(self.cfg.head_dim, boot.max_model_len,
+                                                                   local).to(self.device)
 
     def _make_runners(self, boot: RankBoot, kv: KVRegion, registry: GraphRegistry) -> dict[str, LayoutRunner]:
-        ctx = RankContext(self.cfg, self.rank, boot.shapes, self.rope, self.buffers, registry, self.sampler,
-                          self.comm)
+        ctx = RankContext(self.cfg, self.rank, boot.shapes, self.rope, self.local_rope, self.buffers, registry,
+                          self.sampler, self.comm)
         return {name: LayoutRunner(ctx, self._layout_part(name, kv)) for name in boot.layouts}
 
     def _size_kv(self, boot: RankBoot, dtype: torch.dtype) -> dict:

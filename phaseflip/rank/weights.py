@@ -83,6 +83,8 @@ class LayerWeights:
     experts_gate_up: torch.Tensor | None = None   # [E * 2 * Ie, H]: expert e's [gate; up] rows at e * 2 * Ie
     experts_down: torch.Tensor | None = None      # [E * H, Ie]: expert e's down_proj at rows e * H
     shared_gate: torch.Tensor | None = None       # [1, H]: the shared expert's sigmoid gate (Qwen2-MoE)
+    attn_out_norm: torch.Tensor | None = None   # [H]: Gemma's norm of the attention output (its post_attention_layernorm)
+    mlp_out_norm: torch.Tensor | None = None    # [H]: Gemma's norm of the MLP output (post_feedforward_layernorm)
     window: int = 0                          # the layer's sliding window (0: full attention)
 
     @functools.cached_property
@@ -113,8 +115,9 @@ class RankWeights:
 
     @functools.cached_property
     def plain(self) -> bool:
-        """Whether every layer here has a dense MLP and full attention (what the fused decode layers run)."""
-        return all(lw.router is None and not lw.window for lw in self.layers)
+        """Whether every layer here is a Llama-style one with a dense MLP and full attention (what the fused
+        decode layers run)."""
+        return all(lw.router is None and not lw.window and lw.attn_out_norm is None for lw in self.layers)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -179,10 +182,20 @@ def _layer(hf: dict, cfg: ModelConfig, shard: RankShard, i: int) -> LayerWeights
         q_norm=hf[p + "self_attn.q_norm.weight"] if cfg.qk_norm else None,
         k_norm=hf[p + "self_attn.k_norm.weight"] if cfg.qk_norm else None,
         o_proj=_cols(hf[p + "self_attn.o_proj.weight"], *q_rows),
-        post_attention_layernorm=hf[p + "post_attention_layernorm.weight"],
+        **_norms(hf, cfg, p),
         **mlp_weights,
         window=cfg.window(i),
     )
+
+
+def _norms(hf: dict, cfg: ModelConfig, p: str) -> dict:
+    """The norm before the MLP, and Gemma's norms of the two blocks' outputs (its pre_feedforward_layernorm
+    is the one before the MLP; its post_attention_layernorm normalises the attention's output)."""
+    if cfg.gemma is None:
+        return dict(post_attention_layernorm=hf[p + "post_attention_layernorm.weight"])
+    return dict(post_attention_layernorm=hf[p + "pre_feedforward_layernorm.weight"],
+                attn_out_norm=hf[p + "post_attention_layernorm.weight"],
+                mlp_out_norm=hf[p + "post_feedforward_layernorm.weight"])
 
 
 def _mlp(hf: dict, p: str, share) -> dict:

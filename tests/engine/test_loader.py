@@ -13,8 +13,9 @@ from safetensors.torch import load_file, save_file
 from phaseflip.engine.checkpoint.loader import (CheckpointError, expected_tensor_shapes, load_model_config, load_weights,
                                      resolve_dtype)
 from phaseflip.engine.checkpoint.tokenizer import load_tokenizer
+from phaseflip.engine.checkpoint.gemma_config import plus_one
 from phaseflip.engine.checkpoint.moe_config import engine_names
-from phaseflip.rank.model_config import LinearRope, MoeConfig, RopeScaling, YarnRope
+from phaseflip.rank.model_config import GemmaStyle, LinearRope, MoeConfig, RopeScaling, YarnRope
 from tests.models import KINDS, TOKENIZER_VOCAB_SIZE, compare_greedy, hf_greedy, make_tokenizer
 
 SMOLLM2_DIR = Path.home() / ".cache" / "phaseflip" / "SmolLM2-135M-Instruct"
@@ -50,6 +51,8 @@ def _raises(match_all: list[str], fn, *args):
 
 # ---------------------------------------------------------------------------------------------- config
 
+GEMMA = {"gemma2": GemmaStyle(query_pre_attn_scalar=24.0, attn_softcap=2.0, final_softcap=5.0),
+         "gemma3": GemmaStyle(query_pre_attn_scalar=24.0, local_rope_theta=10000.0)}
 MOE = {"mixtral": MoeConfig(num_experts=4, top_k=2, expert_intermediate_size=48, norm_topk_prob=True),
        "qwen2moe": MoeConfig(num_experts=8, top_k=2, expert_intermediate_size=32, norm_topk_prob=False,
                              shared_intermediate_size=48),
@@ -68,8 +71,10 @@ def test_config_parses_each_architecture(tiny_model_dir, kind):
     assert (config.num_layers, config.num_heads, config.num_kv_heads, config.group_size) == (3, 4, 2, 2)
     assert config.head_dim == (32 if kind == "qwen3" else 16)
     assert config.qkv_bias == (kind in ("qwen2", "yarnrope", "qwen2moe", "qwen2window"))
-    assert config.windows == {"mistralwindow": (24, 24, 24), "qwen2window": (0, 20, 20)}.get(kind, ())
-    assert config.qk_norm == (kind in ("qwen3", "qwen3moe"))
+    assert config.windows == {"mistralwindow": (24, 24, 24), "qwen2window": (0, 20, 20), "gemma2": (24, 0, 24),
+                              "gemma3": (24, 0, 24)}.get(kind, ())
+    assert config.gemma == GEMMA.get(kind)
+    assert config.qk_norm == (kind in ("qwen3", "qwen3moe", "gemma3"))
     assert config.moe == MOE.get(kind)
     assert config.tie_word_embeddings is False
     assert config.rms_norm_eps == hf["rms_norm_eps"]
@@ -80,6 +85,8 @@ def test_config_parses_each_architecture(tiny_model_dir, kind):
         assert config.rope_scaling == RopeScaling(**LLAMA3_ROPE)
     elif kind == "linearrope":
         assert config.rope_scaling == LinearRope(factor=4.0)
+    elif kind == "gemma3":   # the full layers' rope; the sliding layers' base in config.gemma
+        assert config.rope_theta == 100000.0 and config.rope_scaling == LinearRope(factor=2.0)
     elif kind == "yarnrope":   # attention_factor from transformers' default mscale: 0.1 ln(4) + 1
         assert config.rope_scaling == YarnRope(factor=4.0, original_max_position_embeddings=64,
                                                attention_factor=pytest.approx(1.1386294))
@@ -209,7 +216,8 @@ def test_weights_load_and_match_the_files(tiny_model_dir, kind):
     config = load_model_config(model_dir)
     weights = load_weights(model_dir, config, torch.float32)
     expected = expected_tensor_shapes(config)   # the file's names: Phi-3 stores qkv_proj and gate_up_proj
-    on_disk = engine_names(load_file(str(model_dir / "model.safetensors")), config)   # Mixtral's w1/w3/w2
+    on_disk = plus_one(engine_names(load_file(str(model_dir / "model.safetensors")), config), config)   # Mixtral's
+    # w1/w3/w2 under the engine's names; Gemma's norms read as 1 + w
     expected = engine_names(expected, config)
     fused = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
     seen = set()

@@ -60,7 +60,8 @@ def references(tiny_model_dir):
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
 @pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3", "mistral", "llama3rope", "linearrope", "yarnrope",
-                                  "phi3", "mixtral", "qwen2moe", "qwen3moe", "mistralwindow", "qwen2window"])
+                                  "phi3", "mixtral", "qwen2moe", "qwen3moe", "mistralwindow", "qwen2window",
+                                  "gemma2", "gemma3"])
 def test_tiny_models_match_hf(references, kind, variant):
     model_dir, prompts, ref = references(kind)
     ours = run_engine(model_dir, prompts, variant)

@@ -62,7 +62,7 @@ def test_llama_every_layout_matches_hf(ref, name):
 
 
 @pytest.mark.parametrize("name", ["tp3", "pp3", "every3"])
-@pytest.mark.parametrize("kind", ["qwen2", "qwen3", "phi3", "qwen2window"])   # phi3: q/k/v, gate/up fused in the file
+@pytest.mark.parametrize("kind", ["qwen2", "qwen3", "phi3", "qwen2window", "gemma2", "gemma3"])   # phi3: fused in the file
 def test_other_families_layouts_match_hf(ref, kind, name):
     d, prompts, expected = ref(kind)
     ours, _ = run(d, prompts, **LAYOUTS[name])

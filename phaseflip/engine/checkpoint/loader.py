@@ -32,6 +32,8 @@ _DEFAULTS = {
     "MixtralForCausalLM": dict(max_position_embeddings=4096 * 32, head_dim=None, sliding_window=None),
     "Qwen2MoeForCausalLM": dict(max_position_embeddings=32768, head_dim=None, sliding_window=None),
     "Qwen3MoeForCausalLM": dict(max_position_embeddings=32768, head_dim=None, sliding_window=None),
+    "Gemma2ForCausalLM": dict(max_position_embeddings=8192, head_dim=256, sliding_window=4096),
+    "Gemma3ForCausalLM": dict(max_position_embeddings=131072, head_dim=256, sliding_window=4096),
 }
 
 _DTYPES = {
@@ -67,9 +69,10 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
     num_heads = _int_field(raw, "num_attention_heads", path)
     hidden = _int_field(raw, "hidden_size", path)
     head_dim = _int_field(raw, "head_dim", path, defaults["head_dim"] or hidden // num_heads)
-    from phaseflip.engine.checkpoint.moe_config import parse_moe     # these build on this module
+    from phaseflip.engine.checkpoint.gemma_config import gemma_rope, parse_gemma   # these build on this module
+    from phaseflip.engine.checkpoint.moe_config import parse_moe
     from phaseflip.engine.checkpoint.rope_config import parse_rope
-    rope_theta, rope_scaling = parse_rope(raw, path)
+    rope_theta, rope_scaling = parse_rope(gemma_rope(raw, arch), path)
     max_pos = _int_field(raw, "max_position_embeddings", path, defaults["max_position_embeddings"])
     fields = dict(
         architecture=arch,
@@ -85,13 +88,14 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
         max_position_embeddings=max_pos,
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
         qkv_bias=arch == "Qwen2ForCausalLM" or (arch == "Qwen2MoeForCausalLM" and raw.get("qkv_bias", True)),
-        qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
+        qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM"),
         rope_scaling=rope_scaling,
         bos_token_id=raw.get("bos_token_id"),
         eos_token_ids=_eos_ids(raw.get("eos_token_id"), path),
         torch_dtype=raw.get("dtype") or raw.get("torch_dtype"),
         moe=parse_moe(raw, arch, path),
         windows=_windows(raw, arch, path, max_pos),
+        gemma=parse_gemma(raw, arch, path),
     )
     try:
         return ModelConfig(**fields)
@@ -102,7 +106,7 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
 def _check_unsupported(raw: dict, arch: str, path: Path) -> None:
     """Options that change the maths in ways ModelConfig cannot describe are refused, never ignored."""
     _check_not_quantized(raw, path)
-    if raw.get("hidden_act", "silu") != "silu":
+    if not arch.startswith("Gemma") and raw.get("hidden_act", "silu") != "silu":   # Gemma's: gemma_config.py
         raise CheckpointError(f"{path}: field 'hidden_act'={raw['hidden_act']!r} is not supported (only 'silu')")
     if raw.get("partial_rotary_factor", 1.0) != 1.0:
         raise CheckpointError(f"{path}: field 'partial_rotary_factor'={raw['partial_rotary_factor']!r} is not "
@@ -182,7 +186,10 @@ def _windows(raw: dict, arch: str, path: Path, max_pos: int) -> tuple[int, ...]:
     if window >= max_pos:
         return ()
     types = raw.get("layer_types")
-    if types is None:
+    if types is None and arch.startswith("Gemma"):
+        from phaseflip.engine.checkpoint.gemma_config import gemma_windows
+        types = gemma_windows(raw, arch, layers)
+    elif types is None:
         first = _int_field(raw, "max_window_layers", path, 28) if arch.startswith("Qwen") else 0
         types = ["sliding_attention" if i >= first else "full_attention" for i in range(layers)]
     if not isinstance(types, list) or len(types) != layers or \
@@ -215,7 +222,8 @@ def resolve_dtype(dtype: str | torch.dtype, device: str, checkpoint_dtype: str |
 def expected_tensor_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Every tensor (HF name) the architecture's checkpoint holds, with its shape (fused ones fused, an
     MoE's experts under the file's names)."""
-    from phaseflip.engine.checkpoint.moe_config import file_names, moe_shapes   # it builds on this module
+    from phaseflip.engine.checkpoint.gemma_config import gemma_shapes   # these build on this module
+    from phaseflip.engine.checkpoint.moe_config import file_names, moe_shapes
     c = config
     H, q_out, kv_out = c.hidden_size, c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
     shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (c.vocab_size, H), "model.norm.weight": (H,)}
@@ -236,6 +244,8 @@ def expected_tensor_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
             p + "mlp.up_proj.weight": (c.intermediate_size, H),
             p + "mlp.down_proj.weight": (H, c.intermediate_size),
         })
+        if c.gemma:
+            shapes.update(gemma_shapes(c, i))
         if c.qkv_bias:
             shapes.update({p + "self_attn.q_proj.bias": (q_out,), p + "self_attn.k_proj.bias": (kv_out,),
                            p + "self_attn.v_proj.bias": (kv_out,)})
@@ -266,8 +276,9 @@ def load_weights(model_dir: str | Path, config: ModelConfig, dtype: torch.dtype)
         read = ", ".join(f.name for f in files)
         raise CheckpointError(f"{model_dir}: tensor {missing[0]!r} is missing from the checkpoint "
                               f"({len(missing)} missing in all; read: {read})")
+    from phaseflip.engine.checkpoint.gemma_config import plus_one
     from phaseflip.engine.checkpoint.moe_config import engine_names
-    return engine_names(unfused(weights, config), config)
+    return plus_one(engine_names(unfused(weights, config), config), config)
 
 
 def check_shapes(path: Path, shapes: dict[str, tuple[int, ...]], config: ModelConfig) -> None:

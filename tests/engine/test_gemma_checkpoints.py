@@ -1,0 +1,63 @@
+"""Gemma 2/3 checkpoints: the fields that change the maths are read (soft-caps, query scale, Gemma 3's rope per
+layer type, the default layer types), the norms read as 1 + w, and what the engine does not serve refused
+by name."""
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from phaseflip.engine.checkpoint.loader import CheckpointError, load_model_config, load_weights
+
+
+def _edited(src: Path, tmp_path: Path, drop=(), **changes) -> Path:
+    d = Path(shutil.copytree(src, tmp_path / "model"))
+    cfg = json.loads((d / "config.json").read_text())
+    cfg.update(changes)
+    for name in drop:
+        cfg.pop(name, None)
+    (d / "config.json").write_text(json.dumps(cfg))
+    return d
+
+
+def test_norms_are_read_as_one_plus_w(tiny_model_dir):
+    from safetensors.torch import load_file
+    d = tiny_model_dir("gemma3")
+    w = load_weights(d, load_model_config(d), torch.float32)
+    raw = load_file(str(d / "model.safetensors"))
+    for name in ("model.norm.weight", "model.layers.1.pre_feedforward_layernorm.weight",
+                 "model.layers.2.self_attn.k_norm.weight"):
+        torch.testing.assert_close(w[name], raw[name] + 1)
+    assert torch.equal(w["model.layers.0.mlp.up_proj.weight"], raw["model.layers.0.mlp.up_proj.weight"])
+
+
+def test_default_layer_types_follow_transformers(tiny_model_dir, tmp_path):
+    g2 = load_model_config(_edited(tiny_model_dir("gemma2", num_layers=4), tmp_path / "g2", drop=("layer_types",)))
+    assert g2.windows == (24, 0, 24, 0)   # sliding first, then alternating
+    g3 = _edited(tiny_model_dir("gemma3", num_layers=7, layer_types=None), tmp_path / "g3", drop=("layer_types",))
+    assert load_model_config(g3).windows == (24, 24, 24, 24, 24, 0, 24)   # every 6th full
+
+
+def test_legacy_gemma3_rope_fields(tiny_model_dir, tmp_path):
+    d = _edited(tiny_model_dir("gemma3"), tmp_path, drop=("rope_parameters",), rope_theta=1e6,
+                rope_local_base_freq=5000.0)
+    cfg = load_model_config(d)
+    assert cfg.rope_theta == 1e6 and cfg.rope_scaling is None and cfg.gemma.local_rope_theta == 5000.0
+
+
+@pytest.mark.parametrize("kind, changes, parts", [
+    ("gemma2", dict(hidden_activation="gelu"), ["hidden_activation", "'gelu'", "gelu_pytorch_tanh"]),
+    ("gemma3", dict(use_bidirectional_attention=True), ["use_bidirectional_attention"]),
+    ("gemma3", dict(rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1e6},
+                                     "sliding_attention": {"rope_type": "linear", "factor": 2.0}}),
+     ["sliding layers", "'linear'"]),
+    ("gemma2", dict(attention_bias=True), ["attention_bias"]),
+    ("gemma3", dict(architectures=["Gemma3ForConditionalGeneration"]), ["Gemma3ForConditionalGeneration"]),
+])
+def test_what_is_not_served_is_refused_by_name(tiny_model_dir, tmp_path, kind, changes, parts):
+    d = _edited(tiny_model_dir(kind), tmp_path, **changes)
+    with pytest.raises(CheckpointError) as info:
+        load_model_config(d)
+    for part in ["config.json", *parts]:
+        assert part in str(info.value)
