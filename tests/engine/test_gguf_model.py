@@ -172,6 +172,11 @@ def _phi3_header(path, tensors=(), **extra):
     return path
 
 
+def test_a_mixture_of_experts_file_is_refused_by_name(tmp_path):
+    with pytest.raises(CheckpointError, match=r"phi3.expert_count=8: a mixture of experts"):
+        load_model_config(_phi3_header(tmp_path / "moe.gguf", **{"phi3.expert_count": 8}))
+
+
 def test_phi3_files_keep_their_window_and_refuse_a_partial_or_scaled_rotary(tmp_path):
     cfg = load_model_config(_phi3_header(tmp_path / "a.gguf", **{"phi3.attention.sliding_window": 100}))
     assert cfg.architecture == "Phi3ForCausalLM" and cfg.head_dim == 16

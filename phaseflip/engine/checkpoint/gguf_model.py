@@ -69,6 +69,9 @@ def load_gguf_config(path: str | Path) -> ModelConfig:
     arch = _field(file, "general.architecture")
     if arch not in ARCHITECTURES:
         raise CheckpointError(f"{path}: general.architecture={arch!r} is not served; served: {', '.join(ARCHITECTURES)}")
+    if int(_field(file, f"{arch}.expert_count", 0) or 0):   # llama.cpp writes a Mixtral as a "llama"
+        raise CheckpointError(f"{path}: {arch}.expert_count={_field(file, f'{arch}.expert_count')}: a mixture of "
+                              "experts in a GGUF file is not served; serve its safetensors checkpoint")
     scaling = _field(file, f"{arch}.rope.scaling.type", "none")
     factors = [n for n in file.tensors if n.startswith("rope_factors")]   # Phi-3's longrope pair
     if scaling not in ("none", "llama3") or factors:
