@@ -119,12 +119,21 @@ class BlockAllocator:
         return True
 
     def release(self, seq: Sequence) -> None:
-        """Free every block of seq and empty its block table."""
-        self.free(seq.block_ids)
+        """Free every block of seq (those it has not dropped already) and empty its block table."""
+        self.free(seq.block_ids[seq.num_dropped_blocks:])
         seq.block_ids = []
-        seq.num_cached_blocks = 0
+        seq.num_cached_blocks = seq.num_dropped_blocks = 0
         if self.cache is not None:
             self.cache.release(seq)
+
+    def drop_leading(self, seq: Sequence, count: int) -> int:
+        """Free seq's blocks before block `count` that it still holds (they are behind every layer's sliding
+        window: never read again); their entries stay in its table, which keeps its positions. Returns how
+        many were freed."""
+        dropped = seq.block_ids[seq.num_dropped_blocks:count]
+        self.free(dropped)
+        seq.num_dropped_blocks = max(seq.num_dropped_blocks, count)
+        return len(dropped)
 
     def cache_stats(self) -> dict:
         """The prefix cache's counters; {"enabled": False} without prefix caching."""

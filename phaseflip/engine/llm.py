@@ -75,7 +75,8 @@ class LLM:
         scheduler = Scheduler(SchedulerConfig(max_num_seqs=shapes.max_num_seqs,
                                               max_num_batched_tokens=shapes.max_num_batched_tokens,
                                               max_prefill_chunk=shapes.max_num_batched_tokens,
-                                              block_size=shapes.block_size), self.allocator)
+                                              block_size=shapes.block_size,
+                                              window=min(mc.windows) if mc.windows else 0), self.allocator)
         self.policy_record = (PolicyRecord.load(policy_key(cfg, self.plan, mc), cfg.layouts, cfg.remeasure)
                               if has_choice(cfg.policy, cfg.layouts, cfg.flip_every_steps) else None)
         if self.policy_record is not None and self.policy_record.used:
@@ -223,6 +224,7 @@ class LLM:
             "kv_sized_by": self.kv_sized_by,
             "free_kv_blocks": self.allocator.num_free_blocks,
             "num_preemptions": self.core.scheduler.num_preemptions,
+            "window_freed_blocks": self.core.scheduler.num_window_freed_blocks,
             "prefix_cache": self.allocator.cache_stats(),
             "flips": self.control.num_flips,
             "failed_flips": self.control.num_failed_flips,

@@ -34,6 +34,7 @@ class Sequence:
     block_ids: list[int] = field(default_factory=list)
     block_keys: list[bytes] = field(default_factory=list)  # prefix keys of its full blocks (prefix_cache.py)
     num_cached_blocks: int = 0                              # of block_ids, those entered in the prefix cache
+    num_dropped_blocks: int = 0          # leading block_ids given back: behind every layer's sliding window
     status: SeqStatus = SeqStatus.WAITING
     finish_reason: str | None = None     # "stop" | "length"
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it

@@ -19,7 +19,9 @@ One step (vLLM-V1 style, a single token budget `max_num_batched_tokens`):
 Chunk order in the batch: decodes first, then prefill chunks; each group in admission order.
 
 A sequence whose next chunk needs more blocks than the whole pool holds can never run: it is finished
-with reason "length" (the pool is its max model length) instead of wedging the scheduler.
+with reason "length" (the pool is its max model length) instead of wedging the scheduler. Where every
+layer attends a sliding window, a running sequence gives back the blocks wholly behind its next query's
+window before it is scheduled (their table entries stay, never read again).
 
 Must never: import torch, or promise tokens the allocator cannot deliver.
 """
@@ -40,12 +42,13 @@ class SchedulerConfig:
     max_num_batched_tokens: int   # token budget of one step
     max_prefill_chunk: int        # tokens of one sequence's prefill chunk
     block_size: int               # tokens per KV block; must equal the allocator's
+    window: int = 0               # every layer's sliding window is at least this (0: a layer attends all)
 
     def __post_init__(self) -> None:
         for f in fields(self):
-            value = getattr(self, f.name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"SchedulerConfig.{f.name} must be an int >= 1, got {value!r}")
+            value, least = getattr(self, f.name), 0 if f.name == "window" else 1
+            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                raise ValueError(f"SchedulerConfig.{f.name} must be an int >= {least}, got {value!r}")
 
 
 class Scheduler:
@@ -58,6 +61,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []           # admission order
         self.num_preemptions = 0                    # total, over all sequences
+        self.num_window_freed_blocks = 0            # blocks given back from behind the sliding window
         self._step_id = 0
         self.notices = RankNotices()                # new and finished requests, for the ranks
         self._live: dict[int, Sequence] = {}        # waiting + running, by seq_id
@@ -128,6 +132,7 @@ class Scheduler:
             if not (decode if self.wants_decode(seq) else prefill):
                 i += 1
                 continue
+            self._drop_behind_window(seq)
             n = self._num_next_tokens(seq, budget)
             while not self.allocator.ensure_capacity(seq, seq.num_computed_tokens + n):
                 victim = self.running[-1]  # latest admitted; everything before index i is scheduled
@@ -188,6 +193,13 @@ class Scheduler:
         """seq gives back every block and every computed token (preemption, a failed admission)."""
         self.allocator.release(seq)
         seq.num_computed_tokens = 0
+
+    def _drop_behind_window(self, seq: Sequence) -> None:
+        """Where every layer has a sliding window, give back seq's blocks that lie wholly before the window
+        of its next query (position num_computed_tokens sees num_computed_tokens - window + 1 on)."""
+        if self.config.window:
+            oldest = seq.num_computed_tokens - self.config.window + 1
+            self.num_window_freed_blocks += self.allocator.drop_leading(seq, max(0, oldest) // self.config.block_size)
 
     def _num_next_tokens(self, seq: Sequence, budget: int) -> int:
         remaining = seq.num_tokens - seq.num_computed_tokens

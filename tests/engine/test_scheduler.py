@@ -511,3 +511,50 @@ def test_scheduler_imports_no_torch():
     code = ("import sys, phaseflip.engine.scheduler, phaseflip.engine.blocks; "
             "assert 'torch' not in sys.modules, 'torch imported'")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+# -- sliding windows ---------------------------------------------------------------------------------
+
+def test_blocks_behind_every_layers_window_are_given_back_once():
+    """window 6, blocks of 4: position p needs p - 5 on, so block b is dropped once the next query is at
+    4 (b + 1) + 5 or later; the table keeps its entries, the pool gets the blocks, release frees the rest."""
+    config = SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=64, max_prefill_chunk=4, block_size=4,
+                             window=6)
+    alloc = BlockAllocator(16, 4)
+    sched = Scheduler(config, alloc)
+    seq = make_seq(0, 10, max_tokens=12)
+    sched.add(seq)
+    held = []
+    while seq.status is not SeqStatus.FINISHED:
+        plan = sched.schedule()
+        chunk = chunk_of(plan, 0)
+        assert len(chunk.block_ids) * 4 >= chunk.context_len   # the table still covers every position
+        held.append(16 - alloc.num_free_blocks)
+        step(sched, plan)
+        if seq.num_output_tokens == 12:
+            sched.finish(seq, "length")
+    assert seq.num_computed_tokens == 21 and sched.num_window_freed_blocks == 3   # blocks 0-2 (query at 20 sees 15 on)
+    assert max(held) <= 3 and alloc.num_free_blocks == 16
+
+
+def test_preempting_a_sequence_that_dropped_blocks_frees_only_what_it_holds():
+    config = SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=64, max_prefill_chunk=16, block_size=4,
+                             window=4)
+    alloc = BlockAllocator(8, 4)
+    sched = Scheduler(config, alloc)
+    seq = make_seq(0, 16, max_tokens=8)
+    sched.add(seq)
+    step(sched, sched.schedule())
+    step(sched, sched.schedule())                  # the decode at 16 sees 13 on: blocks 0-2 dropped
+    assert seq.num_dropped_blocks == 3 and alloc.num_free_blocks == 8 - 2
+    sched._preempt(seq)
+    assert alloc.num_free_blocks == 8 and seq.block_ids == [] and seq.num_dropped_blocks == 0
+
+
+def test_a_full_attention_layer_keeps_every_block():
+    sched = make_sched(num_blocks=16, block_size=4, max_prefill_chunk=4)   # window 0: the default
+    seq = make_seq(0, 12, max_tokens=8)
+    sched.add(seq)
+    for _ in range(8):
+        step(sched, sched.schedule())
+    assert sched.num_window_freed_blocks == 0 and seq.num_dropped_blocks == 0

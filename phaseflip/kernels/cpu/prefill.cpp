@@ -6,8 +6,8 @@
 // a tile's values contiguous), V as [L][Dp] (D rounded up to whole tiles of columns, zero past D, so any
 // head size runs in the same tiles); then tasks of QB query tokens (x the kv head's G query
 // heads) each run scores -> softmax -> weighted V for their rows, every group of MR rows only over the
-// positions its last token sees (a sliding window weighs the positions before a row's window 0). A build
-// without vectors attends each token of the chunk as decode.cpp
+// positions its last token sees (with a sliding window the context is laid out from the oldest position the
+// chunk's first token sees, and the positions before a later row's window weigh 0). A build without vectors attends each token of the chunk as decode.cpp
 // attends a decode token, over the positions it sees.
 #include <c10/util/Exception.h>
 #include <vector>
@@ -25,17 +25,19 @@ constexpr int NV = 2;                      // vectors of columns in a tile
 constexpr int64_t NC = NV * pf::LANES;     // columns in a tile
 constexpr int64_t QB = 16;                 // query tokens a task
 
-// Each kv head's L cached positions as float32: K as [tile][D][NC] (zero past L), V as [L][dp] (zero past D)
+// Each kv head's cached positions [first, first + L) as float32 (first: the oldest the chunk's window keeps,
+// else 0): K as [tile][D][NC] (zero past L), V as [L][dp] (zero past D); column / row i is position first + i
 struct Context {
-  int64_t L, d, dp, tiles;
+  int64_t first, L, d, dp, tiles;
   std::vector<float> k, v;
   const float* k_of(int64_t h) const { return k.data() + h * tiles * d * NC; }
   const float* v_of(int64_t h) const { return v.data() + h * L * dp; }
 };
 
 template <typename T>
-Context lay_out(const Cache& c, const int64_t* table, int64_t L, int64_t hkv, int64_t d) {
-  Context ctx{L, d, (d + NC - 1) / NC * NC, (L + NC - 1) / NC, {}, {}};
+Context lay_out(const Cache& c, const int64_t* table, int64_t first, int64_t end, int64_t hkv, int64_t d) {
+  const int64_t L = end - first;
+  Context ctx{first, L, d, (d + NC - 1) / NC * NC, (L + NC - 1) / NC, {}, {}};
   ctx.k.resize(hkv * ctx.tiles * d * NC);
   ctx.v.resize(hkv * L * ctx.dp);   // zeros: the columns past D stay so
   par::ranges(hkv * ctx.tiles, 1, [&](int64_t i0, int64_t i1) {
@@ -48,8 +50,9 @@ Context lay_out(const Cache& c, const int64_t* table, int64_t L, int64_t hkv, in
           for (int64_t e = 0; e < d; ++e) kt[e * NC + col] = 0.f;
           continue;
         }
-        const T* kr = row<T>(c, table[pos / c.block_size], pos % c.block_size, h, 0);
-        const T* vr = row<T>(c, table[pos / c.block_size], pos % c.block_size, h, 1);
+        const int64_t at = first + pos;
+        const T* kr = row<T>(c, table[at / c.block_size], at % c.block_size, h, 0);
+        const T* vr = row<T>(c, table[at / c.block_size], at % c.block_size, h, 1);
         float* vd = ctx.v.data() + (h * L + pos) * ctx.dp;
         for (int64_t e = 0; e < d; ++e) {
           kt[e * NC + col] = static_cast<float>(kr[e]);
@@ -73,8 +76,8 @@ struct Rows {   // one task's query rows: tokens i0 .. i1 - 1 of the chunk, G he
 template <typename T, typename Oldest>
 void attend_rows(const T* q, T* out, const Context& ctx, int64_t h, const Rows& rows, int64_t hq, float scale,
                  float softcap, const Oldest& oldest, std::vector<float>& buf) {
-  const int64_t d = ctx.d, R = rows.count(), Rp = (R + MR - 1) / MR * MR;
-  const int64_t width = (rows.sees(R - 1) + NC - 1) / NC * NC;   // the last row's positions, whole tiles
+  const int64_t d = ctx.d, R = rows.count(), Rp = (R + MR - 1) / MR * MR, first = ctx.first;
+  const int64_t width = (rows.sees(R - 1) - first + NC - 1) / NC * NC;   // the last row's positions, whole tiles
   buf.assign(Rp * d + MR * width + MR * NC, 0.f);
   float* qf = buf.data();             // [Rp, D] scaled queries, zero rows past R
   float* s = qf + Rp * d;             // [MR, width] one group's scores, then probabilities
@@ -84,12 +87,12 @@ void attend_rows(const T* q, T* out, const Context& ctx, int64_t h, const Rows& 
     for (int64_t e = 0; e < d; ++e) qf[r * d + e] = static_cast<float>(qr[e]) * scale;
   }
   for (int64_t g0 = 0; g0 < R; g0 += MR) {
-    const int64_t last = std::min(R, g0 + MR) - 1, seen = rows.sees(last);   // the group's widest row
+    const int64_t last = std::min(R, g0 + MR) - 1, seen = rows.sees(last) - first;   // the group's widest row
     for (int64_t j = 0; j * NC < seen; ++j)
       tile::rows<float, MR, NV>(qf + g0 * d, d, ctx.k_of(h) + j * d * NC, NC, d, s + j * NC, width);
     for (int64_t r = 0; g0 + r <= last; ++r) {   // rows past the last are never written out
       float* sr = s + r * width;
-      const int64_t n = rows.sees(g0 + r), lo = oldest(n);
+      const int64_t n = rows.sees(g0 + r) - first, lo = oldest(n + first) - first;
       softmax_rows(sr + lo, 1, n - lo, width, softcap);
       std::fill(sr, sr + lo, 0.f);         // positions before the row's window: weigh 0
       std::fill(sr + n, sr + seen, 0.f);   // positions after the row's token: weigh 0
@@ -111,7 +114,7 @@ template <typename T>
 void attend_chunk(const T* q, T* out, const Cache& c, const Batch& b, int64_t s, const Heads& heads) {
   const int64_t L = b.lens[s], n = b.count(s), t = b.first(s), d = heads.d, hkv = heads.hkv;
   TORCH_CHECK(n <= L, "attend_chunk: ", n, " tokens, at most the context's ", L);
-  const Context ctx = lay_out<T>(c, b.table(s), L, hkv, d);
+  const Context ctx = lay_out<T>(c, b.table(s), b.oldest(L - n + 1), L, hkv, d);   // from the first token's window
   const int64_t G = heads.hq / hkv, blocks = (n + QB - 1) / QB;
   // tasks block-major, blocks in the order 0, last, 1, last - 1, ...: a late block sees more positions,
   // and torch's threads each take a contiguous range of tasks, which this keeps about equally costly
