@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Sequence
 
 KINDS = ("llama", "qwen2", "qwen3", "mistral", "llama3rope", "linearrope", "yarnrope", "phi3", "mixtral", "qwen2moe",
-         "qwen3moe", "mistralwindow", "qwen2window", "gemma2", "gemma3")
+         "qwen3moe", "mistralwindow", "qwen2window", "gemma2", "gemma3", "dynamicrope", "phi3longrope")
 MOE_KINDS = ("mixtral", "qwen2moe", "qwen3moe")
 WINDOW_KINDS = ("mistralwindow", "qwen2window")
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
@@ -73,6 +73,14 @@ _KIND = {
     "mistralwindow": ("MistralConfig", "MistralForCausalLM", dict(sliding_window=24)),
     "qwen2window": ("Qwen2Config", "Qwen2ForCausalLM", dict(use_sliding_window=True, sliding_window=20,
                                                             max_window_layers=1)),
+    # served within max_position_embeddings (dynamic NTK) and the original context (LongRoPE's short factors)
+    "dynamicrope": ("LlamaConfig", "LlamaForCausalLM", dict(rope_parameters=dict(rope_type="dynamic", factor=4.0,
+                                                                                 rope_theta=10000.0))),
+    "phi3longrope": ("Phi3Config", "Phi3ForCausalLM", dict(
+        pad_token_id=0, max_position_embeddings=1024, original_max_position_embeddings=128,
+        rope_parameters=dict(rope_type="longrope", rope_theta=10000.0, original_max_position_embeddings=128,
+                             short_factor=[1.0, 1.1, 1.3, 1.6, 2.0, 2.6, 3.3, 4.0],
+                             long_factor=[2.0, 3.0, 4.0, 6.0, 8.0, 12.0, 16.0, 24.0]))),
     # Gemma: sliding layers 0 and 2, caps low enough to bend the scores and logits of these weights; Gemma 3
     # with its q/k norms, its own rope on the sliding layers and a linear-scaled one on the full layer
     "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", dict(

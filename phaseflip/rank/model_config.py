@@ -72,9 +72,11 @@ class LinearRope:
 
 @dataclass(frozen=True)
 class FrequencyFactors:
-    """Each rotary frequency divided by its own factor: how llama.cpp's GGUF files carry llama3 scaling
-    (the rope_freqs tensor its converter computes from the llama3 parameters)."""
+    """Each rotary frequency divided by its own factor, cos and sin times attention_factor: how llama.cpp's
+    GGUF files carry llama3 scaling (the rope_freqs tensor its converter computes from the llama3
+    parameters), and LongRoPE within its original context (the short factors)."""
     factors: tuple[float, ...]
+    attention_factor: float = 1.0
     rope_type: ClassVar[str] = "factors"
 
 

@@ -85,6 +85,9 @@ def test_config_parses_each_architecture(tiny_model_dir, kind):
         assert config.rope_scaling == RopeScaling(**LLAMA3_ROPE)
     elif kind == "linearrope":
         assert config.rope_scaling == LinearRope(factor=4.0)
+    elif kind == "phi3longrope":   # served within its original context, on the short factors
+        assert config.max_position_embeddings == 128 and config.rope_scaling.factors[1] == 1.1
+        assert config.rope_scaling.attention_factor == pytest.approx(math.sqrt(1 + math.log(8) / math.log(128)))
     elif kind == "gemma3":   # the full layers' rope; the sliding layers' base in config.gemma
         assert config.rope_theta == 100000.0 and config.rope_scaling == LinearRope(factor=2.0)
     elif kind == "yarnrope":   # attention_factor from transformers' default mscale: 0.1 ln(4) + 1
@@ -150,9 +153,12 @@ def test_sliding_windows_per_layer_as_transformers_sets_them(tiny_model_dir, tmp
 
 
 @pytest.mark.parametrize("changes, parts", [
-    (dict(rope_parameters={"rope_type": "dynamic", "factor": 4.0}), ["rope_parameters", "'dynamic'",
-                                                                      "'linear', 'yarn'"]),
-    (dict(rope_parameters=None, rope_scaling={"type": "longrope", "factor": 2.0}), ["rope_scaling", "'longrope'"]),
+    (dict(rope_parameters={"rope_type": "su", "factor": 4.0}), ["rope_parameters", "'su'", "'linear', 'yarn'"]),
+    (dict(rope_parameters={"rope_type": "dynamic"}), ["'factor'"]),
+    (dict(rope_parameters=None, rope_scaling={"type": "longrope", "factor": 2.0}),
+     ["longrope", "original_max_position_embeddings"]),
+    (dict(rope_parameters={"rope_type": "longrope", "original_max_position_embeddings": 64, "short_factor": [1.0],
+                           "long_factor": [1.0] * 8}), ["short_factor", "8 positive numbers"]),
     (dict(rope_parameters={"rope_type": "yarn", "factor": 4.0}), ["original_max_position_embeddings"]),
     (dict(rope_parameters={"rope_type": "linear"}), ["'factor'"]),
     (dict(rope_parameters={"rope_type": "default", "partial_rotary_factor": 0.75}), ["partial_rotary_factor"]),
@@ -229,7 +235,7 @@ def test_weights_load_and_match_the_files(tiny_model_dir, kind):
         assert torch.equal(got, on_disk[name]), name
         seen.update(parts)
     assert seen == set(weights)
-    assert (kind == "phi3") == any("qkv_proj" in name for name in expected)
+    assert kind.startswith("phi3") == any("qkv_proj" in name for name in expected)
 
 
 def test_expected_shapes_cover_biases_norms_and_head_dim(tiny_model_dir):
@@ -493,6 +499,11 @@ def test_hf_greedy_reference_has_margins(tiny_model_dir):
     {"rope_type": "yarn", "factor": 2.56, "original_max_position_embeddings": 100, "attention_factor": 1.3,
      "truncate": False},
     {"rope_type": "llama3", **LLAMA3_ROPE},
+    {"rope_type": "dynamic", "factor": 4.0},
+    {"rope_type": "longrope", "original_max_position_embeddings": 64, "short_factor": [1.0, 1.5, 2.0, 2.5] * 2,
+     "long_factor": [4.0] * 8},
+    {"rope_type": "longrope", "original_max_position_embeddings": 64, "short_factor": [1.2] * 8,
+     "long_factor": [4.0] * 8, "attention_factor": 1.05},
 ])
 def test_rope_frequencies_are_transformers_own(params):
     """Each scaling's frequencies and attention factor against transformers' own rope functions."""
@@ -501,8 +512,9 @@ def test_rope_frequencies_are_transformers_own(params):
 
     from phaseflip.engine.checkpoint.rope_config import parse_rope
     from phaseflip.kernels.reference.rotary import inv_frequencies
-    raw = {"rope_parameters": {"rope_theta": 50000.0, **params}, "max_position_embeddings": 256}
-    hf = LlamaConfig(hidden_size=64, num_attention_heads=4, head_dim=16, **raw)
+    raw = {"rope_parameters": {"rope_theta": 50000.0, **params}, "max_position_embeddings": 256, "hidden_size": 64,
+           "num_attention_heads": 4, "head_dim": 16}
+    hf = LlamaConfig(**raw)
     want, factor = ROPE_INIT_FUNCTIONS[params["rope_type"]](hf, "cpu")
     theta, scaling = parse_rope(raw, Path("config.json"))
     torch.testing.assert_close(inv_frequencies(16, theta, scaling), want, rtol=1e-6, atol=0)

@@ -128,3 +128,17 @@ def test_windowed_models_give_back_what_every_window_has_left(references, kind):
     assert ok, msg
     assert stats["free_kv_blocks"] == stats["num_kv_blocks"]
     assert (stats["window_freed_blocks"] > 0) == (kind == "mistralwindow")
+
+
+@pytest.mark.parametrize("kind", ["dynamicrope", "phi3longrope"])
+def test_scaled_ropes_match_hf_within_the_context_they_serve(tiny_model_dir, kind):
+    """Dynamic NTK within max_position_embeddings (transformers changes nothing there) and LongRoPE within
+    its original 128 positions (the short factors and the attention factor): HF's tokens, prompts of 1-100
+    tokens and 24 new ones (at most 124 positions)."""
+    model_dir, prompts = tiny_model_dir(kind), parity_prompts(384)[:6]
+    greedy = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    with LLM(model=str(model_dir), dtype="float32", max_num_seqs=8) as llm:
+        ours = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]
+    ok, ties, msg = compare_greedy(ours, hf_greedy(model_dir, prompts, 24))
+    print(f"\n[parity] {kind}: {msg}")
+    assert ok, msg

@@ -71,9 +71,10 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
     head_dim = _int_field(raw, "head_dim", path, defaults["head_dim"] or hidden // num_heads)
     from phaseflip.engine.checkpoint.gemma_config import gemma_rope, parse_gemma   # these build on this module
     from phaseflip.engine.checkpoint.moe_config import parse_moe
-    from phaseflip.engine.checkpoint.rope_config import parse_rope
+    from phaseflip.engine.checkpoint.rope_config import longrope_context, parse_rope
     rope_theta, rope_scaling = parse_rope(gemma_rope(raw, arch), path)
     max_pos = _int_field(raw, "max_position_embeddings", path, defaults["max_position_embeddings"])
+    max_pos = min(max_pos, longrope_context(raw) or max_pos)   # past it LongRoPE re-rotates cached keys
     fields = dict(
         architecture=arch,
         vocab_size=_int_field(raw, "vocab_size", path),
