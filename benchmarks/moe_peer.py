@@ -63,8 +63,8 @@ def make_moe(out: Path, experts: int, top_k: int, layers: int, seed: int = 0) ->
 @click.option("--rounds", type=click.IntRange(min=1), default=2, show_default=True)
 @click.option("--repeats", type=click.IntRange(min=1), default=3, show_default=True)
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of the tables.")
-def main(llama_bench, llama_batched_bench, convert_python, work_dir, experts, top_k, layers, outtype, threads, rounds, repeats,
-         as_json):
+def main(llama_bench, llama_batched_bench, convert_python, work_dir, experts, top_k, layers, outtype, threads,
+         rounds, repeats, as_json):
     """Benchmark phaseflip against llama.cpp on the same random MoE, interleaved, and print the ratios."""
     model = make_moe(work_dir / f"qwen3moe-e{experts}-k{top_k}-l{layers}", experts, top_k, layers)
     ggufs = ensure_ggufs(model, work_dir, _find_converter(llama_bench), str(convert_python))

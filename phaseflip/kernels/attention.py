@@ -79,5 +79,6 @@ def _paged_attention_fake(q, k, v, kv_cache, layer, slot_mapping, block_tables, 
 
 paged_attention = define_op(
     "paged_attention(Tensor q, Tensor k, Tensor v, Tensor(a!) kv_cache, SymInt layer, Tensor slot_mapping, "
-    "Tensor block_tables, Tensor seq_lens, Tensor query_start_loc, float scale, int window=0, float softcap=0.0) -> Tensor",
+    "Tensor block_tables, Tensor seq_lens, Tensor query_start_loc, float scale, int window=0, "
+    "float softcap=0.0) -> Tensor",
     paged_attention_impl, _paged_attention_fake)

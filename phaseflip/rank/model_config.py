@@ -1,8 +1,8 @@
 """ModelConfig: the architecture facts the model maths needs, parsed once from config.json.
 
 Owns: the frozen, validated description of a Llama/Mistral/Qwen2/Qwen3/Phi-3 decoder, of the
-mixture-of-experts ones (Mixtral, Qwen2-MoE, Qwen3-MoE: `MoeConfig`) and of Gemma 2/3 (`GemmaStyle`). It never reads files
-(engine/checkpoint/loader.py does) and never holds weights.
+mixture-of-experts ones (Mixtral, Qwen2-MoE, Qwen3-MoE: `MoeConfig`) and of Gemma 2/3 (`GemmaStyle`). It
+never reads files (engine/checkpoint/loader.py does) and never holds weights.
 """
 from __future__ import annotations
 
@@ -131,7 +131,8 @@ class ModelConfig:
         if self.head_dim % 2:
             raise ValueError(f"head_dim={self.head_dim} must be even for rotary embeddings")
         if (self.gemma is not None) != (self.architecture in GEMMA_ARCHITECTURES):
-            raise ValueError(f"{self.architecture} {'needs' if self.gemma is None else 'takes no'} Gemma fields (gemma)")
+            raise ValueError(f"{self.architecture} {'needs' if self.gemma is None else 'takes no'} Gemma fields "
+                             "(gemma)")
         if (self.moe is not None) != (self.architecture in MOE_ARCHITECTURES):
             raise ValueError(f"{self.architecture} {'needs' if self.moe is None else 'takes no'} mixture-of-experts "
                              "fields (moe)")

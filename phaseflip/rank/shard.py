@@ -1,7 +1,8 @@
 """What one rank holds in one layout: its layer range, head shares, MLP share and vocab share.
 
-Owns: RankShard (with an MoE's expert and shared-expert shares), the explicit description the model maths (forward.py) and the weight slicing
-(weights.py) take, so the maths never asks the process group how it is split.
+Owns: RankShard (with an MoE's expert and shared-expert shares), the explicit description the model maths
+(forward.py) and the weight slicing (weights.py) take, so the maths never asks the process group how it is
+split.
 """
 from __future__ import annotations
 

@@ -83,8 +83,8 @@ class LayerWeights:
     experts_gate_up: torch.Tensor | None = None   # [E * 2 * Ie, H]: expert e's [gate; up] rows at e * 2 * Ie
     experts_down: torch.Tensor | None = None      # [E * H, Ie]: expert e's down_proj at rows e * H
     shared_gate: torch.Tensor | None = None       # [1, H]: the shared expert's sigmoid gate (Qwen2-MoE)
-    attn_out_norm: torch.Tensor | None = None   # [H]: Gemma's norm of the attention output (its post_attention_layernorm)
-    mlp_out_norm: torch.Tensor | None = None    # [H]: Gemma's norm of the MLP output (post_feedforward_layernorm)
+    attn_out_norm: torch.Tensor | None = None   # [H]: Gemma's attention-output norm (post_attention_layernorm)
+    mlp_out_norm: torch.Tensor | None = None    # [H]: Gemma's MLP-output norm (post_feedforward_layernorm)
     window: int = 0                          # the layer's sliding window (0: full attention)
 
     @functools.cached_property

@@ -68,7 +68,8 @@ def load_gguf_config(path: str | Path) -> ModelConfig:
     file = read_gguf(path)
     arch = _field(file, "general.architecture")
     if arch not in ARCHITECTURES:
-        raise CheckpointError(f"{path}: general.architecture={arch!r} is not served; served: {', '.join(ARCHITECTURES)}")
+        raise CheckpointError(f"{path}: general.architecture={arch!r} is not served; "
+                              f"served: {', '.join(ARCHITECTURES)}")
     if int(_field(file, f"{arch}.expert_count", 0) or 0):   # llama.cpp writes a Mixtral as a "llama"
         raise CheckpointError(f"{path}: {arch}.expert_count={_field(file, f'{arch}.expert_count')}: a mixture of "
                               "experts in a GGUF file is not served; serve its safetensors checkpoint")

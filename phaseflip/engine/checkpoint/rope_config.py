@@ -77,7 +77,8 @@ def _longrope(params: dict, raw: dict, path: Path) -> FrequencyFactors:
     original = longrope_context(raw)
     if original is None:
         raise CheckpointError(f"{path}: longrope needs original_max_position_embeddings (a positive integer)")
-    head_dim = raw.get("head_dim") or _int_field(raw, "hidden_size", path) // _int_field(raw, "num_attention_heads", path)
+    heads = _int_field(raw, "num_attention_heads", path)
+    head_dim = raw.get("head_dim") or _int_field(raw, "hidden_size", path) // heads
     short, long = params.get("short_factor"), params.get("long_factor")
     for name, factors in (("short_factor", short), ("long_factor", long)):
         if not isinstance(factors, list) or len(factors) != head_dim // 2 or \

@@ -6,8 +6,9 @@ Owns: `few_rows_op` (`phaseflip::cpu_few_rows_linear`), `paged_attention_op`
 bfloat16, eager or compiled), `decode_layers_op` (`phaseflip::cpu_decode_layers`: one token through the
 decoder layers, kernels/cpu/fused_layer.py), `quant_linear_op` (`phaseflip::cpu_quant_linear`: products on
 weights in a GGUF block format, kernels/cpu/quant.py), `moe_rows_op` (`phaseflip::cpu_moe_rows`: an MoE
-layer's experts for a few tokens in one parallel region, kernels/cpu/moe.py), each None where the kernels cannot be built or
-give a wrong answer, and `kernel_report` (whether they are there, why not, where they live, what the build cost).
+layer's experts for a few tokens in one parallel region, kernels/cpu/moe.py), each None where the kernels
+cannot be built or give a wrong answer, and `kernel_report` (whether they are there, why not, where they
+live, what the build cost).
 
 Why a few-rows product of our own: a decode step's projections multiply one to four rows by every weight,
 a pass over the whole model that should run at the memory's read speed. Neither the library's GEMM
