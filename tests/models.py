@@ -155,6 +155,18 @@ def _randomise(model, seed: int) -> None:
                 param.copy_(torch.randn(param.shape, generator=gen) * WEIGHT_STD)
 
 
+def edited_model(src: str | Path, out_dir: str | Path, **changes) -> Path:
+    """A copy of the model directory src at out_dir/model, its config.json fields changed (None: removed)."""
+    import shutil
+    d = Path(shutil.copytree(src, Path(out_dir) / "model"))
+    cfg = json.loads((d / "config.json").read_text())
+    cfg.update({k: v for k, v in changes.items() if v is not None})
+    for k in [k for k, v in changes.items() if v is None]:
+        cfg.pop(k, None)
+    (d / "config.json").write_text(json.dumps(cfg))
+    return d
+
+
 def hf_greedy(model_dir: str | Path, prompts_token_ids: list[list[int]], max_new_tokens: int,
               stop_token_ids: Sequence[int] = ()) -> list[tuple[list[int], list[float]]]:
     """HF fp32 greedy, one prompt at a time (no padding): per prompt (generated ids, top-2 logprob gaps)."""

@@ -1,24 +1,11 @@
 """Gemma 2/3 checkpoints: the fields that change the maths are read (soft-caps, query scale, Gemma 3's rope per
 layer type, the default layer types), the norms read as 1 + w, and what the engine does not serve refused
 by name."""
-import json
-import shutil
-from pathlib import Path
-
 import pytest
 import torch
 
 from phaseflip.engine.checkpoint.loader import CheckpointError, load_model_config, load_weights
-
-
-def _edited(src: Path, tmp_path: Path, drop=(), **changes) -> Path:
-    d = Path(shutil.copytree(src, tmp_path / "model"))
-    cfg = json.loads((d / "config.json").read_text())
-    cfg.update(changes)
-    for name in drop:
-        cfg.pop(name, None)
-    (d / "config.json").write_text(json.dumps(cfg))
-    return d
+from tests.models import edited_model as _edited
 
 
 def test_norms_are_read_as_one_plus_w(tiny_model_dir):
@@ -33,15 +20,14 @@ def test_norms_are_read_as_one_plus_w(tiny_model_dir):
 
 
 def test_default_layer_types_follow_transformers(tiny_model_dir, tmp_path):
-    g2 = load_model_config(_edited(tiny_model_dir("gemma2", num_layers=4), tmp_path / "g2", drop=("layer_types",)))
+    g2 = load_model_config(_edited(tiny_model_dir("gemma2", num_layers=4), tmp_path / "g2", layer_types=None))
     assert g2.windows == (24, 0, 24, 0)   # sliding first, then alternating
-    g3 = _edited(tiny_model_dir("gemma3", num_layers=7, layer_types=None), tmp_path / "g3", drop=("layer_types",))
+    g3 = _edited(tiny_model_dir("gemma3", num_layers=7, layer_types=None), tmp_path / "g3", layer_types=None)
     assert load_model_config(g3).windows == (24, 24, 24, 24, 24, 0, 24)   # every 6th full
 
 
 def test_legacy_gemma3_rope_fields(tiny_model_dir, tmp_path):
-    d = _edited(tiny_model_dir("gemma3"), tmp_path, drop=("rope_parameters",), rope_theta=1e6,
-                rope_local_base_freq=5000.0)
+    d = _edited(tiny_model_dir("gemma3"), tmp_path, rope_parameters=None, rope_theta=1e6, rope_local_base_freq=5000.0)
     cfg = load_model_config(d)
     assert cfg.rope_theta == 1e6 and cfg.rope_scaling is None and cfg.gemma.local_rope_theta == 5000.0
 

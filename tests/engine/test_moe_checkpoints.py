@@ -1,10 +1,6 @@
 """Mixture-of-experts checkpoints: the config fields as transformers reads them, the expert tensors under
 one naming (Mixtral's block_sparse_moe / w1 w3 w2 and the Qwen MoEs' mlp.experts), each rank's share of
 every expert, and bad MoE fields refused by name."""
-import json
-import shutil
-from pathlib import Path
-
 import pytest
 import torch
 
@@ -12,14 +8,7 @@ from phaseflip.engine.checkpoint.loader import CheckpointError, load_model_confi
 from phaseflip.rank.planner import plan_layouts
 from phaseflip.rank.shard import Span
 from phaseflip.rank.weights import shard_weights
-
-
-def _edited(src: Path, tmp_path: Path, **changes) -> Path:
-    d = Path(shutil.copytree(src, tmp_path / "model"))
-    cfg = json.loads((d / "config.json").read_text())
-    cfg.update(changes)
-    (d / "config.json").write_text(json.dumps(cfg))
-    return d
+from tests.models import edited_model as _edited
 
 
 def test_mixtral_names_become_the_engines(tiny_model_dir):

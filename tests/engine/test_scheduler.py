@@ -515,13 +515,18 @@ def test_scheduler_imports_no_torch():
 
 # -- sliding windows ---------------------------------------------------------------------------------
 
+def windowed(num_blocks: int, max_prefill_chunk: int, window: int) -> tuple[Scheduler, BlockAllocator]:
+    """A scheduler of blocks of 4 whose every layer has a sliding window of `window`, and its allocator."""
+    config = SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=64, max_prefill_chunk=max_prefill_chunk,
+                             block_size=4, window=window)
+    alloc = BlockAllocator(num_blocks, 4)
+    return Scheduler(config, alloc), alloc
+
+
 def test_blocks_behind_every_layers_window_are_given_back_once():
     """window 6, blocks of 4: position p needs p - 5 on, so block b is dropped once the next query is at
     4 (b + 1) + 5 or later; the table keeps its entries, the pool gets the blocks, release frees the rest."""
-    config = SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=64, max_prefill_chunk=4, block_size=4,
-                             window=6)
-    alloc = BlockAllocator(16, 4)
-    sched = Scheduler(config, alloc)
+    sched, alloc = windowed(num_blocks=16, max_prefill_chunk=4, window=6)
     seq = make_seq(0, 10, max_tokens=12)
     sched.add(seq)
     held = []
@@ -538,10 +543,7 @@ def test_blocks_behind_every_layers_window_are_given_back_once():
 
 
 def test_preempting_a_sequence_that_dropped_blocks_frees_only_what_it_holds():
-    config = SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=64, max_prefill_chunk=16, block_size=4,
-                             window=4)
-    alloc = BlockAllocator(8, 4)
-    sched = Scheduler(config, alloc)
+    sched, alloc = windowed(num_blocks=8, max_prefill_chunk=16, window=4)
     seq = make_seq(0, 16, max_tokens=8)
     sched.add(seq)
     step(sched, sched.schedule())
