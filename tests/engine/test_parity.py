@@ -11,7 +11,7 @@ import pytest
 
 from phaseflip import LLM, SamplingParams
 from phaseflip.kernels.cpu import fused_layer, library
-from tests.models import compare_greedy, hf_greedy
+from tests.models import KINDS, compare_greedy, hf_greedy
 
 NEW_TOKENS = 32
 LENGTHS = (1, 5, 17, 32, 64, 100, 150, 200)
@@ -73,6 +73,22 @@ def test_tiny_models_match_hf(references, kind, variant):
     assert ok, msg
 
 
+@pytest.mark.parametrize("kind", [k for k in KINDS if k != "phi3longrope"])   # its 128 positions: below
+def test_two_ranks_flipping_every_step_give_the_same_tokens(references, kind):
+    """Every family and feature at 2 ranks, parked images, the layout flipped at every step (KV resharded,
+    weights refilled): HF's tokens, the same 8 prompts x 32 tokens as one rank."""
+    model_dir, prompts, ref = references(kind)
+    with LLM(model=str(model_dir), dtype="float32", max_num_seqs=8, world_size=2, flip_every_steps=1,
+             park="always") as llm:
+        outs = llm.generate(prompts, GREEDY, use_tqdm=False)
+        stats = llm.stats()
+    ok, ties, msg = compare_greedy([o.outputs[0].token_ids for o in outs], ref)
+    print(f"\n[parity] {kind}/2 ranks, a flip every step: {msg}; flips {stats['flips']}")
+    assert ok, msg
+    assert stats["flips"] >= NEW_TOKENS and stats["failed_flips"] == 0
+    assert stats["free_kv_blocks"] == stats["num_kv_blocks"]
+
+
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_smollm2_matches_hf(smollm_reference, variant):
     model_dir, prompts, ref = smollm_reference
@@ -130,14 +146,15 @@ def test_windowed_models_give_back_what_every_window_has_left(references, kind):
     assert (stats["window_freed_blocks"] > 0) == (kind == "mistralwindow")
 
 
+@pytest.mark.parametrize("ranks", [dict(), dict(world_size=2, flip_every_steps=1, park="always")])
 @pytest.mark.parametrize("kind", ["dynamicrope", "phi3longrope"])
-def test_scaled_ropes_match_hf_within_the_context_they_serve(tiny_model_dir, kind):
+def test_scaled_ropes_match_hf_within_the_context_they_serve(tiny_model_dir, kind, ranks):
     """Dynamic NTK within max_position_embeddings (transformers changes nothing there) and LongRoPE within
     its original 128 positions (the short factors and the attention factor): HF's tokens, prompts of 1-100
-    tokens and 24 new ones (at most 124 positions)."""
+    tokens and 24 new ones (at most 124 positions), on one rank and on two flipping at every step."""
     model_dir, prompts = tiny_model_dir(kind), parity_prompts(384)[:6]
     greedy = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
-    with LLM(model=str(model_dir), dtype="float32", max_num_seqs=8) as llm:
+    with LLM(model=str(model_dir), dtype="float32", max_num_seqs=8, **ranks) as llm:
         ours = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]
     ok, ties, msg = compare_greedy(ours, hf_greedy(model_dir, prompts, 24))
     print(f"\n[parity] {kind}: {msg}")
