@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
+import sys
 from dataclasses import dataclass
 
 import uvicorn
@@ -77,8 +79,12 @@ class _Server(uvicorn.Server):
         try:
             await self.engine.ready()
         except BaseException as e:  # noqa: BLE001 — the boot's failure ends the server
-            log.error("the engine failed to boot: %s", e)
-            self.fail(f"boot failed: {e}")
+            if self.should_exit:   # a signal stopped the boot: no failure of the engine's
+                log.info("phaseflip serve: stopped while booting")
+                return
+            reason = str(e) or type(e).__name__
+            log.error("the engine failed to boot: %s", reason)
+            self.fail(f"boot failed: {reason}")
             return
         log.info("phaseflip serve: ready on http://%s:%d", self.config.host, self.config.port)
 
@@ -100,12 +106,22 @@ def serve(engine_options: dict, config: ServeConfig) -> int:
         server.run()
     finally:
         engine.begin_shutdown(0.0)
-        # A boot still under way is not waited for: its ranks die with this process.
         engine.join(config.shutdown_timeout_s + JOIN_GRACE_S if engine.booted else 0.0)
     if server.failure:
         log.error("phaseflip serve stopped: %s", server.failure)
-        return 1
-    return 0
+    code = 1 if server.failure else 0
+    if not engine.booted:   # a boot still under way is not waited for: its ranks die with this process
+        _exit_now(code)
+    return code
+
+
+def _exit_now(code: int) -> None:
+    """End the process without unwinding the interpreter: a boot thread still in torch's C++ (a build, a
+    rendezvous, inductor's workers) would otherwise meet the teardown and abort it."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def _layouts(engine_options: dict) -> tuple[str, ...]:

@@ -1,6 +1,6 @@
 """`phaseflip serve` over two ranks: the layouts flip while requests stream (forced every step here)
 and the answers equal one rank's offline answers; SIGTERM during 16 streams ends them within the
-shutdown timeout and leaves no process behind; a rank that dies ends the streams with an error event
+shutdown timeout and leaves no process behind, and SIGTERM while booting ends the boot the same way; a rank that dies ends the streams with an error event
 and the server exits non-zero."""
 from __future__ import annotations
 
@@ -85,6 +85,27 @@ def test_sigterm_during_16_streams_ends_them_in_time_and_leaves_no_process(start
         assert "error" in last or last["choices"][0]["finish_reason"] == "length"
     assert any("error" in json.loads(lines[-2][6:]) for lines in results)   # cut at the deadline (240
     # tokens each take 16 streams ~3 s over two ranks here: 0.5 s cannot finish them)
+    assert wait_gone(procs, 10.0) == [], "processes outlived the server by 10 s"
+
+
+def test_sigterm_while_booting_exits_cleanly_and_leaves_no_process(start_server, model):
+    """A signal before the engine is up: /health answered 503 (booting), the server exits 0 promptly without
+    waiting for the boot (nor aborting in its teardown), and its ranks die with it."""
+    server = start_server("--model", model, "--served-model-name", "tiny", *ENGINE, ready=False)
+    end = time.monotonic() + 60
+    while time.monotonic() < end:
+        try:
+            if httpx.get(f"{server.url}/health", timeout=2.0).status_code == 503:
+                break
+        except httpx.HTTPError:
+            time.sleep(0.05)
+    procs = descendants(server.proc.pid)
+    t0 = time.monotonic()
+    server.proc.send_signal(signal.SIGTERM)
+    server.proc.wait(30)
+    assert server.proc.returncode == 0, server.output()
+    assert time.monotonic() - t0 < 10, server.output()
+    assert "failed to boot" not in server.output()
     assert wait_gone(procs, 10.0) == [], "processes outlived the server by 10 s"
 
 
