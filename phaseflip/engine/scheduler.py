@@ -198,8 +198,8 @@ class Scheduler:
         """Where every layer has a sliding window, give back seq's blocks that lie wholly before the window
         of its next query (position num_computed_tokens sees num_computed_tokens - window + 1 on)."""
         if self.config.window:
-            oldest = seq.num_computed_tokens - self.config.window + 1
-            self.num_window_freed_blocks += self.allocator.drop_leading(seq, max(0, oldest) // self.config.block_size)
+            oldest = max(0, seq.num_computed_tokens - self.config.window + 1)
+            self.num_window_freed_blocks += self.allocator.drop_leading(seq, oldest // self.config.block_size)
 
     def _num_next_tokens(self, seq: Sequence, budget: int) -> int:
         remaining = seq.num_tokens - seq.num_computed_tokens

@@ -23,9 +23,9 @@ import torch
 import torch.nn.functional as F
 
 from phaseflip.kernels.cpu import linear as cpu_linear
+from phaseflip.kernels.cpu import moe as cpu_moe
 from phaseflip.kernels.cpu import quant
 from phaseflip.kernels.op_registry import define_op
-from phaseflip.kernels.cpu import moe as cpu_moe
 from phaseflip.kernels.reference import activation, moe, norm, rotary
 
 _triton_available: bool | None = None

@@ -69,7 +69,12 @@ def attention_block(lw: LayerWeights, cfg: ModelConfig, shard: RankShard, h: tor
 
 
 def mlp_block(lw: LayerWeights, h: torch.Tensor, comm: Comm, act=silu_and_mul) -> torch.Tensor:
-    return comm.all_reduce(linear(act(project(h, lw.gate_up_proj)), lw.down_proj))
+    return comm.all_reduce(_mlp(lw, h, act))
+
+
+def _mlp(lw: LayerWeights, h: torch.Tensor, act=silu_and_mul) -> torch.Tensor:
+    """The gated MLP of gate_up_proj and down_proj: this rank's partial sum."""
+    return linear(act(project(h, lw.gate_up_proj)), lw.down_proj)
 
 
 def moe_block(lw: LayerWeights, cfg: ModelConfig, h: torch.Tensor, comm: Comm) -> torch.Tensor:
@@ -78,13 +83,9 @@ def moe_block(lw: LayerWeights, cfg: ModelConfig, h: torch.Tensor, comm: Comm) -
     the partial sums are reduced once."""
     m = cfg.moe
     weights, ids = route(linear(h, lw.router), m.top_k, m.norm_topk_prob)        # [T, k] each
-    hidden = h.shape[-1]
-    gate_up = lw.experts_gate_up.view(m.num_experts, -1, hidden)                 # [E, 2 Ie, H]
-    down = lw.experts_down.view(m.num_experts, hidden, -1)                       # [E, H, Ie]
-    out = moe_experts(h, gate_up, down, ids, weights)                            # [T, H]
+    out = moe_experts(h, *lw.expert_weights(), ids, weights)                     # [T, H]
     if lw.gate_up_proj is not None:   # the shared expert: a dense MLP every token takes
-        shared = linear(silu_and_mul(project(h, lw.gate_up_proj)), lw.down_proj)
-        out = out + torch.sigmoid(linear(h, lw.shared_gate)) * shared
+        out = out + torch.sigmoid(linear(h, lw.shared_gate)) * _mlp(lw, h)
     return comm.all_reduce(out)
 
 

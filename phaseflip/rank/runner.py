@@ -283,9 +283,8 @@ def _products(lw) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
     router and its first expert's two products (every expert's have their shapes)."""
     found = [(lw.qkv_proj, lw.qkv_bias), (lw.o_proj, None)]
     if lw.router is not None:
-        e = lw.router.shape[0]
-        found += [(lw.router, None), (lw.experts_gate_up.view(e, -1, lw.router.shape[1])[0], None),
-                  (lw.experts_down.view(e, lw.router.shape[1], -1)[0], None)]
+        gate_up, down = lw.expert_weights()
+        found += [(lw.router, None), (gate_up[0], None), (down[0], None)]
     if lw.gate_up_proj is not None:
         found += [(lw.gate_up_proj, None), (lw.down_proj, None)]
     return found

@@ -94,6 +94,12 @@ class LayerWeights:
         sliding and full attention)."""
         return (self.window, *((name, tuple(t.shape), t.dtype) for name, t in self.tensors().items()))
 
+    def expert_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """An MoE layer's experts as the grouped products read them: [gate; up] [E, 2 Ie, H] and down
+        [E, H, Ie] (E and H from the router's [E, H])."""
+        experts, hidden = self.router.shape
+        return self.experts_gate_up.view(experts, -1, hidden), self.experts_down.view(experts, hidden, -1)
+
     def tensors(self) -> dict[str, torch.Tensor]:
         """Each weight by name; a Split's parts as `<name>.<j>`."""
         out = {}

@@ -25,8 +25,9 @@ def experts(h: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, ids: tor
 
 
 def _experts_body(h, gate_up, down, ids, weights):
-    if 1 <= h.shape[0] <= library.MOE_ROWS and h.dtype in library.DTYPES and library.moe_rows_op() is not None:
-        return library.moe_rows_op()(h.contiguous(), gate_up, down, ids.contiguous(), weights.float().contiguous())
+    rows_op = library.moe_rows_op() if 1 <= h.shape[0] <= library.MOE_ROWS and h.dtype in library.DTYPES else None
+    if rows_op is not None:
+        return rows_op(h.contiguous(), gate_up, down, ids.contiguous(), weights.float().contiguous())
     return grouped(h, gate_up, down, ids, weights)
 
 
