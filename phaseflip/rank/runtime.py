@@ -219,11 +219,15 @@ class RankRuntime:
                 if not cuda and runner.layer_projections():   # bf16's ladder form decides what `warm` builds
                     runner.compile.report["ladder"] = forms.choose_ladder_form(
                         list(runner.layer_projections()[0]), model=runner.cfg, recorded=record.get("ladder"))
+                recorded_forms = not cuda and bool(record.reports)
+                if recorded_forms:   # the forms first: `warm` builds only the GEMMs they take
+                    self._choose_forms(runner, boot, record)
                 gemms = linear.warm(runner.projections())
             self.gemm_bytes = _add(self.gemm_bytes, grown)
-            if not cuda:   # once per process, dtype and model: later layouts reuse
-                with self._timed(f"forms:{name}"), _rss_growth() as grown:
-                    self._choose_forms(runner, boot, record)
+            if not cuda:   # measured after the warm (no GEMM built while timed), once per process, dtype and
+                with self._timed(f"forms:{name}"), _rss_growth() as grown:   # model: later layouts reuse
+                    if not recorded_forms:
+                        self._choose_forms(runner, boot, record)
                 self.gemm_bytes = _add(self.gemm_bytes, grown)   # the products' scratch, as the warm-up's
             with self._timed(f"compile:{name}"), _rss_growth() as grown:
                 runner.compile.prepare(boot.compile, cuda, record)

@@ -67,6 +67,18 @@ def test_warm_runs_each_ladder_size_once_per_distinct_projection():
 
 
 @ONEDNN
+def test_warm_builds_only_the_sizes_whose_products_take_the_ladder(monkeypatch):
+    if not lin.serves("kernel", torch.float32):
+        pytest.skip("the CPU kernels did not build here: every size takes the ladder")
+    w = torch.randn(32, 16)
+    kernel_to_32 = {r: "kernel" if r <= 32 else "ladder" for r in lin.WIDE_ROWS}
+    monkeypatch.setitem(lin._chosen, torch.float32, lin.Forms(wide=kernel_to_32))
+    assert lin.warm([(w, None, 100)]) == len({lin.row_bucket(m) for m in range(33, 101)})
+    monkeypatch.setitem(lin._chosen, torch.float32, lin.Forms(wide=dict.fromkeys(lin.WIDE_ROWS, "kernel")))
+    assert lin.warm([(w, None, 100)]) == 0
+
+
+@ONEDNN
 def test_no_gemm_is_built_after_boot(tiny_model_dir, monkeypatch):
     real, rows = lin.onednn_op(), []
 

@@ -240,9 +240,11 @@ define_op("cpu_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor", _cpu_li
 
 
 def warm(projections: Iterable[tuple[torch.Tensor, torch.Tensor | None, int]]) -> int:
-    """Run every ladder size up to max_rows once for each distinct (weight shape, bias) of
-    `projections` ((weight, bias, max_rows) triples), so that no GEMM is built after boot.
-    Returns the number of GEMMs run (0 where oneDNN is not used)."""
+    """Run every ladder size up to max_rows that the products take (`form`: unmeasured, every size
+    above SMALL_BATCH; measured, those where the kernel does not serve) once for each distinct
+    (weight shape, bias) of `projections` ((weight, bias, max_rows) triples), so that no GEMM is built
+    after boot and none is built that no product uses. Returns the number of GEMMs run (0 where oneDNN
+    is not used)."""
     seen: dict[tuple, tuple[torch.Tensor, torch.Tensor | None, int]] = {}
     for w, b, max_rows in projections:
         key = (tuple(w.shape), w.dtype, w.device.type, b is not None)
@@ -256,7 +258,8 @@ def warm(projections: Iterable[tuple[torch.Tensor, torch.Tensor | None, int]]) -
             continue
         x = torch.zeros(row_bucket(max_rows), w.shape[1], dtype=w.dtype)
         for rows in sorted({row_bucket(m) for m in range(1, max_rows + 1)}):  # 8 serves the small rows
-            product(ladder, x[:rows], w, b)
-            runs += 1
+            if form(rows, w.dtype) == ladder:   # a size's rows all take its form (WIDE_ROWS are sizes)
+                product(ladder, x[:rows], w, b)
+                runs += 1
     return runs
 
