@@ -40,6 +40,8 @@ FUSED_ONE_ROW = "the fused layers run 1 row (kernels/cpu/fused_layer.py): induct
 # traces them again (~20 s of a warm boot for one decode bucket), and its measured gain at the same
 # bucket ranged from 27% slower to 16% faster between cold boots (docs/performance.md)
 TP_ON_CPU = "tensor-parallel on the CPU: its graphs break at each all-reduce (not saved, traced at every boot)"
+# where no compiled step multiplies one row (compiles_one_row), the one-row form is not measured
+ONE_ROW_UNUSED = "not measured: no step compiled here multiplies one row (the LM head is measured on its own)"
 
 
 class CompileChoice:
@@ -159,6 +161,13 @@ class CompileChoice:
         for sizes in compiled if isinstance(step, SavedSteps) else compiled[:2]:
             (step.prepare if isinstance(step, SavedSteps) else step)(self._views(sizes))
         self.report[phase.value] = {**recorded, "choice": self._picked(phase)}
+
+    def compiles_one_row(self, mode: str) -> bool:
+        """Whether a step this layout compiles multiplies one row (where forms.choose_gemv's one-row form
+        applies): compile="on" compiles the 1-row decode; "auto" on the CPU not where the fused layers
+        run it (FUSED_ONE_ROW) nor on a tensor-parallel layout (TP_ON_CPU). The LM head is measured
+        compiled against eager on its own (_prepare_head)."""
+        return mode == "on" or (mode == "auto" and self.state.shard.tp_size == 1 and not self._fused_one_row())
 
     def _fused_one_row(self) -> bool:
         """Whether this rank's eager 1-row decode runs the fused layers (kernels/cpu/fused_layer.py)."""

@@ -24,6 +24,7 @@ from phaseflip.rank.boot_record import BootRecord, kernels_build, record_key
 from phaseflip.rank.arena import (WeightArena, allocate_arena, arena_bases, image_slots, pack_image,
                                   experts_read, weight_report)
 from phaseflip.rank.comm import break_graphs_at_collectives
+from phaseflip.rank.compile_choice import ONE_ROW_UNUSED
 from phaseflip.rank.flip import (DEFAULT_STAGING_BYTES, DEFAULT_STAGING_FRACTION, InjectedFault,
                                     allocate_staging, run_flip)
 from phaseflip.rank.kv_sizing import (device_memory, fit_blocks, kept_outputs_bytes, profile_blocks,
@@ -258,9 +259,12 @@ class RankRuntime:
                                                             recorded=record.get("small_rows"))
             report["wide_rows"] = forms.choose_wide_forms(weights, model=runner.cfg,
                                                           recorded=record.get("wide_rows"))
-        if boot.compile != "off" and runner.layer_projections():
-            report["gemv"] = forms.choose_gemv(runner.layer_projections(), model=runner.cfg,
-                                                      recorded=record.get("gemv"))
+        layers = runner.layer_projections()
+        if boot.compile != "off" and layers and runner.compile.compiles_one_row(boot.compile):
+            report["gemv"] = forms.choose_gemv(layers, model=runner.cfg, recorded=record.get("gemv"))
+        elif boot.compile != "off" and layers:
+            report["gemv"] = {"choice": linear.chosen(layers[0][0].dtype).one_row, "ms": None,
+                              "reason": ONE_ROW_UNUSED}
         if runner.weights.layers:
             report["fused_layers"] = fused_layer.report(runner.weights.layers[0].qkv_proj.dtype,
                                                         runner.shard.tp_size, runner.weights.plain)

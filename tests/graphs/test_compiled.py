@@ -92,8 +92,9 @@ def test_auto_measures_each_bucket_matches_hf_and_writes_no_kv(tiny_model_dir, c
     report = m["ranks"][0]["compile"]["pp"]
     assert set(report["decode"]["buckets"]) == {1, 2, 4} and set(report["prefill"]["buckets"]) == {64}
     fused = report["fused_layers"]["choice"] == "fused layers"
-    if fused:   # they run 1 row: inductor's step is neither compiled nor timed there
+    if fused:   # they run 1 row: inductor's step is neither compiled nor timed there, nor its one-row form
         assert report["decode"]["buckets"][1] == {"choice": "eager", "reason": choice_module.FUSED_ONE_ROW}
+        assert report["gemv"]["reason"] == choice_module.ONE_ROW_UNUSED and report["gemv"]["ms"] is None
     for role in ROLES:
         for bucket, r in report[role]["buckets"].items():
             if fused and (role, bucket) == ("decode", 1):
@@ -140,16 +141,18 @@ def test_one_layer_compiles_once_for_every_layer_and_nothing_compiles_after_boot
     assert buffers.staged and buffers.uploads == sum(s["replays"] for s in m["steps"]), "one copy per replay"
     assert stats["chunked_runs"].get("pp:decode", 0) > 0, stats["chunked_runs"]
     assert "pp:decode" not in stats["eager_fallbacks"], stats["eager_fallbacks"]
-    # 6 layers, 2 decode buckets, 2 prefill buckets: prefill's layer as two saved graphs whatever the
-    # number of layers (the first layer, with nothing to add yet, and the others), dynamic in the rows;
+    # 6 layers, 2 decode buckets, 2 prefill buckets: prefill's layer as one saved graph whatever the
+    # number of layers (the first layer too: a zero delta to add), dynamic in the rows;
     # decode's whole step at one row (0/1 specialisation) and at more; each compiled at boot, or loaded
     # where an earlier boot of this model saved it, never at the first long prompt
     saved = {role: m["ranks"][0]["compile"]["pp"][role]["saved_steps"] for role in ROLES}
     graphs = {role: set(s["loaded"]) | set(s["compiled"]) for role, s in saved.items()}
-    assert {role: len(g) for role, g in graphs.items()} == {"prefill": 2, "decode": 2}, saved
+    assert {role: len(g) for role, g in graphs.items()} == {"prefill": 1, "decode": 2}, saved
     # traced in this process at most: those, the LM head for one sampled row, and the two graphs
-    # choose_gemv times (one layer's one-row products as reductions and as the eager form)
-    assert graphs_at_boot <= 2 + 2 + 1 + 2, graphs_at_boot
+    # choose_gemv times (one layer's one-row products as reductions and as the eager form: compile="on"
+    # compiles the 1-row decode, which takes the form it chooses)
+    assert m["ranks"][0]["compile"]["pp"]["gemv"]["ms"] is not None
+    assert graphs_at_boot <= 1 + 2 + 1 + 2, graphs_at_boot
     assert counters["stats"]["unique_graphs"] == graphs_at_boot, "a step compiled after boot"
     assert {s["backend"] for s in m["steps"]} == {"compiled"}
     caches = llm.ranks.runtime.compile_caches
