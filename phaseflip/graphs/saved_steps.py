@@ -129,9 +129,10 @@ class SavedSteps:
 class SavedLayer(SavedSteps):
     """One decoder layer, called as the step calls its layer_fn (lw, cfg, shard, delta, residual, meta,
     kv, layer, cos_sin, comm), compiled and saved as SavedSteps does: its layer index compiled as a
-    symbol (one graph serves every layer; a Python int would be specialised, a graph per layer), a
-    first layer (no delta yet) and the others bound apart. Bound per shape of its tensors and of its
-    weights (LayerWeights.signature): a bound form serves every layer stored alike, unguarded."""
+    symbol (one graph serves every layer; a Python int would be specialised, a graph per layer), the
+    first layer (no delta yet) given a zero delta, so that the same graph serves it (a cold boot
+    compiles one graph, not two; adding zeros changes no value). Bound per shape of its tensors and of
+    its weights (LayerWeights.signature): a bound form serves every layer stored alike, unguarded."""
 
     dynamic_sources = "L['layer']"
 
@@ -139,9 +140,11 @@ class SavedLayer(SavedSteps):
         super().__init__(fn, None, directory, options)
 
     def __call__(self, lw, cfg, shard, delta, residual, meta, kv, layer, cos_sin, comm):
+        if delta is None:
+            delta = torch.zeros_like(residual)
         args = (lw, cfg, shard, delta, residual, meta, kv, layer, cos_sin, comm)
         weights = getattr(lw, "signature", None) or _signature({"lw": lw})   # LayerWeights, or one tensor
-        signature = (delta is None, weights, _signature({"residual": residual, "cos_sin": cos_sin, **meta}))
+        signature = (weights, _signature({"residual": residual, "cos_sin": cos_sin, **meta}))
         run = self._bound.get(signature) or self._bind(signature, args)
         return run(*args)
 
