@@ -112,15 +112,17 @@ def print_table(name: str, result: dict, threads: int) -> None:
 @click.option("--rounds", type=click.IntRange(min=1), default=2, show_default=True)
 @click.option("--repeats", type=click.IntRange(min=1), default=3, show_default=True,
               help="Repetitions of the tg/pp timings a round (llama-bench -r), medians taken.")
+@click.option("--dtype", default="auto", show_default=True,
+              help="phaseflip's activations (LLM's dtype): auto (float32 on the CPU) or bfloat16.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of the tables.")
 @click.argument("files", nargs=-1, required=True, type=click.Path(exists=True, dir_okay=False, path_type=Path))
-def main(llama_bench, llama_batched_bench, threads, rounds, repeats, as_json, files):
+def main(llama_bench, llama_batched_bench, threads, rounds, repeats, dtype, as_json, files):
     """Benchmark phaseflip against llama.cpp on each GGUF file, interleaved, and print the ratios."""
     o = {"llama_bench": llama_bench, "llama_batched_bench": llama_batched_bench, "threads": threads,
          "repeats": repeats}
     results = {}
     for path in files:
-        llm = boot(path, threads)
+        llm = boot(path, threads, dtype=dtype)
         try:
             nbytes = decode_bytes(llm)
             got = []

@@ -12,7 +12,7 @@ With --llama-tokenize, phaseflip and HF score llama.cpp's own token ids of the t
 --ids`), so that the comparison is of the models' arithmetic alone: llama.cpp's pre-tokenizer for some
 models (SmolLM2's "smollm") splits runs of spaces and digits unlike the HF tokenizer the model ships.
 Run: `.venv/bin/python benchmarks/perplexity.py --llama-perplexity BIN [--llama-tokenize BIN] [--hf-dir DIR]
-FILE.gguf...`
+[--dtype bfloat16] FILE.gguf...`
 """
 from __future__ import annotations
 
@@ -55,11 +55,12 @@ def llama_ids(binary: str, model: str, body: str) -> list[int]:
     return json.loads(run.stdout.strip())
 
 
-def phaseflip_ppl(model: str, body: str, ctx: int, threads: int, given: list[int] | None = None) -> dict:
+def phaseflip_ppl(model: str, body: str, ctx: int, threads: int, given: list[int] | None = None,
+                  dtype: str = "auto") -> dict:
     """given: the token ids to score (llama.cpp's), else the text tokenised by the model's tokenizer."""
     from phaseflip import LLM, SamplingParams
     t0 = time.perf_counter()
-    with LLM(model, num_threads=threads, max_model_len=ctx + 8, max_num_seqs=1) as llm:
+    with LLM(model, num_threads=threads, max_model_len=ctx + 8, max_num_seqs=1, dtype=dtype) as llm:
         tok = llm.get_tokenizer()
         ids = given if given is not None else tok.encode(body, add_special_tokens=False)
         bos = tok.bos_token_id if tok.encode("a")[:1] == [tok.bos_token_id] else None
@@ -110,13 +111,14 @@ def main() -> None:
     ap.add_argument("--chars", type=int, default=100_000, help="characters of the text (default ~22k tokens)")
     ap.add_argument("--ctx", type=int, default=512)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--dtype", default="auto", help="phaseflip's activations: auto (float32 on the CPU), bfloat16")
     a = ap.parse_args()
     body = text(a.chars)
     ids = {path: llama_ids(a.llama_tokenize, path, body) if a.llama_tokenize else None for path in a.files}
     if a.hf_dir:
         print(json.dumps({"hf": a.hf_dir, **hf_ppl(a.hf_dir, body, a.ctx, a.threads, ids[a.files[0]])}), flush=True)
     for path in a.files:
-        ours = phaseflip_ppl(path, body, a.ctx, a.threads, ids[path])
+        ours = phaseflip_ppl(path, body, a.ctx, a.threads, ids[path], a.dtype)
         theirs = llama_ppl(a.llama_perplexity, path, body, a.ctx, a.threads)
         print(json.dumps({"file": Path(path).name, "phaseflip": ours, "llama.cpp": theirs,
                           "phaseflip_over_llama": round(ours["ppl"] / theirs["ppl"] - 1, 5)}), flush=True)

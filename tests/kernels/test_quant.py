@@ -49,9 +49,12 @@ def test_matches_gguf_dequantize_then_f_linear(op, name, dtype, rows):
     assert blocks.shape == (96, fmt.row_bytes(768)) and blocks.dtype == torch.uint8
     x = torch.randn(rows, 768, generator=torch.Generator().manual_seed(rows)).to(dtype)
     got = quant.quant_linear(x, blocks, fmt)
-    # up to int8_rows rows of a 4-bit format the kernel multiplies x rounded to int8 per block
+    # up to int8_rows rows the kernel multiplies x rounded to int8 per block; above bf16_tile_rows, bf16 x
+    # times the weights rounded to bf16
     seen = quant.quantize_rows_int8(x) if rows <= quant.int8_rows(fmt) else x.float()
-    want = F.linear(seen, w)
+    tile = quant.bf16_tile_rows()
+    bf16_weights = dtype == torch.bfloat16 and tile is not None and rows > tile
+    want = F.linear(seen, w.bfloat16().float() if bf16_weights else w)
     assert got.dtype == dtype and got.shape == (rows, 96)
     tol = 1e-4 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(got.float(), want, rtol=tol, atol=tol * want.abs().max().item())

@@ -4,7 +4,9 @@
 // product, at its quantized size: what a decode step's time is (it reads every weight). Up to
 // FUSED_ROWS rows of x, each block is decoded in registers and multiplied with every row as it is
 // (nothing stored between); more rows, x is packed into panels as for the float32 kernel's wide form
-// and a few weight rows at a time are decoded into an L1 buffer for its register tile (`tiled`).
+// and a few weight rows at a time are decoded into an L1 buffer for its register tile (`tiled`): in
+// float32, or, for bfloat16 x on a CPU with the bf16 pair-dot instruction, in bfloat16 (each decoded
+// weight rounded to the nearest bf16, as a bf16 checkpoint's weights are) for the tile's bf16 pairs.
 // Without vectors, each weight row is decoded into float32 and dotted with every row of x.
 // Also rows of W decoded to float32 by index (`quant_rows`: a quantized embedding's lookup).
 // Vectors of AVX-512 or AVX2 (simd.h), plain loops on a CPU with neither. Built with the other kernels
@@ -16,6 +18,7 @@
 #include <torch/library.h>
 #include <algorithm>
 #include <cstring>
+#include <type_traits>
 #include <utility>
 #include <vector>
 #include "blocks.h"
@@ -52,6 +55,21 @@ void decode_row(const uint8_t* row, int64_t K, float* out) {
 #endif
   }
 }
+
+#ifdef PF_BF16_DOT
+// a weight row of K values decoded into bfloat16 (rounded to nearest even) for the bf16 tile
+template <typename B>
+void decode_row(const uint8_t* row, int64_t K, c10::BFloat16* out) {
+  for (int64_t b = 0; b < K / B::values_per; ++b)
+    for (int s = 0; s < B::values_per / QK; ++s) {
+      pf::vf v[H];
+      B::vectors(row + b * B::bytes, s, v);
+      for (int h = 0; h < H; ++h)
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + b * B::values_per + s * QK + h * pf::LANES),
+                            (__m256i)_mm512_cvtneps_pbh(v[h]));
+    }
+}
+#endif
 
 #ifdef PF_LANES
 // out[m] = (one weight row) . x[m] for M (<= FUSED_ROWS) rows of x, K apart: each block decoded in
@@ -117,28 +135,28 @@ void rows(const uint8_t* wp, int64_t ldw, const float* xf, int64_t M, int64_t K,
 }
 
 #ifdef PF_LANES
-// More than FUSED_ROWS rows of x: x's rows packed into panels as the float32 kernel's wide form packs
-// them (wide.h); NR weight rows at a time decoded into this thread's float32 buffer, where they stay in
-// L1 while the register tile (tile.h) multiplies them with every panel: each weight row is decoded once
-// a pass, and no decoded weight reaches memory
-template <typename B, typename X, int MB>
-void tiled(const at::Tensor& xf, const uint8_t* wp, int64_t ldw, int64_t N, X* yp, int64_t ldy) {
+// More than FUSED_ROWS rows of x: x's rows packed into panels as the wide forms pack them (wide.h; E:
+// float32, or bfloat16 pairs); NR weight rows at a time decoded into this thread's buffer of E, where
+// they stay in L1 while the register tile (tile.h) multiplies them with every panel: each weight row is
+// decoded once a pass, and no decoded weight reaches memory
+template <typename B, typename X, typename E, int MB>
+void tiled(const at::Tensor& xe, const uint8_t* wp, int64_t ldw, int64_t N, X* yp, int64_t ldy) {
   constexpr int64_t Mp = MB * pf::LANES;
   constexpr int NR = wide::wide_nr(MB);
-  const int64_t M = xf.size(0), K = xf.size(1), panels = (M + Mp - 1) / Mp;
-  const float* tp = wide::packed<float, Mp>(xf, K);
+  const int64_t M = xe.size(0), K = xe.size(1), panels = (M + Mp - 1) / Mp;
+  const auto* tp = wide::packed<E, Mp>(xe, K);   // K: whole runs of 32, so whole bf16 pairs
   par::ranges((N + NR - 1) / NR, 1, [&](int64_t b0, int64_t b1) {
     alignas(64) float part[NR * Mp];
-    std::vector<float> decoded(NR * K);
+    std::vector<E> decoded(NR * K);
     for (int64_t n = b0 * NR; n < std::min(N, b1 * NR); n += NR) {
       const int64_t here = std::min<int64_t>(NR, N - n);
       for (int64_t r = 0; r < here; ++r) decode_row<B>(wp + (n + r) * ldw, K, decoded.data() + r * K);
       for (int64_t p = 0; p < panels; ++p) {
-        const float* panel = tp + p * K * Mp;
-        if (here == NR) tile::rows<float, NR, MB>(decoded.data(), K, panel, Mp, K, part, Mp);
+        const auto* panel = tp + p * K * Mp;
+        if (here == NR) tile::rows<E, NR, MB>(decoded.data(), K, panel, Mp, K, part, Mp);
         else
           for (int64_t r = 0; r < here; ++r)
-            tile::rows<float, 1, MB>(decoded.data() + r * K, K, panel, Mp, K, part + r * Mp, Mp);
+            tile::rows<E, 1, MB>(decoded.data() + r * K, K, panel, Mp, K, part + r * Mp, Mp);
         wide::put_rows<X, NR, Mp>(part, here, yp, ldy, n, p * Mp, std::min(M, (p + 1) * Mp));
       }
     }
@@ -146,12 +164,21 @@ void tiled(const at::Tensor& xf, const uint8_t* wp, int64_t ldw, int64_t N, X* y
 }
 
 // MB: the vectors of LANES rows in one panel (1 .. wide::panel_mb), as wide::dispatch picks it
-template <typename B, typename X, int MB = 1>
-void tiled_rows(const at::Tensor& xf, const uint8_t* wp, int64_t ldw, int64_t N, X* yp, int64_t ldy) {
-  if constexpr (MB < wide::panel_mb<float>())
-    if (xf.size(0) > MB * pf::LANES) return tiled_rows<B, X, MB + 1>(xf, wp, ldw, N, yp, ldy);
-  tiled<B, X, MB>(xf, wp, ldw, N, yp, ldy);
+template <typename B, typename X, typename E, int MB = 1>
+void tiled_rows(const at::Tensor& xe, const uint8_t* wp, int64_t ldw, int64_t N, X* yp, int64_t ldy) {
+  if constexpr (MB < wide::panel_mb<E>())
+    if (xe.size(0) > MB * pf::LANES) return tiled_rows<B, X, E, MB + 1>(xe, wp, ldw, N, yp, ldy);
+  tiled<B, X, E, MB>(xe, wp, ldw, N, yp, ldy);
 }
+
+// the tile's element for x of type X: bfloat16 pairs for bfloat16 x where the CPU has the pair-dot
+// instruction, else float32
+template <typename X>
+#ifdef PF_BF16_DOT
+using TileOf = std::conditional_t<std::is_same_v<X, c10::BFloat16>, c10::BFloat16, float>;
+#else
+using TileOf = float;
+#endif
 #endif
 
 #ifdef PF_INT8_DOT
@@ -190,10 +217,11 @@ void run(const at::Tensor& x, const at::Tensor& w, at::Tensor& y) {
 #endif
 #ifdef PF_LANES
   if (M > FUSED_ROWS) {   // passes of at most PASS_ROWS rows: their panels stay in L2
-    const at::Tensor xf = x.scalar_type() == at::kFloat ? x : x.to(at::kFloat);
+    using E = TileOf<X>;
+    const at::Tensor xe = std::is_same_v<E, X> ? x : x.to(at::kFloat);
     const int64_t count = (M + PASS_ROWS - 1) / PASS_ROWS, step = (M + count - 1) / count;
     for (int64_t m0 = 0; m0 < M; m0 += step)
-      tiled_rows<B, X>(xf.narrow(0, m0, std::min(step, M - m0)), wp, ldw, N, yp + m0 * N, N);
+      tiled_rows<B, X, E>(xe.narrow(0, m0, std::min(step, M - m0)), wp, ldw, N, yp + m0 * N, N);
     return;
   }
 #endif
@@ -250,6 +278,16 @@ at::Tensor quant_rows(const at::Tensor& w, const at::Tensor& ids, int64_t type) 
   return out;
 }
 
+// rows of x above which this build multiplies bfloat16 x with the format's weights decoded into bfloat16
+// (-1: never; it decodes them into float32)
+int64_t quant_bf16_tile_rows() {
+#ifdef PF_BF16_DOT
+  return FUSED_ROWS;
+#else
+  return -1;
+#endif
+}
+
 // rows of x up to which this build multiplies the format's blocks with int8 activations (0: never)
 int64_t quant_int8_rows(int64_t type) {
   blocks::with_format(type, [](auto) { return 0; });   // the type checked
@@ -268,4 +306,5 @@ TORCH_LIBRARY_FRAGMENT(phaseflip, m) {
   m.def("cpu_quant_rows(Tensor blocks, Tensor ids, int type) -> Tensor");
   m.impl("cpu_quant_rows", c10::DispatchKey::CPU, TORCH_FN(quant_rows));
   m.def("cpu_quant_int8_rows(int type) -> int", TORCH_FN(quant_int8_rows));
+  m.def("cpu_quant_bf16_tile_rows() -> int", TORCH_FN(quant_bf16_tile_rows));
 }
