@@ -84,7 +84,9 @@ def _params_list(n: int, sampling_params) -> list[SamplingParams]:
 
 
 def prepare_prompts(prompts, sampling_params, tokenizer, *, vocab_size: int, max_model_len: int,
-                    max_tokens_in_pool: int) -> list[PreparedPrompt]:
+                    max_tokens_in_pool: int | None) -> list[PreparedPrompt]:
+    """Each prompt as token ids with its params, checked: not empty, in the vocabulary, shorter than
+    max_model_len and, where the pool bounds a sequence (max_tokens_in_pool; None: it does not), within it."""
     items = _as_list(prompts)
     params = _params_list(len(items), sampling_params)
     out = []
@@ -102,7 +104,7 @@ def prepare_prompts(prompts, sampling_params, tokenizer, *, vocab_size: int, max
         if len(ids) >= max_model_len:
             raise ValueError(f"prompt {i} has {len(ids)} tokens, but max_model_len={max_model_len} leaves "
                              f"no room to generate: prompts must be shorter than {max_model_len} tokens")
-        if len(ids) + 1 > max_tokens_in_pool:
+        if max_tokens_in_pool is not None and len(ids) + 1 > max_tokens_in_pool:
             raise ValueError(f"prompt {i} has {len(ids)} tokens, but the KV pool holds only "
                              f"{max_tokens_in_pool} tokens in all: it could never run; raise "
                              f"num_kv_blocks or kv_cache_memory_gib")

@@ -20,8 +20,9 @@ Chunk order in the batch: decodes first, then prefill chunks; each group in admi
 
 A sequence whose next chunk needs more blocks than the whole pool holds can never run: it is finished
 with reason "length" (the pool is its max model length) instead of wedging the scheduler. Where every
-layer attends a sliding window, a running sequence gives back the blocks wholly behind its next query's
-window before it is scheduled (their table entries stay, never read again).
+layer attends a sliding window, a sequence gives back the blocks wholly behind its next query's window
+before it is scheduled or admitted (their table entries stay, never read again), so it holds at most its
+chunk and one window of blocks at once, whatever its length.
 
 Must never: import torch, or promise tokens the allocator cannot deliver.
 """
@@ -80,7 +81,8 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def add(self, seq: Sequence) -> None:
-        """Queue a new sequence (FIFO). Refuses one whose prompt alone exceeds the whole KV pool."""
+        """Queue a new sequence (FIFO). Refuses one whose prompt alone needs more blocks at once than the
+        whole KV pool holds."""
         if seq.seq_id in self._live:
             raise ValueError(f"seq_id {seq.seq_id} was already added")
         if seq.num_prompt_tokens < 1:
@@ -88,10 +90,10 @@ class Scheduler:
         if seq.status is not SeqStatus.WAITING or seq.num_computed_tokens or seq.block_ids:
             raise ValueError(f"seq {seq.seq_id} is not fresh: status={seq.status.value}, "
                              f"num_computed_tokens={seq.num_computed_tokens}, blocks={seq.block_ids}")
-        num_blocks = self.allocator.blocks_needed(seq.num_prompt_tokens)
+        num_blocks = self._most_blocks(seq.num_prompt_tokens)
         if num_blocks > self.allocator.num_total_blocks:
             raise ValueError(f"seq {seq.seq_id}: its prompt of {seq.num_prompt_tokens} tokens needs "
-                             f"{num_blocks} KV blocks but the pool has only "
+                             f"{num_blocks} KV blocks at once but the pool has only "
                              f"{self.allocator.num_total_blocks} in total")
         self.waiting.append(seq)
         self._live[seq.seq_id] = seq
@@ -157,6 +159,7 @@ class Scheduler:
             if cache is not None and cache.computed_elsewhere(seq, hits):
                 self._drop_blocks(seq)
                 break  # its next block is being computed: reuse it a step later (head-of-line)
+            self._drop_behind_window(seq)   # reused blocks behind its first query's window go back
             n = self._num_next_tokens(seq, budget)
             if not self.allocator.ensure_capacity(seq, seq.num_computed_tokens + n):
                 self._drop_blocks(seq)
@@ -206,8 +209,25 @@ class Scheduler:
         return min(remaining, budget, self.config.max_prefill_chunk)
 
     def _exceeds_pool(self, seq: Sequence) -> bool:
-        """All of seq's tokens (the last sampled one included) must fit in KV before it can go on."""
-        return self.allocator.blocks_needed(seq.num_tokens) > self.allocator.num_total_blocks
+        """The blocks seq holds at once with all its tokens (the last sampled one included) must fit in KV
+        before it can go on."""
+        return self._most_blocks(seq.num_tokens) > self.allocator.num_total_blocks
+
+    def max_sequence_tokens(self) -> int | None:
+        """The most tokens one sequence can have in this pool: every block's, or None (no bound but the
+        model's length) where every layer's sliding window lets the pool hold its longest step."""
+        if self.config.window and self._most_blocks(2**62) <= self.allocator.num_total_blocks:
+            return None
+        return self.allocator.num_total_blocks * self.config.block_size
+
+    def _most_blocks(self, num_tokens: int) -> int:
+        """The most KV blocks a sequence of num_tokens holds at once: all of them; where every layer has a
+        sliding window, at most those of its longest step's chunk (max_prefill_chunk tokens) and the
+        window before its first query, plus a block for their alignment (_drop_behind_window)."""
+        every = self.allocator.blocks_needed(num_tokens)
+        if not self.config.window:
+            return every
+        return min(every, self.allocator.blocks_needed(self.config.window - 1 + self.config.max_prefill_chunk) + 1)
 
     def _preempt(self, seq: Sequence) -> None:
         """Recompute preemption: drop the KV, requeue at the front; prompt + outputs are prefilled again."""

@@ -146,6 +146,21 @@ def test_windowed_models_give_back_what_every_window_has_left(references, kind):
     assert (stats["window_freed_blocks"] > 0) == (kind == "mistralwindow")
 
 
+def test_a_windowed_model_runs_sequences_longer_than_the_pool(references):
+    """Mistral's 24-token window on every layer, 32-token chunks, blocks of 16: a sequence holds at most
+    5 blocks at once, so a pool of 6 serves sequences of up to 232 tokens (15 blocks) to their end, with
+    HF's tokens; with every block counted they would end at 96 tokens."""
+    model_dir, prompts, ref = references("mistralwindow")
+    with LLM(model=str(model_dir), dtype="float32", max_num_seqs=1, num_kv_blocks=6,
+             max_num_batched_tokens=32) as llm:
+        outs = llm.generate(prompts, GREEDY, use_tqdm=False)
+        stats = llm.stats()
+    ok, ties, msg = compare_greedy([o.outputs[0].token_ids for o in outs], ref)
+    assert ok, msg
+    assert max(len(o.prompt_token_ids) + len(o.outputs[0].token_ids) for o in outs) > 6 * 16
+    assert stats["free_kv_blocks"] == stats["num_kv_blocks"] == 6
+
+
 @pytest.mark.parametrize("ranks", [dict(), dict(world_size=2, flip_every_steps=1, park="always")])
 @pytest.mark.parametrize("kind", ["dynamicrope", "phi3longrope"])
 def test_scaled_ropes_match_hf_within_the_context_they_serve(tiny_model_dir, kind, ranks):

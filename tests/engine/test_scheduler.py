@@ -553,6 +553,49 @@ def test_preempting_a_sequence_that_dropped_blocks_frees_only_what_it_holds():
     assert alloc.num_free_blocks == 8 and seq.block_ids == [] and seq.num_dropped_blocks == 0
 
 
+def test_a_windowed_sequence_longer_than_the_pool_runs_to_its_end():
+    """window 6, chunks of 4, blocks of 4: a sequence holds at most blocks_needed(6 - 1 + 4) + 1 = 4
+    blocks at once, so a pool of 4 serves a 20-token prompt (5 blocks) and 20 new tokens (10 blocks in
+    all); without the window the same pool refuses that prompt, and one that fits ends at the pool."""
+    sched, alloc = windowed(num_blocks=4, max_prefill_chunk=4, window=6)
+    seq = make_seq(0, 20, max_tokens=20)
+    sched.add(seq)
+    while seq.status is not SeqStatus.FINISHED:
+        step(sched, sched.schedule())
+        assert alloc.num_free_blocks >= 0
+        if seq.num_output_tokens == 20:
+            sched.finish(seq, "length")
+    assert seq.num_output_tokens == 20 and seq.num_computed_tokens == 39 and alloc.num_free_blocks == 4
+    plain = make_sched(num_blocks=4, block_size=4, max_prefill_chunk=4)
+    with pytest.raises(ValueError, match="needs 5 KV blocks at once but the pool has only 4"):
+        plain.add(make_seq(1, 20))
+    short = make_seq(2, 10, max_tokens=20)
+    plain.add(short)
+    while (plan := plain.schedule()) is not None:
+        step(plain, plan)
+    assert short.status is SeqStatus.FINISHED and short.num_tokens == 17   # 16 positions in 4 blocks + the last
+
+
+def test_a_windowed_sequence_admitted_on_a_long_cached_prefix_drops_what_is_behind_its_window():
+    """A cached prefix of 3 blocks, a pool of 4: the reused blocks behind the first query's window go
+    back at admission, as a running sequence's do before each step (_most_blocks counts on it)."""
+    config = SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=64, max_prefill_chunk=4, block_size=4,
+                             window=6)
+    alloc = BlockAllocator(4, 4, prefix_caching=True)
+    sched = Scheduler(config, alloc)
+    first = make_seq(0, 16, max_tokens=1)
+    sched.add(first)
+    while first.num_output_tokens < 1:
+        step(sched, sched.schedule())
+    sched.finish(first, "length")
+    second = Sequence(seq_id=1, request_id="r1", prompt_token_ids=first.prompt_token_ids[:13] + [5, 6, 7, 8],
+                      params=SamplingParams(max_tokens=2))
+    sched.add(second)
+    plan = sched.schedule()
+    assert plan is not None and chunk_of(plan, 1).num_tokens > 0
+    assert alloc.cache_stats()["hit_blocks"] == 3 and second.num_dropped_blocks >= 1
+
+
 def test_a_full_attention_layer_keeps_every_block():
     sched = make_sched(num_blocks=16, block_size=4, max_prefill_chunk=4)   # window 0: the default
     seq = make_seq(0, 12, max_tokens=8)
