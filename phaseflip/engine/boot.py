@@ -135,7 +135,7 @@ def _kv_blocks(cfg: EngineConfig, mc: ModelConfig, plan: LayoutPlan, dtype: torc
     num_kv_blocks or kv_cache_memory_gib (CPU_KV_GIB where neither is given)."""
     one_seq = -(-max_model_len // cfg.block_size)
     if cfg.num_kv_blocks is not None:
-        if cfg.num_kv_blocks < one_seq and not (mc.windows and min(mc.windows)):   # windows: the scheduler's bound
+        if cfg.num_kv_blocks < one_seq and not mc.least_window:   # windowed: the scheduler's bound
             log.warning("num_kv_blocks=%d holds %d tokens, less than max_model_len=%d: a request ends "
                         "(finish_reason 'length') when it fills the pool", cfg.num_kv_blocks,
                         cfg.num_kv_blocks * cfg.block_size, max_model_len)

@@ -76,7 +76,7 @@ class LLM:
                                               max_num_batched_tokens=shapes.max_num_batched_tokens,
                                               max_prefill_chunk=shapes.max_num_batched_tokens,
                                               block_size=shapes.block_size,
-                                              window=min(mc.windows) if mc.windows else 0), self.allocator)
+                                              window=mc.least_window), self.allocator)
         self.policy_record = (PolicyRecord.load(policy_key(cfg, self.plan, mc), cfg.layouts, cfg.remeasure)
                               if has_choice(cfg.policy, cfg.layouts, cfg.flip_every_steps) else None)
         if self.policy_record is not None and self.policy_record.used:

@@ -151,6 +151,11 @@ class ModelConfig:
         """Layer's sliding window: a query at position p attends keys p - window < j <= p (0: every j <= p)."""
         return self.windows[layer] if self.windows else 0
 
+    @property
+    def least_window(self) -> int:
+        """The sliding window every layer has at least (0: some layer attends every earlier position)."""
+        return min(self.windows) if self.windows else 0
+
     def is_sparse(self, layer: int) -> bool:
         """Whether this layer's MLP is the mixture of experts."""
         return self.moe is not None and layer not in self.moe.dense_layers
