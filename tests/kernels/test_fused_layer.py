@@ -1,22 +1,25 @@
 """The fused one-token decoder layers (kernels/cpu/fused_layer.py, layer.cpp): forward's answer and KV
-writes against its operator-by-operator path, when a step takes them, and the op's refusals (HF parity
-of a whole engine on them: tests/engine/test_parity.py)."""
+writes against its operator-by-operator path (float weights, and weights in GGUF blocks, one format or a
+Split of two), when a step takes them, and the op's refusals (HF parity of a whole engine on them:
+tests/engine/test_parity.py)."""
 from __future__ import annotations
 
+import dataclasses
 import platform
 import shutil
 from unittest import mock
 
+import numpy as np
 import pytest
 import torch
 
-from phaseflip.kernels.cpu import fused_layer, library, linear
+from phaseflip.kernels.cpu import fused_layer, library, linear, quant
 from phaseflip.kernels.reference.rotary import cos_sin_table
-from phaseflip.rank import forward
+from phaseflip.rank import forward, weights
 from phaseflip.rank.kvcache import KVShape, KVView
 from phaseflip.rank.model_config import ModelConfig
-from phaseflip.rank.weights import LayerWeights, RankWeights
 from phaseflip.rank.shard import RankShard
+from phaseflip.rank.weights import LayerWeights, RankWeights, Split
 
 H, I, HQ, HKV, D, LAYERS, BLOCK = 192, 320, 6, 2, 32, 3, 16
 TABLE = [5, 2, 7, 0, 1, 3]   # the sequence's blocks, out of order
@@ -34,9 +37,9 @@ class NoComm:
         return x
 
 
-def model(arch: str, dtype: torch.dtype, seed: int = 0):
-    cfg = ModelConfig(architecture=arch, vocab_size=100, hidden_size=H, intermediate_size=I, num_layers=LAYERS,
-                      num_heads=HQ, num_kv_heads=HKV, head_dim=D, rms_norm_eps=1e-6, rope_theta=10000.0,
+def model(arch: str, dtype: torch.dtype, seed: int = 0, h: int = H, i: int = I, hq: int = HQ):
+    cfg = ModelConfig(architecture=arch, vocab_size=100, hidden_size=h, intermediate_size=i, num_layers=LAYERS,
+                      num_heads=hq, num_kv_heads=HKV, head_dim=D, rms_norm_eps=1e-6, rope_theta=10000.0,
                       max_position_embeddings=512, tie_word_embeddings=False,
                       qkv_bias=arch.startswith("Qwen2"), qk_norm=arch.startswith("Qwen3"))
     g = torch.Generator().manual_seed(seed)
@@ -44,12 +47,12 @@ def model(arch: str, dtype: torch.dtype, seed: int = 0):
     def r(*shape, base=0.0):
         return (base + torch.randn(*shape, generator=g) * 0.2).to(dtype)
     layers = [LayerWeights(
-        input_layernorm=r(H, base=1), qkv_proj=r((HQ + 2 * HKV) * D, H),
-        qkv_bias=r((HQ + 2 * HKV) * D) if cfg.qkv_bias else None,
+        input_layernorm=r(h, base=1), qkv_proj=r((hq + 2 * HKV) * D, h),
+        qkv_bias=r((hq + 2 * HKV) * D) if cfg.qkv_bias else None,
         q_norm=r(D, base=1) if cfg.qk_norm else None, k_norm=r(D, base=1) if cfg.qk_norm else None,
-        o_proj=r(H, HQ * D), post_attention_layernorm=r(H, base=1), gate_up_proj=r(2 * I, H), down_proj=r(H, I))
+        o_proj=r(h, hq * D), post_attention_layernorm=r(h, base=1), gate_up_proj=r(2 * i, h), down_proj=r(h, i))
         for _ in range(LAYERS)]
-    return cfg, RankWeights(embed_tokens=r(100, H), layers=layers, norm=r(H, base=1), lm_head=r(100, H))
+    return cfg, RankWeights(embed_tokens=r(100, h), layers=layers, norm=r(h, base=1), lm_head=r(100, h))
 
 
 def one_token(ctx: int) -> dict[str, torch.Tensor]:
@@ -61,9 +64,10 @@ def one_token(ctx: int) -> dict[str, torch.Tensor]:
             "query_start_loc": torch.tensor([0, 1])}
 
 
-def run_both(arch: str, dtype: torch.dtype, ctx: int):
-    """(fused, operators): forward's output and the KV cache after it, from the same filled cache."""
-    cfg, w = model(arch, dtype)
+def run_both(arch: str, dtype: torch.dtype, ctx: int, built=None):
+    """(fused, operators): forward's output and the KV cache after it, from the same filled cache; built:
+    (cfg, weights) of LAYERS layers of D-sized heads (default: model(arch, dtype))."""
+    cfg, w = built or model(arch, dtype)
     shape = KVShape(num_layers=LAYERS, num_blocks=8, block_size=BLOCK, num_kv_heads=HKV, head_dim=D)
     filled = torch.randn(shape.numel, generator=torch.Generator().manual_seed(1)).to(dtype)
     rope, meta, shard = cos_sin_table(D, 512, 10000.0), one_token(ctx), RankShard.full(cfg)
@@ -89,6 +93,59 @@ def test_bfloat16_rounds_where_the_operators_round(arch):
     assert torch.equal(out, want) and torch.equal(kv, want_kv)
 
 
+def in_blocks(weight: torch.Tensor, name: str, seed: int) -> torch.Tensor:
+    """A weight [n, k] as GGUF blocks of format `name`, uint8 [n, blocks, block bytes] as the arena holds them:
+    quantized by gguf where its quantizer writes the format, else random blocks with small finite scales."""
+    gguf = pytest.importorskip("gguf", reason="the gguf package (a test dependency) is not installed")
+    fmt = quant.block_format(name)
+    n, k = weight.shape
+    rng = np.random.default_rng(seed)
+    if name in ("Q4_K", "Q6_K"):
+        raw = rng.integers(0, 256, (n, k // fmt.block_values, fmt.block_bytes), dtype=np.uint8)
+        for at in {"Q4_K": (0, 2), "Q6_K": (208,)}[name]:
+            scales = rng.uniform(1e-4, 1e-3, (n, k // fmt.block_values)).astype(np.float16)
+            raw[:, :, at:at + 2] = scales.view(np.uint8).reshape(n, -1, 2)
+    else:
+        raw = gguf.quants.quantize(weight.float().numpy(), gguf.GGMLQuantizationType[name])
+    return torch.from_numpy(np.ascontiguousarray(raw)).view(n, k // fmt.block_values, fmt.block_bytes)
+
+
+def quantized(arch: str, dtype: torch.dtype, formats: tuple[str, str]):
+    """model() of 256-wide rows with every projection in GGUF blocks: q and k, gate, o in formats[0]; v, up,
+    down in formats[1] (a Split where they differ, as a Q4_K_M file's layers are)."""
+    cfg, w = model(arch, dtype, h=256, i=512, hq=8)
+    a, b = formats
+
+    def stack(parts):   # one weight where the formats agree, else a Split
+        held = weights.stack(parts)
+        return held if isinstance(held, Split) else torch.cat(held.parts)
+    layers = []
+    for n, lw in enumerate(w.layers):
+        q_k, v = lw.qkv_proj.split([(8 + HKV) * D, HKV * D])
+        gate, up = lw.gate_up_proj.chunk(2)
+        layers.append(dataclasses.replace(
+            lw, qkv_proj=stack((in_blocks(q_k, a, n), in_blocks(v, b, n))),
+            gate_up_proj=stack((in_blocks(gate, a, n), in_blocks(up, b, n))),
+            o_proj=in_blocks(lw.o_proj, a, n), down_proj=in_blocks(lw.down_proj, b, n)))
+    return cfg, dataclasses.replace(w, layers=layers)
+
+
+@pytest.mark.parametrize("formats", [("Q8_0", "Q8_0"), ("Q4_0", "Q4_1"), ("Q5_0", "Q5_1"), ("Q4_K", "Q6_K")])
+def test_fused_layers_on_gguf_blocks_give_the_operators_answer(formats):
+    built = quantized("Qwen2ForCausalLM", torch.float32, formats)
+    assert isinstance(built[1].layers[0].qkv_proj, Split) == (formats[0] != formats[1])
+    (out, kv), (want, want_kv) = run_both("Qwen2ForCausalLM", torch.float32, 40, built)
+    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(kv, want_kv, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("formats", [("Q4_0", "Q8_0"), ("Q4_K", "Q6_K")])
+def test_fused_layers_on_gguf_blocks_round_as_the_operators_in_bfloat16(formats):
+    (out, kv), (want, want_kv) = run_both("LlamaForCausalLM", torch.bfloat16, 40,
+                                          quantized("LlamaForCausalLM", torch.bfloat16, formats))
+    assert torch.equal(out, want) and torch.equal(kv, want_kv)
+
+
 def test_the_token_is_stored_in_every_layer_and_nothing_else():
     (_, kv), _ = run_both("LlamaForCausalLM", torch.float32, 17)
     filled = torch.randn(kv.numel(), generator=torch.Generator().manual_seed(1)).view(kv.shape)
@@ -108,8 +165,9 @@ def test_which_calls_run_fused(monkeypatch):
     assert not fused_layer.serves(x, F32, 1, kv, torch.zeros(2, 4, dtype=torch.long))   # two sequences
     assert not fused_layer.serves(x, F32, 2, kv, tables)                           # tensor-parallel partial sums
     assert not fused_layer.serves(x.half(), torch.float16, 1, kv, tables)
-    assert not fused_layer.serves(x, torch.uint8, 1, kv, tables)                # weights in GGUF blocks
-    assert "GGUF block format" in fused_layer.report(torch.uint8, 1)["reason"]
+    assert fused_layer.serves(x, torch.uint8, 1, kv, tables)                    # weights in GGUF blocks
+    assert fused_layer.report(torch.uint8, 1)["reason"] is None
+    assert not fused_layer.serves(x, torch.bfloat16, 1, kv, tables)             # weights of another dtype
     with monkeypatch.context() as traced:
         traced.setattr(torch.compiler, "is_compiling", lambda: True)         # a traced step: inductor's
         assert not fused_layer.serves(x, F32, 1, kv, tables)
@@ -139,6 +197,10 @@ def test_the_op_names_what_it_refuses():
         broken = [LayerWeights(**{**lw.tensors(), "qkv_bias": None, "q_norm": None, "k_norm": None,
                                   "down_proj": lw.down_proj[:, :100]}) for lw in w.layers]
         call(layers=broken)
+    with pytest.raises(RuntimeError, match=r"o_proj must be a CPU \[192, 192\] weight with contiguous rows \(or its "
+                       r"GGUF blocks\), got \[192, 5, 34\]"):   # Q8_0 blocks of 160 values a row
+        last = w.layers[-1]   # the first layer's o_proj gives the heads: a later one is checked against them
+        call(layers=[*w.layers[:-1], dataclasses.replace(last, o_proj=in_blocks(last.o_proj[:, :160], "Q8_0", 0))])
     with pytest.raises(RuntimeError, match="a layer each of 3"):
         call(cache=kv[:, :2])
     with pytest.raises(RuntimeError, match="slot 99999 is past the cache's 8 blocks of 16"):

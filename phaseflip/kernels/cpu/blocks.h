@@ -12,7 +12,7 @@
 // Q6_K: 128 bytes of q's low 4 bits, 64 of its high 2, sixteen int8 scales (one per 16 values), fp16 d
 //   last; w = d * sc * (q - 32); each half of 128 values takes 64 low bytes (two runs of 32 values in
 //   their low halves, two in their high) and 32 high bytes (the four runs at bit pairs 0, 2, 4, 6).
-// quant.cpp's and int8.h's (their int8 forms) includer.
+// Included by quant.cpp, qrow.h (a row's dot, which layer.cpp's products on blocks take) and int8.h.
 #pragma once
 #include <c10/util/Half.h>
 #include <cstdint>

@@ -11,8 +11,9 @@ stream at. The fused call runs every layer in one parallel region with a barrier
 
 When: calls outside a trace (eager steps, and the eager forward around a compiled prefill's layers),
 one token of one sequence, the whole layer on this rank (no tensor-parallel partial sums to reduce
-between its phases), float32 or bfloat16, where the boot measured the few-rows kernel the fastest
-one-row product (the fused products are its row dot). A compiled decode step traces its layers for
+between its phases), float32 or bfloat16, with projections of that dtype where the boot measured the
+few-rows kernel the fastest one-row product (the fused products are its row dot), or in GGUF blocks
+(the fused products are the quantized kernel's one-row dot, qrow.h: the same answer as forward's). A compiled decode step traces its layers for
 inductor instead, so compile="auto"'s boot measurement of the batch-1 bucket (compiled against eager,
 rank/compile_choice.py) sets inductor's step against this one and keeps the faster; compile="on"
 runs inductor's, compile="off" this one.
@@ -30,7 +31,9 @@ def serves(residual: torch.Tensor, weight_dtype: torch.dtype, tp_size: int, kv_c
            block_tables: torch.Tensor, plain: bool = True) -> bool:
     """Whether forward's layers, their projections' weights of weight_dtype, run as one decode_layers call
     (see the module's "When"); plain: every layer has a dense MLP and full attention."""
-    if residual.is_cuda or torch.compiler.is_compiling() or kv_cache.dim() != 6 or residual.dtype != weight_dtype:
+    if residual.is_cuda or torch.compiler.is_compiling() or kv_cache.dim() != 6:
+        return False
+    if weight_dtype not in (residual.dtype, torch.uint8):   # uint8: GGUF blocks
         return False
     return residual.shape[0] == 1 and block_tables.shape[0] == 1 and _why_not(weight_dtype, tp_size, plain) is None
 
@@ -40,12 +43,22 @@ def decoder_layers(layers: list, eps: float, scale: float, residual: torch.Tenso
     """forward's loop of decoder_layer over `layers` for one token: (the last MLP's output, the residual
     stream before it), each layer's K/V of the token stored at meta["slot_mapping"] (layer i of the
     list in layer i of kv_cache)."""
+    return library.decode_layers_op()(residual, *_weight_lists(layers), kv_cache, meta["slot_mapping"],
+                                      meta["block_tables"], meta["seq_lens"], cos_sin, eps, scale)
+
+
+def _weight_lists(layers: list) -> tuple:
+    """The op's weight arguments for `layers`: one list per weight kind, qkv_proj and gate_up_proj as their
+    parts (a Split's, rank/weights.py), and how many parts each layer has."""
     def each(name: str) -> list[torch.Tensor]:
         return [t for t in (getattr(lw, name) for lw in layers) if t is not None]
-    return library.decode_layers_op()(
-        residual, each("input_layernorm"), each("qkv_proj"), each("qkv_bias"), each("q_norm"), each("k_norm"),
-        each("o_proj"), each("post_attention_layernorm"), each("gate_up_proj"), each("down_proj"), kv_cache,
-        meta["slot_mapping"], meta["block_tables"], meta["seq_lens"], cos_sin, eps, scale)
+
+    def parts(name: str) -> tuple[list[torch.Tensor], list[int]]:
+        held = [getattr(getattr(lw, name), "parts", (getattr(lw, name),)) for lw in layers]
+        return [t for p in held for t in p], [len(p) for p in held]
+    (qkv, qkv_parts), (gate_up, gate_up_parts) = parts("qkv_proj"), parts("gate_up_proj")
+    return (each("input_layernorm"), qkv, each("qkv_bias"), each("q_norm"), each("k_norm"), each("o_proj"),
+            each("post_attention_layernorm"), gate_up, each("down_proj"), qkv_parts, gate_up_parts)
 
 
 def report(dtype: torch.dtype, tp_size: int, plain: bool = True) -> dict:
@@ -60,13 +73,11 @@ def _why_not(dtype: torch.dtype, tp_size: int, plain: bool = True) -> str | None
         return "mixture-of-experts or sliding-window layers (the fused layers run dense MLPs, full attention)"
     if tp_size != 1:
         return f"layers split over {tp_size} ranks (partial sums reduced between phases)"
-    if dtype == torch.uint8:
-        return "weights in a GGUF block format (the fused layers read float weights)"
-    if dtype not in DTYPES:
-        return f"{dtype} (float32 and bfloat16 only)"
+    if dtype not in DTYPES and dtype != torch.uint8:
+        return f"{dtype} (float32 and bfloat16, or GGUF blocks, only)"
     if library.decode_layers_op() is None:
         return f"no kernels: {library.kernel_report()['reason']}"
-    if linear.form(1, dtype) != "kernel":   # the fused products are the kernel's row dot
+    if dtype != torch.uint8 and linear.form(1, dtype) != "kernel":   # the fused products are the kernel's row dot
         return (f"one-row products take {linear.form(1, dtype)!r}, not the few-rows kernel (the boot's "
                 "measurement; unmeasured: 'stationary')")
     return None

@@ -6,7 +6,7 @@
 //   a * dx * sum(u * q) + c * dx * sum(q) (Q4_0, Q4_1, Q5_0, Q5_1: a block; Q4_K: a run of its block);
 // - Q8_0 and Q6_K give signed w (Q6_K's q - 32) and a scale for each 16 values: sum(|w| * sign(w) q)
 //   per lane, times its lane's scale (lanes 0-3 hold values 0-15, 4-7 values 16-31).
-// A weight row's blocks are read once for all rows of x. quant.cpp's only includer; compiled where the
+// A weight row's blocks are read once for all rows of x. Included by qrow.h and quant.cpp; compiled where the
 // CPU has AVX512-VNNI, -VL and -BW (PF_INT8_DOT), else quant.cpp keeps its float32 paths.
 #pragma once
 #include "blocks.h"

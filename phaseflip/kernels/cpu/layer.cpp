@@ -4,11 +4,13 @@
 // phases: residual add + RMSNorm; the qkv product (rows split over the threads); per kv head: k norm
 // (Qwen3), rotary and the K/V store; per query head: q norm, rotary and the attention over the paged
 // cache (decode.cpp's attend_token); the o product; residual add + RMSNorm; gate and up products
-// with SiLU-and-mul on each thread's own rows; the down product. Each product streams its weight once
-// through dot.h's row dot. Values are rounded to the weights' dtype where the reference's operators
-// round (kernels/reference/norm.py, rotary.py, activation.py), so bfloat16 follows eager torch's
-// roundings (a norm's sum of squares is added in another order than torch's, so a value can still land
-// one rounding apart); float32 is unaffected.
+// with SiLU-and-mul on each thread's own rows; the down product. Each product streams its weight once:
+// float rows through dot.h's row dot, a GGUF file's blocks (its parts in their formats) through qrow.h's,
+// which quant.cpp's one-row product takes too (each thread prepares x for it once a phase). Values are
+// rounded to the activations' dtype W where the reference's operators round (kernels/reference/norm.py,
+// rotary.py, activation.py), so bfloat16 follows eager torch's roundings (a norm's sum of squares is
+// added in another order than torch's, so a value can still land one rounding apart); float32 is
+// unaffected.
 // Why: at batch 1 the weights stream at the memory's speed, but between ~8 operators a layer the threads
 // meet at every join and the main thread's dispatch runs alone; even one call a layer leaves time outside
 // the region at every layer (parallel.h: a region with phases). Built and loaded by
@@ -17,6 +19,7 @@
 #include <ATen/ops/empty.h>
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>
+#include <algorithm>
 #include <cmath>
 #include <tuple>
 #include <vector>
@@ -24,21 +27,19 @@
 #include "dtype.h"
 #include "paged.h"
 #include "parallel.h"
+#include "layer_weights.h"
+#include "qrow.h"
 
 namespace {
 
 template <typename W>
 inline float rnd(float v) { return static_cast<float>(static_cast<W>(v)); }   // a value as W holds it
 
-struct Dims {
-  int64_t H, hq, hkv, d, I, nqkv;
-};
-
-template <typename W>
-struct Weights {   // one layer's, as the arena holds them (rows contiguous, `ld` apart)
-  const W *ln1, *qkv, *qkv_b, *q_norm, *k_norm, *o, *ln2, *gate_up, *down;
-  int64_t ld_qkv, ld_o, ld_gate_up, ld_down;
-};
+using layer_weights::Dims;
+using layer_weights::LayerLists;
+using layer_weights::Part;
+using layer_weights::Proj;
+using layer_weights::Weights;
 
 template <typename W>
 struct Scratch {   // the token's vectors between phases, shared by the threads
@@ -81,6 +82,30 @@ void rotate(const W* x, W* out, const float* cos_sin, int64_t d) {
     const float x1 = static_cast<float>(x[i]), x2 = static_cast<float>(x[half + i]);
     out[i] = static_cast<W>(rnd<W>(x1 * c) - rnd<W>(x2 * s));
     out[half + i] = static_cast<W>(rnd<W>(x2 * c) + rnd<W>(x1 * s));
+  }
+}
+
+// `in` = x (K values) as the blocks' dot reads it, where w has blocks: each thread its own, before its products
+template <typename X>
+void prepare(const Proj& w, const X* x, int64_t K, qrow::Input& in) {
+  if (w.blocks) in.set(x, K);
+}
+
+// y's rows [r.begin, r.end) = w's rows . x (K values), each part's rows by its own dot; `in`: x prepared
+template <typename W>
+void product(const Proj& w, const typename Scratch<W>::X* x, int64_t K, W* y, par::Range r, const qrow::Input& in) {
+  int64_t first = 0;   // the part's first row among w's
+  for (const Part& p : w.parts) {
+    const int64_t n0 = std::max(r.begin, first) - first, n1 = std::min(r.end, first + p.rows) - first;
+    W* out = y + first;
+    if (n0 < n1 && p.type == 0)
+      dot::gemv_range<W, 1>(static_cast<const W*>(p.p), p.ld, x, K, out, p.rows, n0, n1);
+    else if (n0 < n1)
+      blocks::with_format(p.type, [&](auto b) {
+        for (int64_t n = n0; n < n1; ++n)
+          out[n] = static_cast<W>(qrow::dot<decltype(b)>(static_cast<const uint8_t*>(p.p) + n * p.ld, in));
+      });
+    first += p.rows;
   }
 }
 
@@ -133,10 +158,11 @@ void attend_heads(const Weights<W>& w, const Step& st, const paged::Cache& c, Sc
 // the o product (into s.o)
 template <typename W>
 void attention_phases(const par::Team& team, const Weights<W>& w, const Step& st, const paged::Cache& c,
-                      Scratch<W>& s, std::vector<float>& buf) {
+                      Scratch<W>& s, std::vector<float>& buf, qrow::Input& in) {
   const Dims& n = st.n;
   const par::Range qkv = team.share(n.nqkv);
-  dot::gemv_range<W, 1>(w.qkv, w.ld_qkv, s.h.data(), n.H, s.qkv.data(), n.nqkv, qkv.begin, qkv.end);
+  prepare(w.qkv, s.h.data(), n.H, in);
+  product(w.qkv, s.h.data(), n.H, s.qkv.data(), qkv, in);
   if (w.qkv_b)
     for (int64_t i = qkv.begin; i < qkv.end; ++i)
       s.qkv[i] = static_cast<W>(static_cast<float>(s.qkv[i]) + static_cast<float>(w.qkv_b[i]));
@@ -145,26 +171,27 @@ void attention_phases(const par::Team& team, const Weights<W>& w, const Step& st
   team.barrier();
   attend_heads(w, st, c, s, team.share(n.hq), buf);
   team.barrier();
-  const par::Range o = team.share(n.H);
-  dot::gemv_range<W, 1>(w.o, w.ld_o, s.attn_x.data(), n.hq * n.d, s.o.data(), n.H, o.begin, o.end);
+  prepare(w.o, s.attn_x.data(), n.hq * n.d, in);
+  product(w.o, s.attn_x.data(), n.hq * n.d, s.o.data(), team.share(n.H), in);
   team.barrier();
 }
 
 // A layer's MLP, as phases of the region: gate and up products with SiLU * up on each thread's own rows,
 // then the down product (into delta_out)
 template <typename W>
-void mlp_phases(const par::Team& team, const Weights<W>& w, const Dims& n, Scratch<W>& s, W* delta_out) {
+void mlp_phases(const par::Team& team, const Weights<W>& w, const Dims& n, Scratch<W>& s, W* delta_out,
+                qrow::Input& in) {
   const par::Range i = team.share(n.I);   // gate rows [begin, end) and the same up rows
-  dot::gemv_range<W, 1>(w.gate_up, w.ld_gate_up, s.h.data(), n.H, s.gate.data(), 2 * n.I, i.begin, i.end);
-  dot::gemv_range<W, 1>(w.gate_up, w.ld_gate_up, s.h.data(), n.H, s.gate.data(), 2 * n.I, n.I + i.begin,
-                        n.I + i.end);
+  prepare(w.gate_up, s.h.data(), n.H, in);
+  product(w.gate_up, s.h.data(), n.H, s.gate.data(), i, in);
+  product(w.gate_up, s.h.data(), n.H, s.gate.data(), {n.I + i.begin, n.I + i.end}, in);
   for (int64_t r = i.begin; r < i.end; ++r) {
     const float g = static_cast<float>(s.gate[r]), u = static_cast<float>(s.gate[n.I + r]);
     s.act[r] = static_cast<typename Scratch<W>::X>(rnd<W>(rnd<W>(g / (1.f + std::exp(-g))) * u));
   }
   team.barrier();
-  const par::Range out = team.share(n.H);
-  dot::gemv_range<W, 1>(w.down, w.ld_down, s.act.data(), n.I, delta_out, n.H, out.begin, out.end);
+  prepare(w.down, s.act.data(), n.I, in);
+  product(w.down, s.act.data(), n.I, delta_out, team.share(n.H), in);
   team.barrier();
 }
 
@@ -180,100 +207,34 @@ void layers(const std::vector<Weights<W>>& ws, const Step& st, const W* resid, W
   const int64_t H = st.n.H;
   par::region([&](const par::Team& team) {
     static thread_local std::vector<float> buf;   // each thread's attention scratch
+    static thread_local qrow::Input in;           // and its x for the products on blocks
     for (size_t l = 0; l < ws.size(); ++l) {
       const Weights<W>& w = ws[l];
       const W* delta = l ? delta_out : nullptr;   // the last layer's MLP output, not yet added
       team.single([&] { add_norm(delta, l ? res_out : resid, w.ln1, H, st.eps, res_out, s.h.data()); });
-      attention_phases(team, w, st, caches[l], s, buf);
+      attention_phases(team, w, st, caches[l], s, buf, in);
       team.single([&] { add_norm(s.o.data(), res_out, w.ln2, H, st.eps, res_out, s.h.data()); });
-      mlp_phases(team, w, st.n, s, delta_out);
+      mlp_phases(team, w, st.n, s, delta_out, in);
     }
   });
 }
 
-void check_weight(const at::Tensor& t, int64_t rows, int64_t cols, const char* name, at::ScalarType dtype) {
-  TORCH_CHECK(t.dim() == 2 && t.size(0) == rows && t.size(1) == cols && t.stride(1) == 1 && !t.is_cuda(),
-              "decode_layers: ", name, " must be a CPU [", rows, ", ", cols, "] weight with contiguous rows, got ",
-              t.sizes(), " strides ", t.strides());
-  TORCH_CHECK(t.scalar_type() == dtype, "decode_layers: ", name, " is ", t.scalar_type(), ", the layers' ", dtype);
-}
-
-void check_vector(const at::Tensor& t, int64_t n, const char* name, at::ScalarType dtype) {
-  TORCH_CHECK(t.numel() == n && t.is_contiguous() && t.scalar_type() == dtype && !t.is_cuda(),
-              "decode_layers: ", name, " must be a contiguous CPU vector of ", n, " ", dtype, ", got ", t.sizes(),
-              " ", t.scalar_type());
-}
-
-// One list per weight kind, a layer's entry at its index; qkv_bias, q_norm and k_norm empty where the
-// model has none
-struct LayerLists {
-  at::TensorList ln1, qkv, qkv_b, q_norm, k_norm, o, ln2, gate_up, down;
-};
-
-template <typename W>
-std::vector<Weights<W>> checked(const LayerLists& L, const Dims& n, at::ScalarType dt) {
-  const size_t count = L.qkv.size();
-  for (const at::TensorList* list : {&L.ln1, &L.o, &L.ln2, &L.gate_up, &L.down})
-    TORCH_CHECK(list->size() == count, "decode_layers: every weight list holds one tensor a layer (", count, ")");
-  for (const at::TensorList* list : {&L.qkv_b, &L.q_norm, &L.k_norm})
-    TORCH_CHECK(list->empty() || list->size() == count, "decode_layers: qkv_bias, q_norm and k_norm hold one "
-                "tensor a layer or none");
-  std::vector<Weights<W>> ws;
-  for (size_t l = 0; l < count; ++l) {
-    check_weight(L.qkv[l], n.nqkv, n.H, "qkv_proj", dt);
-    check_weight(L.o[l], n.H, n.hq * n.d, "o_proj", dt);
-    check_weight(L.gate_up[l], 2 * n.I, n.H, "gate_up_proj", dt);
-    check_weight(L.down[l], n.H, n.I, "down_proj", dt);
-    check_vector(L.ln1[l], n.H, "input_layernorm", dt);
-    check_vector(L.ln2[l], n.H, "post_attention_layernorm", dt);
-    if (!L.qkv_b.empty()) check_vector(L.qkv_b[l], n.nqkv, "qkv_bias", dt);
-    if (!L.q_norm.empty()) check_vector(L.q_norm[l], n.d, "q_norm", dt);
-    if (!L.k_norm.empty()) check_vector(L.k_norm[l], n.d, "k_norm", dt);
-    const auto opt = [l](at::TensorList list) { return list.empty() ? nullptr : list[l].data_ptr<W>(); };
-    ws.push_back({L.ln1[l].data_ptr<W>(), L.qkv[l].data_ptr<W>(), opt(L.qkv_b), opt(L.q_norm), opt(L.k_norm),
-                  L.o[l].data_ptr<W>(), L.ln2[l].data_ptr<W>(), L.gate_up[l].data_ptr<W>(), L.down[l].data_ptr<W>(),
-                  L.qkv[l].stride(0), L.o[l].stride(0), L.gate_up[l].stride(0), L.down[l].stride(0)});
-  }
-  return ws;
-}
-
-// The layers' shapes, from the residual [1, H], the cache [blocks, layers, 2, block_size, Hkv, D] and the
-// first layer's o and gate_up (each layer's weights are checked against them, `checked`)
-Dims dims_of(const at::Tensor& residual, const LayerLists& L, const at::Tensor& kv_cache, at::ScalarType dt) {
-  TORCH_CHECK(residual.dim() == 2 && residual.size(0) == 1 && residual.is_contiguous() && !residual.is_cuda(),
-              "decode_layers: one token's contiguous CPU residual [1, H], got ", residual.sizes());
-  TORCH_CHECK(!L.qkv.empty() && !L.o.empty() && !L.gate_up.empty() && !L.down.empty(),
-              "decode_layers: at least one layer");
-  TORCH_CHECK(kv_cache.dim() == 6 && kv_cache.stride(5) == 1 && kv_cache.scalar_type() == dt &&
-                  kv_cache.size(1) >= static_cast<int64_t>(L.qkv.size()),
-              "decode_layers: the cache [blocks, layers, 2, block_size, Hkv, D] of the layers' dtype, a layer each of ",
-              L.qkv.size(), ", got ", kv_cache.sizes(), " ", kv_cache.scalar_type());
-  const int64_t H = residual.size(1), d = kv_cache.size(5), hkv = kv_cache.size(4);
-  TORCH_CHECK(d > 0 && d % 2 == 0 && hkv > 0, "decode_layers: an even head size and kv heads, got D ", d, ", Hkv ",
-              hkv);
-  const at::Tensor &o = L.o[0], &gate_up = L.gate_up[0];
-  TORCH_CHECK(o.dim() == 2 && o.size(1) % d == 0 && (o.size(1) / d) % hkv == 0,
-              "decode_layers: o_proj [H, hq * D] with hq a multiple of ", hkv, " kv heads, got ", o.sizes());
-  TORCH_CHECK(gate_up.dim() == 2 && gate_up.size(0) % 2 == 0, "decode_layers: gate_up_proj [2 I, H], got ",
-              gate_up.sizes());
-  return {H, o.size(1) / d, hkv, d, gate_up.size(0) / 2, (o.size(1) / d + 2 * hkv) * d};
-}
 
 template <typename W>
 std::tuple<at::Tensor, at::Tensor> decode_layers_as(const at::Tensor& residual, const LayerLists& lists,
                                                     const at::Tensor& kv_cache, const paged::Batch& b,
                                                     const at::Tensor& cos_sin, double eps) {
   const at::ScalarType dt = residual.scalar_type();
-  const Dims n = dims_of(residual, lists, kv_cache, dt);
+  const Dims n = layer_weights::dims_of(residual, lists, kv_cache, dt);
   TORCH_CHECK(b.tokens == 1 && b.seqs == 1, "decode_layers: the metadata of one token and one sequence, got ",
               b.tokens, " tokens and ", b.seqs, " sequences");
   TORCH_CHECK(cos_sin.scalar_type() == at::kFloat && cos_sin.numel() == n.d && cos_sin.is_contiguous(),
               "decode_layers: cos_sin [1, D] float32, got ", cos_sin.sizes());
   std::vector<paged::Cache> caches;
-  for (size_t l = 0; l < lists.qkv.size(); ++l)
+  for (size_t l = 0; l < lists.o.size(); ++l)
     caches.push_back(paged::cache_of(kv_cache.select(1, static_cast<int64_t>(l))));
   paged::check(b, caches[0]);   // every layer's cache has the first's blocks
-  const std::vector<Weights<W>> ws = checked<W>(lists, n, dt);
+  const std::vector<Weights<W>> ws = layer_weights::checked<W>(lists, n, dt);
   at::Tensor delta_out = at::empty({1, n.H}, residual.options()), res_out = at::empty({1, n.H}, residual.options());
   const Step st{n, b, cos_sin.data_ptr<float>(), static_cast<float>(eps)};
   layers<W>(ws, st, residual.data_ptr<W>(), delta_out.data_ptr<W>(), res_out.data_ptr<W>(), caches);
@@ -283,10 +244,11 @@ std::tuple<at::Tensor, at::Tensor> decode_layers_as(const at::Tensor& residual, 
 std::tuple<at::Tensor, at::Tensor> decode_layers(
     const at::Tensor& residual, at::TensorList input_norm,
     at::TensorList qkv, at::TensorList qkv_bias, at::TensorList q_norm, at::TensorList k_norm, at::TensorList o,
-    at::TensorList post_norm, at::TensorList gate_up, at::TensorList down, const at::Tensor& kv_cache,
-    const at::Tensor& slot_mapping, const at::Tensor& block_tables, const at::Tensor& seq_lens,
-    const at::Tensor& cos_sin, double eps, double scale) {
-  const LayerLists lists{input_norm, qkv, qkv_bias, q_norm, k_norm, o, post_norm, gate_up, down};
+    at::TensorList post_norm, at::TensorList gate_up, at::TensorList down, at::IntArrayRef qkv_parts,
+    at::IntArrayRef gate_up_parts, const at::Tensor& kv_cache, const at::Tensor& slot_mapping,
+    const at::Tensor& block_tables, const at::Tensor& seq_lens, const at::Tensor& cos_sin, double eps, double scale) {
+  const LayerLists lists{input_norm, qkv, qkv_bias, q_norm, k_norm, o, post_norm, gate_up, down, qkv_parts,
+                         gate_up_parts};
   return dtype::dispatch("decode_layers", residual.scalar_type(), [&](auto zero) {
     const paged::Batch b = paged::batch_of("decode_layers", slot_mapping, block_tables, seq_lens, at::Tensor(), scale);
     return decode_layers_as<decltype(zero)>(residual, lists, kv_cache, b, cos_sin, eps);
@@ -298,7 +260,7 @@ std::tuple<at::Tensor, at::Tensor> decode_layers(
 TORCH_LIBRARY_FRAGMENT(phaseflip, m) {
   m.def("cpu_decode_layers(Tensor residual, Tensor[] input_norm, Tensor[] qkv, Tensor[] qkv_bias, "
         "Tensor[] q_norm, Tensor[] k_norm, Tensor[] o, Tensor[] post_norm, Tensor[] gate_up, Tensor[] down, "
-        "Tensor(a!) kv_cache, Tensor slot_mapping, Tensor block_tables, Tensor seq_lens, Tensor cos_sin, "
-        "float eps, float scale) -> (Tensor, Tensor)");
+        "int[] qkv_parts, int[] gate_up_parts, Tensor(a!) kv_cache, Tensor slot_mapping, Tensor block_tables, "
+        "Tensor seq_lens, Tensor cos_sin, float eps, float scale) -> (Tensor, Tensor)");
   m.impl("cpu_decode_layers", c10::DispatchKey::CPU, TORCH_FN(decode_layers));
 }

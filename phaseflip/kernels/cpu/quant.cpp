@@ -26,6 +26,7 @@
 #include "dtype.h"
 #include "int8.h"
 #include "parallel.h"
+#include "qrow.h"
 #include "simd.h"
 #include "tile.h"
 #include "wide.h"
@@ -36,25 +37,10 @@ constexpr int64_t FUSED_ROWS = 8;   // rows of x up to which each block is decod
 constexpr int64_t INT8_ROWS = 4;    // rows of x up to which blocks take int8 products (int8.h)
 constexpr int64_t PASS_ROWS = 256;  // more rows: x packed into panels, at most this many rows a pass
 using blocks::QK;
+using qrow::decode_row;   // into float32; the bfloat16 one below
 #ifdef PF_LANES
 using blocks::H;
 #endif
-
-// a weight row of K values decoded into out
-template <typename B>
-void decode_row(const uint8_t* row, int64_t K, float* out) {
-  for (int64_t b = 0; b < K / B::values_per; ++b) {
-#ifdef PF_LANES
-    for (int s = 0; s < B::values_per / QK; ++s) {
-      pf::vf v[H];
-      B::vectors(row + b * B::bytes, s, v);
-      for (int h = 0; h < H; ++h) pf::store(out + b * B::values_per + s * QK + h * pf::LANES, v[h]);
-    }
-#else
-    B::values(row + b * B::bytes, out + b * B::values_per);
-#endif
-  }
-}
 
 #ifdef PF_BF16_DOT
 // a weight row of K values decoded into bfloat16 (rounded to nearest even) for the bf16 tile
@@ -72,27 +58,7 @@ void decode_row(const uint8_t* row, int64_t K, c10::BFloat16* out) {
 #endif
 
 #ifdef PF_LANES
-// out[m] = (one weight row) . x[m] for M (<= FUSED_ROWS) rows of x, K apart: each block decoded in
-// registers and multiplied with every row of x as it is, nothing stored between
-template <typename B, int M>
-void fused_dot(const uint8_t* row, int64_t K, const float* x, float* out) {
-  pf::vf acc[M][2];
-#pragma GCC unroll 8
-  for (int m = 0; m < M; ++m) acc[m][0] = acc[m][1] = pf::zero();
-  for (int64_t i = 0; i < K / QK; ++i) {   // i: the row's i-th run of 32 values
-    pf::vf w[H];
-    constexpr int64_t subs = B::values_per / QK;
-    B::vectors(row + i / subs * B::bytes, static_cast<int>(i % subs), w);
-#pragma GCC unroll 4
-    for (int h = 0; h < H; ++h) {
-      const float* xb = x + i * QK + h * pf::LANES;
-#pragma GCC unroll 8
-      for (int m = 0; m < M; ++m) acc[m][h & 1] = pf::fma(w[h], pf::load(xb + m * K), acc[m][h & 1]);
-    }
-  }
-#pragma GCC unroll 8
-  for (int m = 0; m < M; ++m) out[m] = pf::sum(pf::add(acc[m][0], acc[m][1]));
-}
+using qrow::fused_dot;
 
 template <typename B>
 void fused_rows(const uint8_t* row, int64_t K, const float* x, int64_t M, float* out) {

@@ -1,0 +1,97 @@
+// One weight row in a GGUF block format (blocks.h) dotted with rows of x: decoded into float32
+// (`decode_row`), decoded in registers and multiplied with up to a few rows of float32 x as it is
+// (`fused_dot`), and one row of x as a one-token product reads it (`Input`, `dot`): quantized to int8 per
+// run of 32 for integer products where the CPU has AVX512-VNNI (int8.h), else float32. quant.cpp's few-rows
+// and tiled products and the fused one-token decoder layers (layer.cpp) share these, so a token's product
+// has one answer whichever of them runs it.
+#pragma once
+#include <cstdint>
+#include <vector>
+#include "blocks.h"
+#include "dot.h"
+#include "int8.h"
+#include "simd.h"
+
+namespace qrow {
+
+using blocks::QK;
+#ifdef PF_LANES
+using blocks::H;
+#endif
+
+// a weight row of K values decoded into out
+template <typename B>
+void decode_row(const uint8_t* row, int64_t K, float* out) {
+  for (int64_t b = 0; b < K / B::values_per; ++b) {
+#ifdef PF_LANES
+    for (int s = 0; s < B::values_per / QK; ++s) {
+      pf::vf v[H];
+      B::vectors(row + b * B::bytes, s, v);
+      for (int h = 0; h < H; ++h) pf::store(out + b * B::values_per + s * QK + h * pf::LANES, v[h]);
+    }
+#else
+    B::values(row + b * B::bytes, out + b * B::values_per);
+#endif
+  }
+}
+
+#ifdef PF_LANES
+// out[m] = (one weight row) . x[m] for M rows of x, K apart: each block decoded in registers and
+// multiplied with every row of x as it is, nothing stored between
+template <typename B, int M>
+void fused_dot(const uint8_t* row, int64_t K, const float* x, float* out) {
+  pf::vf acc[M][2];
+#pragma GCC unroll 8
+  for (int m = 0; m < M; ++m) acc[m][0] = acc[m][1] = pf::zero();
+  for (int64_t i = 0; i < K / QK; ++i) {   // i: the row's i-th run of 32 values
+    pf::vf w[H];
+    constexpr int64_t subs = B::values_per / QK;
+    B::vectors(row + i / subs * B::bytes, static_cast<int>(i % subs), w);
+#pragma GCC unroll 4
+    for (int h = 0; h < H; ++h) {
+      const float* xb = x + i * QK + h * pf::LANES;
+#pragma GCC unroll 8
+      for (int m = 0; m < M; ++m) acc[m][h & 1] = pf::fma(w[h], pf::load(xb + m * K), acc[m][h & 1]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int m = 0; m < M; ++m) out[m] = pf::sum(pf::add(acc[m][0], acc[m][1]));
+}
+#endif
+
+// One row of x (K values) as `dot` reads it: int8 runs where int8.h is built, else float32
+struct Input {
+  int64_t K = 0;
+  std::vector<float> f;
+#ifdef PF_INT8_DOT
+  int8dot::Rows q;
+#endif
+  template <typename X>
+  void set(const X* x, int64_t k) {
+    K = k;
+    f.resize(k);
+    for (int64_t i = 0; i < k; ++i) f[i] = static_cast<float>(x[i]);
+#ifdef PF_INT8_DOT
+    q.quantize(f.data(), 1, k);
+#endif
+  }
+};
+
+// (one weight row of blocks B) . x
+template <typename B>
+float dot(const uint8_t* row, const Input& x) {
+  float out;
+#if defined(PF_INT8_DOT)
+  int8dot::dot<B, 1>(row, x.K / QK, x.q, &out);
+#elif defined(PF_LANES)
+  fused_dot<B, 1>(row, x.K, x.f.data(), &out);
+#else
+  static thread_local std::vector<float> w;
+  w.resize(x.K);
+  decode_row<B>(row, x.K, w.data());
+  dot::row_dot<float, 1>(w.data(), x.f.data(), x.K, &out);
+#endif
+  return out;
+}
+
+}  // namespace qrow
