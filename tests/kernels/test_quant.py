@@ -1,6 +1,6 @@
 """kernels/cpu/quant.cpp: products on GGUF block-format weights against gguf's own decoder
-(gguf.quants.dequantize) followed by F.linear, over random blocks, 1-300 rows of x, float32 and
-bfloat16 activations; a format not served, and rows that are not whole blocks, are refused by name."""
+(gguf.quants.dequantize) followed by F.linear of x as the kernel sees it (rounded to int8 per block
+where it takes integer products), over random blocks, 1-300 rows of x, float32 and bfloat16 activations; a format not served, and rows that are not whole blocks, are refused by name."""
 import numpy as np
 import pytest
 import torch
@@ -42,20 +42,16 @@ def _blocks(fmt: quant.BlockFormat, n: int, k: int, seed: int):
 
 @pytest.mark.parametrize("name", sorted(quant.FORMATS))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 17, 64, 300])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 9, 17, 64, 300])   # few-rows forms up to 8, wide forms past
 def test_matches_gguf_dequantize_then_f_linear(op, name, dtype, rows):
     fmt = quant.block_format(name)
-    blocks, w = _blocks(fmt, 96, 768, seed=rows)
-    assert blocks.shape == (96, fmt.row_bytes(768)) and blocks.dtype == torch.uint8
+    blocks, w = _blocks(fmt, 100, 768, seed=rows)   # the wide forms' last group of 16 weight rows holds 4
+    assert blocks.shape == (100, fmt.row_bytes(768)) and blocks.dtype == torch.uint8
     x = torch.randn(rows, 768, generator=torch.Generator().manual_seed(rows)).to(dtype)
     got = quant.quant_linear(x, blocks, fmt)
-    # up to int8_rows rows the kernel multiplies x rounded to int8 per block; above bf16_tile_rows, bf16 x
-    # times the weights rounded to bf16
-    seen = quant.quantize_rows_int8(x) if rows <= quant.int8_rows(fmt) else x.float()
-    tile = quant.bf16_tile_rows()
-    bf16_weights = dtype == torch.bfloat16 and tile is not None and rows > tile
-    want = F.linear(seen, w.bfloat16().float() if bf16_weights else w)
-    assert got.dtype == dtype and got.shape == (rows, 96)
+    # bf16 x with integer products (AVX512-VNNI): the kernel multiplies x rounded to int8 per block
+    want = F.linear(quant.quantize_rows_int8(x) if quant.int8_x(fmt, dtype) else x.float(), w)
+    assert got.dtype == dtype and got.shape == (rows, 100)
     tol = 1e-4 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(got.float(), want, rtol=tol, atol=tol * want.abs().max().item())
 
@@ -63,8 +59,10 @@ def test_matches_gguf_dequantize_then_f_linear(op, name, dtype, rows):
 def test_a_strided_x_and_no_rows(op):
     fmt = quant.block_format("Q4_1")
     blocks, w = _blocks(fmt, 40, 64, seed=1)
-    x = torch.randn(64, 6)[:, :].t()          # rows 1 apart, values 6 apart
-    torch.testing.assert_close(quant.quant_linear(x, blocks, fmt), F.linear(x, w), rtol=1e-4, atol=1e-4)
+    for rows in (6, 20):                         # the few-rows and the wide forms
+        x = torch.randn(64, rows).t()            # rows 1 apart, values `rows` apart
+        seen = quant.quantize_rows_int8(x) if quant.int8_x(fmt, x.dtype) else x
+        torch.testing.assert_close(quant.quant_linear(x, blocks, fmt), F.linear(seen, w), rtol=1e-4, atol=1e-4)
     assert quant.quant_linear(torch.empty(0, 64), blocks, fmt).shape == (0, 40)
 
 

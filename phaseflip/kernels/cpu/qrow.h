@@ -1,11 +1,12 @@
 // One weight row in a GGUF block format (blocks.h) dotted with rows of x: decoded into float32
 // (`decode_row`), decoded in registers and multiplied with up to a few rows of float32 x as it is
-// (`fused_dot`), and one row of x as a one-token product reads it (`Input`, `dot`): quantized to int8 per
-// run of 32 for integer products where the CPU has AVX512-VNNI (int8.h), else float32. quant.cpp's few-rows
-// and tiled products and the fused one-token decoder layers (layer.cpp) share these, so a token's product
-// has one answer whichever of them runs it.
+// (`fused_dot`), and one row of x as a one-token product reads it (`Input`, `dot`): bfloat16 x quantized
+// to int8 per run of 32 for integer products where the CPU has AVX512-VNNI (`int8_x`, int8.h), float32 x
+// as it is. quant.cpp's products and the fused one-token decoder layers (layer.cpp) share these, so a
+// token's product has one answer whichever of them runs it.
 #pragma once
 #include <cstdint>
+#include <type_traits>
 #include <vector>
 #include "blocks.h"
 #include "dot.h"
@@ -59,20 +60,31 @@ void fused_dot(const uint8_t* row, int64_t K, const float* x, float* out) {
 }
 #endif
 
-// One row of x (K values) as `dot` reads it: int8 runs where int8.h is built, else float32
+// Whether x of type X is quantized to int8 per run of 32 for its products with blocks: bfloat16 x (its
+// values already rounded) where the CPU has the integer dot (int8.h); float32 x never (its products are
+// those of the decoded weights, as the reference computes them)
+template <typename X>
+#ifdef PF_INT8_DOT
+constexpr bool int8_x = !std::is_same_v<X, float>;
+#else
+constexpr bool int8_x = false;
+#endif
+
+// One row of x (K values) as `dot` reads it: int8 runs where int8_x, else float32
 struct Input {
   int64_t K = 0;
+  bool int8 = false;
   std::vector<float> f;
 #ifdef PF_INT8_DOT
   int8dot::Rows q;
 #endif
   template <typename X>
   void set(const X* x, int64_t k) {
-    K = k;
+    K = k, int8 = int8_x<X>;
     f.resize(k);
     for (int64_t i = 0; i < k; ++i) f[i] = static_cast<float>(x[i]);
 #ifdef PF_INT8_DOT
-    q.quantize(f.data(), 1, k);
+    if (int8) q.quantize(f.data(), 1, k);
 #endif
   }
 };
@@ -81,9 +93,13 @@ struct Input {
 template <typename B>
 float dot(const uint8_t* row, const Input& x) {
   float out;
-#if defined(PF_INT8_DOT)
-  int8dot::dot<B, 1>(row, x.K / QK, x.q, &out);
-#elif defined(PF_LANES)
+#ifdef PF_INT8_DOT
+  if (x.int8) {
+    int8dot::dot<B, 1>(row, x.K / QK, x.q, &out);
+    return out;
+  }
+#endif
+#ifdef PF_LANES
   fused_dot<B, 1>(row, x.K, x.f.data(), &out);
 #else
   static thread_local std::vector<float> w;

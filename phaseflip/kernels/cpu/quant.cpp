@@ -1,13 +1,15 @@
 // Products x @ W^T with W in a GGUF block format, as the file holds it: each weight row a run of
 // blocks, each block scales and small integers (the formats: blocks.h).
 // x [M, K] float32 or bfloat16 (the output is x's dtype), float32 sums. The weight is read once a
-// product, at its quantized size: what a decode step's time is (it reads every weight). Up to
-// FUSED_ROWS rows of x, each block is decoded in registers and multiplied with every row as it is
-// (nothing stored between); more rows, x is packed into panels as for the float32 kernel's wide form
-// and a few weight rows at a time are decoded into an L1 buffer for its register tile (`tiled`): in
-// float32, or, for bfloat16 x on a CPU with the bf16 pair-dot instruction, in bfloat16 (each decoded
-// weight rounded to the nearest bf16, as a bf16 checkpoint's weights are) for the tile's bf16 pairs.
-// Without vectors, each weight row is decoded into float32 and dotted with every row of x.
+// product, at its quantized size: what a decode step's time is (it reads every weight).
+// bfloat16 x, where the CPU has AVX512-VNNI (qrow::int8_x), is quantized to int8 per run of 32 at every
+// row count (llama.cpp's approach) and multiplied by integer dot products: up to FEW_ROWS rows of x, each
+// weight row's blocks read once for all of them (int8.h); more, sixteen weight rows at a time unpacked
+// into L1 for an integer register tile (int8_wide.h). float32 x is never rounded (its products are
+// those of the decoded weights), nor is x on another CPU: up to FEW_ROWS rows each block is decoded in registers and multiplied with
+// every row as it is (qrow.h's fused_dot); more, x is packed into panels as for the float32 kernel's
+// wide form and a few weight rows at a time are decoded into an L1 buffer for its register tile
+// (`tiled`). Without vectors, each weight row is decoded into float32 and dotted with every row of x.
 // Also rows of W decoded to float32 by index (`quant_rows`: a quantized embedding's lookup).
 // Vectors of AVX-512 or AVX2 (simd.h), plain loops on a CPU with neither. Built with the other kernels
 // by phaseflip/kernels/cpu/library.py; rows split over torch's threads (parallel.h's ranges).
@@ -25,6 +27,7 @@
 #include "dot.h"
 #include "dtype.h"
 #include "int8.h"
+#include "int8_wide.h"
 #include "parallel.h"
 #include "qrow.h"
 #include "simd.h"
@@ -33,29 +36,10 @@
 
 namespace {
 
-constexpr int64_t FUSED_ROWS = 8;   // rows of x up to which each block is decoded in registers for all
-constexpr int64_t INT8_ROWS = 4;    // rows of x up to which blocks take int8 products (int8.h)
-constexpr int64_t PASS_ROWS = 256;  // more rows: x packed into panels, at most this many rows a pass
+constexpr int64_t FEW_ROWS = 8;     // rows of x up to which each weight row is read once for all of them
+constexpr int64_t PASS_ROWS = 256;  // more rows: at most this many a pass (x's panels or int8 rows stay in L2)
 using blocks::QK;
-using qrow::decode_row;   // into float32; the bfloat16 one below
-#ifdef PF_LANES
-using blocks::H;
-#endif
-
-#ifdef PF_BF16_DOT
-// a weight row of K values decoded into bfloat16 (rounded to nearest even) for the bf16 tile
-template <typename B>
-void decode_row(const uint8_t* row, int64_t K, c10::BFloat16* out) {
-  for (int64_t b = 0; b < K / B::values_per; ++b)
-    for (int s = 0; s < B::values_per / QK; ++s) {
-      pf::vf v[H];
-      B::vectors(row + b * B::bytes, s, v);
-      for (int h = 0; h < H; ++h)
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + b * B::values_per + s * QK + h * pf::LANES),
-                            (__m256i)_mm512_cvtneps_pbh(v[h]));
-    }
-}
-#endif
+using qrow::decode_row;
 
 #ifdef PF_LANES
 using qrow::fused_dot;
@@ -75,14 +59,14 @@ void fused_rows(const uint8_t* row, int64_t K, const float* x, int64_t M, float*
 }
 #endif
 
-// y's columns n0..n1 (weight rows) for the M rows of x (at most FUSED_ROWS with vectors): each block
+// y's columns n0..n1 (weight rows) for the M rows of x (at most FEW_ROWS with vectors): each block
 // decoded in registers for all of them; without vectors, each weight row decoded into float32 and
 // dotted with every row of x
 template <typename B, typename X>
 void rows(const uint8_t* wp, int64_t ldw, const float* xf, int64_t M, int64_t K, X* yp, int64_t N, int64_t n0,
           int64_t n1) {
 #ifdef PF_LANES
-  float out[FUSED_ROWS];
+  float out[FEW_ROWS];
   for (int64_t n = n0; n < n1; ++n) {
     fused_rows<B>(wp + n * ldw, K, xf, M, out);
     for (int64_t m = 0; m < M; ++m) yp[m * N + n] = static_cast<X>(out[m]);
@@ -101,28 +85,28 @@ void rows(const uint8_t* wp, int64_t ldw, const float* xf, int64_t M, int64_t K,
 }
 
 #ifdef PF_LANES
-// More than FUSED_ROWS rows of x: x's rows packed into panels as the wide forms pack them (wide.h; E:
-// float32, or bfloat16 pairs); NR weight rows at a time decoded into this thread's buffer of E, where
-// they stay in L1 while the register tile (tile.h) multiplies them with every panel: each weight row is
-// decoded once a pass, and no decoded weight reaches memory
-template <typename B, typename X, typename E, int MB>
-void tiled(const at::Tensor& xe, const uint8_t* wp, int64_t ldw, int64_t N, X* yp, int64_t ldy) {
+// More than FEW_ROWS rows of float32 x: x's rows packed into panels as the wide forms pack them
+// (wide.h); NR weight rows at a time decoded into this thread's float32 buffer, where they stay in L1
+// while the register tile (tile.h) multiplies them with every panel: each weight row is decoded once a
+// pass, and no decoded weight reaches memory
+template <typename B, typename X, int MB>
+void tiled(const at::Tensor& xf, const uint8_t* wp, int64_t ldw, int64_t N, X* yp, int64_t ldy) {
   constexpr int64_t Mp = MB * pf::LANES;
   constexpr int NR = wide::wide_nr(MB);
-  const int64_t M = xe.size(0), K = xe.size(1), panels = (M + Mp - 1) / Mp;
-  const auto* tp = wide::packed<E, Mp>(xe, K);   // K: whole runs of 32, so whole bf16 pairs
+  const int64_t M = xf.size(0), K = xf.size(1), panels = (M + Mp - 1) / Mp;
+  const float* tp = wide::packed<float, Mp>(xf, K);
   par::ranges((N + NR - 1) / NR, 1, [&](int64_t b0, int64_t b1) {
     alignas(64) float part[NR * Mp];
-    std::vector<E> decoded(NR * K);
+    std::vector<float> decoded(NR * K);
     for (int64_t n = b0 * NR; n < std::min(N, b1 * NR); n += NR) {
       const int64_t here = std::min<int64_t>(NR, N - n);
       for (int64_t r = 0; r < here; ++r) decode_row<B>(wp + (n + r) * ldw, K, decoded.data() + r * K);
       for (int64_t p = 0; p < panels; ++p) {
-        const auto* panel = tp + p * K * Mp;
-        if (here == NR) tile::rows<E, NR, MB>(decoded.data(), K, panel, Mp, K, part, Mp);
+        const float* panel = tp + p * K * Mp;
+        if (here == NR) tile::rows<float, NR, MB>(decoded.data(), K, panel, Mp, K, part, Mp);
         else
           for (int64_t r = 0; r < here; ++r)
-            tile::rows<E, 1, MB>(decoded.data() + r * K, K, panel, Mp, K, part + r * Mp, Mp);
+            tile::rows<float, 1, MB>(decoded.data() + r * K, K, panel, Mp, K, part + r * Mp, Mp);
         wide::put_rows<X, NR, Mp>(part, here, yp, ldy, n, p * Mp, std::min(M, (p + 1) * Mp));
       }
     }
@@ -130,25 +114,16 @@ void tiled(const at::Tensor& xe, const uint8_t* wp, int64_t ldw, int64_t N, X* y
 }
 
 // MB: the vectors of LANES rows in one panel (1 .. wide::panel_mb), as wide::dispatch picks it
-template <typename B, typename X, typename E, int MB = 1>
-void tiled_rows(const at::Tensor& xe, const uint8_t* wp, int64_t ldw, int64_t N, X* yp, int64_t ldy) {
-  if constexpr (MB < wide::panel_mb<E>())
-    if (xe.size(0) > MB * pf::LANES) return tiled_rows<B, X, E, MB + 1>(xe, wp, ldw, N, yp, ldy);
-  tiled<B, X, E, MB>(xe, wp, ldw, N, yp, ldy);
+template <typename B, typename X, int MB = 1>
+void tiled_rows(const at::Tensor& xf, const uint8_t* wp, int64_t ldw, int64_t N, X* yp, int64_t ldy) {
+  if constexpr (MB < wide::panel_mb<float>())
+    if (xf.size(0) > MB * pf::LANES) return tiled_rows<B, X, MB + 1>(xf, wp, ldw, N, yp, ldy);
+  tiled<B, X, MB>(xf, wp, ldw, N, yp, ldy);
 }
-
-// the tile's element for x of type X: bfloat16 pairs for bfloat16 x where the CPU has the pair-dot
-// instruction, else float32
-template <typename X>
-#ifdef PF_BF16_DOT
-using TileOf = std::conditional_t<std::is_same_v<X, c10::BFloat16>, c10::BFloat16, float>;
-#else
-using TileOf = float;
-#endif
 #endif
 
 #ifdef PF_INT8_DOT
-// Up to INT8_ROWS rows of x: x quantized to int8 per run of 32 once, then integer products (int8.h); a
+// Up to FEW_ROWS rows of x: x quantized to int8 per run of 32 once, then integer products (int8.h); a
 // weight row's blocks are read once for all rows
 template <typename B, typename X>
 void int8_rows(const at::Tensor& x, const uint8_t* wp, int64_t ldw, int64_t N, X* yp) {
@@ -158,20 +133,59 @@ void int8_rows(const at::Tensor& x, const uint8_t* wp, int64_t ldw, int64_t N, X
   qx.quantize(dot::dense_rows<float, X>(x, buf), M, K);
   const int64_t grain = std::max<int64_t>(1, 65536 / std::max<int64_t>(1, K / B::values_per * B::bytes));
   par::ranges(N, grain, [&](int64_t n0, int64_t n1) {
-    float out[INT8_ROWS];
+    float out[FEW_ROWS];
     for (int64_t n = n0; n < n1; ++n) {
       const uint8_t* row = wp + n * ldw;
       switch (M) {
         case 1: int8dot::dot<B, 1>(row, runs, qx, out); break;
         case 2: int8dot::dot<B, 2>(row, runs, qx, out); break;
         case 3: int8dot::dot<B, 3>(row, runs, qx, out); break;
-        default: int8dot::dot<B, 4>(row, runs, qx, out);
+        case 4: int8dot::dot<B, 4>(row, runs, qx, out); break;
+        case 5: int8dot::dot<B, 5>(row, runs, qx, out); break;
+        case 6: int8dot::dot<B, 6>(row, runs, qx, out); break;
+        case 7: int8dot::dot<B, 7>(row, runs, qx, out); break;
+        default: int8dot::dot<B, 8>(row, runs, qx, out);
       }
       for (int64_t m = 0; m < M; ++m) yp[m * N + n] = static_cast<X>(out[m]);
     }
   });
 }
+
+// More than FEW_ROWS rows of x (one pass): x quantized to int8 per run of 32, and each group of
+// int8wide::NR weight rows unpacked once into this thread's buffer for the integer register tile
+// (int8_wide.h), which meets every row of x
+template <typename B, typename X>
+void int8_wide(const at::Tensor& x, const uint8_t* wp, int64_t ldw, int64_t N, X* yp, int64_t ldy) {
+  using int8wide::MR, int8wide::NR;
+  constexpr int R = int8wide::scale_run<B>;
+  const int64_t M = x.size(0), K = x.size(1);
+  std::vector<float> buf, xs;
+  int8dot::Rows qx;
+  qx.quantize(dot::dense_rows<float, X>(x, buf), M, K);
+  int8wide::offsets(qx, M, K, R, xs);
+  par::ranges((N + NR - 1) / NR, 1, [&](int64_t g0, int64_t g1) {
+    static thread_local int8wide::Group g;
+    alignas(64) float part[MR * NR];
+    for (int64_t n = g0 * NR; n < std::min(N, g1 * NR); n += NR) {
+      const int64_t here = std::min<int64_t>(NR, N - n);
+      g.fill<B>(wp + n * ldw, ldw, here, K);
+      for (int64_t m = 0; m < M; m += MR) {
+        const int64_t mt = std::min<int64_t>(MR, M - m);
+        int8wide::tile_rows<R>(g, qx, xs, m, mt, K, part);
+        for (int64_t r = 0; r < mt; ++r)
+          for (int64_t c = 0; c < here; ++c) yp[(m + r) * ldy + n + c] = static_cast<X>(part[r * NR + c]);
+      }
+    }
+  });
+}
 #endif
+
+// fn(m0, rows) for each pass of at most PASS_ROWS of x's M rows, the passes as equal as they come
+template <typename Fn>
+void in_passes(int64_t M, const Fn& fn) {
+  const int64_t count = (M + PASS_ROWS - 1) / PASS_ROWS, step = (M + count - 1) / count;
+  for (int64_t m0 = 0; m0 < M; m0 += step) fn(m0, std::min(step, M - m0));
+}
 
 template <typename B, typename X>
 void run(const at::Tensor& x, const at::Tensor& w, at::Tensor& y) {
@@ -179,16 +193,19 @@ void run(const at::Tensor& x, const at::Tensor& w, at::Tensor& y) {
   const uint8_t* wp = w.data_ptr<uint8_t>();
   X* yp = y.data_ptr<X>();
 #ifdef PF_INT8_DOT
-  if (M <= INT8_ROWS) return int8_rows<B, X>(x, wp, ldw, N, yp);
+  if constexpr (qrow::int8_x<X>) {
+    if (M <= FEW_ROWS) return int8_rows<B, X>(x, wp, ldw, N, yp);
+    return in_passes(M, [&](int64_t m0, int64_t rows) {
+      int8_wide<B, X>(x.narrow(0, m0, rows), wp, ldw, N, yp + m0 * N, N);
+    });
+  }
 #endif
 #ifdef PF_LANES
-  if (M > FUSED_ROWS) {   // passes of at most PASS_ROWS rows: their panels stay in L2
-    using E = TileOf<X>;
-    const at::Tensor xe = std::is_same_v<E, X> ? x : x.to(at::kFloat);
-    const int64_t count = (M + PASS_ROWS - 1) / PASS_ROWS, step = (M + count - 1) / count;
-    for (int64_t m0 = 0; m0 < M; m0 += step)
-      tiled_rows<B, X, E>(xe.narrow(0, m0, std::min(step, M - m0)), wp, ldw, N, yp + m0 * N, N);
-    return;
+  if (M > FEW_ROWS) {
+    const at::Tensor xf = x.scalar_type() == at::kFloat ? x : x.to(at::kFloat);
+    return in_passes(M, [&](int64_t m0, int64_t rows) {
+      tiled_rows<B, X>(xf.narrow(0, m0, rows), wp, ldw, N, yp + m0 * N, N);
+    });
   }
 #endif
   std::vector<float> buf;
@@ -244,24 +261,11 @@ at::Tensor quant_rows(const at::Tensor& w, const at::Tensor& ids, int64_t type) 
   return out;
 }
 
-// rows of x above which this build multiplies bfloat16 x with the format's weights decoded into bfloat16
-// (-1: never; it decodes them into float32)
-int64_t quant_bf16_tile_rows() {
-#ifdef PF_BF16_DOT
-  return FUSED_ROWS;
-#else
-  return -1;
-#endif
-}
-
-// rows of x up to which this build multiplies the format's blocks with int8 activations (0: never)
-int64_t quant_int8_rows(int64_t type) {
+// whether this build multiplies the format's blocks with x of dtype `dtype` quantized to int8 per run of 32
+// (at every row count); else x stays float32
+bool quant_int8_x(int64_t type, at::ScalarType dtype) {
   blocks::with_format(type, [](auto) { return 0; });   // the type checked
-#ifdef PF_INT8_DOT
-  return INT8_ROWS;
-#else
-  return 0;
-#endif
+  return dtype::dispatch("quant_int8_x", dtype, [](auto zero) { return qrow::int8_x<decltype(zero)>; });
 }
 
 }  // namespace
@@ -271,6 +275,5 @@ TORCH_LIBRARY_FRAGMENT(phaseflip, m) {
   m.impl("cpu_quant_linear", c10::DispatchKey::CPU, TORCH_FN(quant_linear));
   m.def("cpu_quant_rows(Tensor blocks, Tensor ids, int type) -> Tensor");
   m.impl("cpu_quant_rows", c10::DispatchKey::CPU, TORCH_FN(quant_rows));
-  m.def("cpu_quant_int8_rows(int type) -> int", TORCH_FN(quant_int8_rows));
-  m.def("cpu_quant_bf16_tile_rows() -> int", TORCH_FN(quant_bf16_tile_rows));
+  m.def("cpu_quant_int8_x(int type, ScalarType dtype) -> bool", TORCH_FN(quant_int8_x));
 }

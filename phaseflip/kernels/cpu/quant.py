@@ -5,8 +5,8 @@ Owns: `FORMATS` (name -> `BlockFormat`: GGML's type id, values and bytes a block
 (a name, checked: another names what is served), `weight_format`, `storage` and `storage_name` (what a
 weight of the arena holds: a quantized one is uint8 [rows, blocks, block bytes], and the bytes a block
 takes name its format), `quant_linear`, `quant_rows` (rows of W decoded by index: a quantized
-embedding's lookup), `dequantize`, `int8_rows` / `quantize_rows_int8` (where the kernel multiplies
-int8 activations, and what they are) and `bf16_tile_rows` (where it multiplies bf16 ones with bf16 weights).
+embedding's lookup), `dequantize`, and `int8_x` / `quantize_rows_int8` (whether the kernel multiplies
+int8 activations, and what they are).
 """
 from __future__ import annotations
 
@@ -88,18 +88,11 @@ def quant_rows(blocks: torch.Tensor, ids: torch.Tensor, fmt: BlockFormat) -> tor
     return _kernels().cpu_quant_rows(blocks, ids, fmt.type_id)
 
 
-def int8_rows(fmt: BlockFormat) -> int:
-    """Rows of x up to which the kernels, as built for this CPU, quantize x to int8 per block for integer
-    products with fmt's blocks (kernels/cpu/int8.h); 0 where they keep x in float32."""
-    return _kernels().cpu_quant_int8_rows(fmt.type_id)
-
-
-def bf16_tile_rows() -> int | None:
-    """Rows of bfloat16 x above which the kernels, as built for this CPU, multiply it with the blocks
-    decoded into bfloat16 (each weight rounded to the nearest bf16) on the bf16 pair-dot instruction;
-    None where they decode into float32 at every row count."""
-    rows = _kernels().cpu_quant_bf16_tile_rows()
-    return None if rows < 0 else rows
+def int8_x(fmt: BlockFormat, dtype: torch.dtype) -> bool:
+    """Whether the kernels, as built for this CPU, quantize x of `dtype` to int8 per run of 32 for integer
+    products with fmt's blocks, at every row count: bfloat16 x where the CPU has AVX512-VNNI (llama.cpp's
+    numerics; kernels/cpu/qrow.h, int8.h, int8_wide.h); float32 x never (the decoded weights' products)."""
+    return bool(_kernels().cpu_quant_int8_x(fmt.type_id, dtype))
 
 
 def quantize_rows_int8(x: torch.Tensor) -> torch.Tensor:

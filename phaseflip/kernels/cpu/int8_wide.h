@@ -1,0 +1,147 @@
+// Products of GGUF blocks with many rows of x quantized to int8 per run of 32 (int8.h's Rows): the
+// integer form of quant.cpp's wide products, on AVX512-VNNI. Sixteen weight rows at a time are unpacked
+// into this thread's buffer (`Group`) as unsigned bytes u with w = a * u + c per run (Q8_0's signed
+// bytes shifted by 128, Q6_K's by 32, whose a and c change every 16 values), laid out so that one 64-byte
+// load holds 4 consecutive values of each of the 16 rows: vpdpbusd against 4 bytes of one row of x
+// broadcast to every lane sums them into each weight row's own lane, so a register tile of 8 rows of x
+// by 16 weight rows needs no horizontal sums. Each run's int32 sums then become float32 through the
+// run's scales: a (per weight row) times x's scale dx, plus c times x's dx * sum(q) (`Offsets`).
+// llama.cpp's repacked GEMMs use this interleave (public knowledge); here the repack lives in L1, once
+// per pass of x over a group, so the arena keeps the file's blocks.
+#pragma once
+#include "int8.h"
+#ifdef PF_INT8_DOT
+#include <algorithm>
+#include <cstring>
+#include <type_traits>
+#include <vector>
+
+namespace int8wide {
+
+using blocks::QK;
+constexpr int NR = 16;   // weight rows a group: one lane of a 512-bit vector each
+constexpr int MR = 8;    // rows of x a register tile
+
+// the values a scale covers in format B (Q6_K: 16; the others: the whole run of 32)
+template <typename B>
+constexpr int scale_run = std::is_same_v<B, blocks::Q6_K> ? 16 : QK;
+
+// Run s of block blk as unsigned bytes in value order, with w = a[h] * u + c[h] for its halves h
+template <typename B>
+inline __m256i unsigned_run(const uint8_t* blk, int s, float a[2], float c[2]) {
+  if constexpr (std::is_same_v<B, blocks::Q8_0>) {
+    a[0] = a[1] = int8dot::half(blk), c[0] = c[1] = -128.f * a[0];
+    return _mm256_xor_si256(int8dot::load32(blk + 2), _mm256_set1_epi8(static_cast<char>(0x80)));
+  } else if constexpr (std::is_same_v<B, blocks::Q6_K>) {
+    __m256 scale;
+    const __m256i w = int8dot::run(B(), blk, s, scale);   // q - 32, scales of values 0-15 and 16-31
+    a[0] = _mm256_cvtss_f32(scale), a[1] = _mm_cvtss_f32(_mm256_extractf128_ps(scale, 1));
+    c[0] = -32.f * a[0], c[1] = -32.f * a[1];
+    return _mm256_add_epi8(w, _mm256_set1_epi8(32));
+  } else {
+    const __m256i u = int8dot::run(B(), blk, s, a[0], c[0]);
+    a[1] = a[0], c[1] = c[0];
+    return u;
+  }
+}
+
+// Up to NR weight rows, unpacked: bytes [run][8 steps of 4 values][NR rows][4], and a and c [scale run][NR]
+// (rows past `count` zero)
+struct Group {
+  std::vector<uint8_t> u;
+  std::vector<float> a, c;
+
+  template <typename B>
+  void fill(const uint8_t* rows, int64_t ldw, int64_t count, int64_t K) {
+    constexpr int R = scale_run<B>, per = QK / R, subs = B::values_per / QK;
+    const int64_t runs = K / QK;
+    u.resize(runs * 8 * NR * 4), a.resize(runs * per * NR), c.resize(runs * per * NR);
+    if (count < NR) std::fill(u.begin(), u.end(), 0), std::fill(a.begin(), a.end(), 0.f), std::fill(c.begin(), c.end(), 0.f);
+    alignas(32) uint8_t run[QK];
+    for (int64_t r = 0; r < count; ++r) {
+      const uint8_t* row = rows + r * ldw;
+      for (int64_t j = 0; j < runs; ++j) {
+        float ra[2], rc[2];
+        _mm256_store_si256(reinterpret_cast<__m256i*>(run), unsigned_run<B>(row + j / subs * B::bytes, j % subs, ra, rc));
+        for (int k = 0; k < 8; ++k) std::memcpy(u.data() + ((j * 8 + k) * NR + r) * 4, run + k * 4, 4);
+        for (int h = 0; h < per; ++h) a[(j * per + h) * NR + r] = ra[h], c[(j * per + h) * NR + r] = rc[h];
+      }
+    }
+  }
+};
+
+// x's dx * sum(q) per run of R values, R = 16 or 32 (a scale run of the weights' format)
+inline void offsets(const int8dot::Rows& x, int64_t M, int64_t K, int R, std::vector<float>& out) {
+  if (R == QK) {
+    out = x.s;
+    return;
+  }
+  const int64_t n = M * K / R;
+  out.resize(n);
+  for (int64_t i = 0; i < n; ++i) {
+    int sum = 0;
+    for (int v = 0; v < R; ++v) sum += x.q[i * R + v];
+    out[i] = x.d[i * R / QK] * static_cast<float>(sum);
+  }
+}
+
+inline int32_t dword(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return v;
+}
+
+// out[m][0..NR) = rows m0 .. m0 + MT of x times the group's NR weight rows (float32, out NR apart)
+template <int R, int MT>
+inline void tile(const Group& g, const int8dot::Rows& x, const std::vector<float>& xs, int64_t m0, int64_t K,
+                 float* out) {
+  constexpr int per = QK / R, steps = R / 4;
+  const int64_t runs = K / QK;
+  __m512 acc[MT];
+#pragma GCC unroll 8
+  for (int m = 0; m < MT; ++m) acc[m] = _mm512_setzero_ps();
+  const int8_t* xq = x.q.data() + m0 * K;
+  for (int64_t j = 0; j < runs; ++j) {
+#pragma GCC unroll 2
+    for (int h = 0; h < per; ++h) {
+      __m512i sum[MT];
+#pragma GCC unroll 8
+      for (int m = 0; m < MT; ++m) sum[m] = _mm512_setzero_si512();
+#pragma GCC unroll 8
+      for (int k = h * steps; k < (h + 1) * steps; ++k) {
+        const __m512i w = _mm512_loadu_si512(g.u.data() + (j * 8 + k) * NR * 4);
+#pragma GCC unroll 8
+        for (int m = 0; m < MT; ++m)
+          sum[m] = _mm512_dpbusd_epi32(sum[m], w, _mm512_set1_epi32(dword(xq + m * K + j * QK + k * 4)));
+      }
+      const int64_t r = j * per + h;
+      const __m512 av = _mm512_loadu_ps(g.a.data() + r * NR), cv = _mm512_loadu_ps(g.c.data() + r * NR);
+#pragma GCC unroll 8
+      for (int m = 0; m < MT; ++m) {
+        const __m512 scale = _mm512_mul_ps(av, _mm512_set1_ps(x.d[(m0 + m) * runs + j]));
+        acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum[m]), scale, acc[m]);
+        acc[m] = _mm512_fmadd_ps(cv, _mm512_set1_ps(xs[(m0 + m) * (K / R) + r]), acc[m]);
+      }
+    }
+  }
+#pragma GCC unroll 8
+  for (int m = 0; m < MT; ++m) _mm512_storeu_ps(out + m * NR, acc[m]);
+}
+
+template <int R>
+inline void tile_rows(const Group& g, const int8dot::Rows& x, const std::vector<float>& xs, int64_t m0, int64_t mt,
+                      int64_t K, float* out) {
+  switch (mt) {
+    case 1: return tile<R, 1>(g, x, xs, m0, K, out);
+    case 2: return tile<R, 2>(g, x, xs, m0, K, out);
+    case 3: return tile<R, 3>(g, x, xs, m0, K, out);
+    case 4: return tile<R, 4>(g, x, xs, m0, K, out);
+    case 5: return tile<R, 5>(g, x, xs, m0, K, out);
+    case 6: return tile<R, 6>(g, x, xs, m0, K, out);
+    case 7: return tile<R, 7>(g, x, xs, m0, K, out);
+    default: return tile<R, 8>(g, x, xs, m0, K, out);
+  }
+}
+
+}  // namespace int8wide
+#endif
