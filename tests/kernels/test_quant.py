@@ -1,6 +1,7 @@
 """kernels/cpu/quant.cpp: products on GGUF block-format weights against gguf's own decoder
 (gguf.quants.dequantize) followed by F.linear of x as the kernel sees it (rounded to int8 per block
-where it takes integer products), over random blocks, 1-300 rows of x, float32 and bfloat16 activations; a format not served, and rows that are not whole blocks, are refused by name."""
+where it takes integer products), over random blocks, 1-300 rows of x, float32 and bfloat16
+activations; a format not served, and rows that are not whole blocks, are refused by name."""
 import numpy as np
 import pytest
 import torch

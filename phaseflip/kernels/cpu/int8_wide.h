@@ -56,13 +56,17 @@ struct Group {
     constexpr int R = scale_run<B>, per = QK / R, subs = B::values_per / QK;
     const int64_t runs = K / QK;
     u.resize(runs * 8 * NR * 4), a.resize(runs * per * NR), c.resize(runs * per * NR);
-    if (count < NR) std::fill(u.begin(), u.end(), 0), std::fill(a.begin(), a.end(), 0.f), std::fill(c.begin(), c.end(), 0.f);
+    if (count < NR) {   // the rows past count multiply as zeros
+      std::fill(u.begin(), u.end(), 0);
+      std::fill(a.begin(), a.end(), 0.f), std::fill(c.begin(), c.end(), 0.f);
+    }
     alignas(32) uint8_t run[QK];
     for (int64_t r = 0; r < count; ++r) {
       const uint8_t* row = rows + r * ldw;
       for (int64_t j = 0; j < runs; ++j) {
         float ra[2], rc[2];
-        _mm256_store_si256(reinterpret_cast<__m256i*>(run), unsigned_run<B>(row + j / subs * B::bytes, j % subs, ra, rc));
+        const __m256i v = unsigned_run<B>(row + j / subs * B::bytes, static_cast<int>(j % subs), ra, rc);
+        _mm256_store_si256(reinterpret_cast<__m256i*>(run), v);
         for (int k = 0; k < 8; ++k) std::memcpy(u.data() + ((j * 8 + k) * NR + r) * 4, run + k * 4, 4);
         for (int h = 0; h < per; ++h) a[(j * per + h) * NR + r] = ra[h], c[(j * per + h) * NR + r] = rc[h];
       }

@@ -85,10 +85,11 @@ void rotate(const W* x, W* out, const float* cos_sin, int64_t d) {
   }
 }
 
-// `in` = x (K values) as the blocks' dot reads it, where w has blocks: each thread its own, before its products
-template <typename X>
-void prepare(const Proj& w, const X* x, int64_t K, qrow::Input& in) {
-  if (w.blocks) in.set(x, K);
+// `in` = x (K values of the layers' dtype W) as the blocks' dot reads it, where w has blocks: each thread
+// its own, before its products
+template <typename W>
+void prepare(const Proj& w, const typename Scratch<W>::X* x, int64_t K, qrow::Input& in) {
+  if (w.blocks) in.set<W>(x, K);
 }
 
 // y's rows [r.begin, r.end) = w's rows . x (K values), each part's rows by its own dot; `in`: x prepared
@@ -161,7 +162,7 @@ void attention_phases(const par::Team& team, const Weights<W>& w, const Step& st
                       Scratch<W>& s, std::vector<float>& buf, qrow::Input& in) {
   const Dims& n = st.n;
   const par::Range qkv = team.share(n.nqkv);
-  prepare(w.qkv, s.h.data(), n.H, in);
+  prepare<W>(w.qkv, s.h.data(), n.H, in);
   product(w.qkv, s.h.data(), n.H, s.qkv.data(), qkv, in);
   if (w.qkv_b)
     for (int64_t i = qkv.begin; i < qkv.end; ++i)
@@ -171,7 +172,7 @@ void attention_phases(const par::Team& team, const Weights<W>& w, const Step& st
   team.barrier();
   attend_heads(w, st, c, s, team.share(n.hq), buf);
   team.barrier();
-  prepare(w.o, s.attn_x.data(), n.hq * n.d, in);
+  prepare<W>(w.o, s.attn_x.data(), n.hq * n.d, in);
   product(w.o, s.attn_x.data(), n.hq * n.d, s.o.data(), team.share(n.H), in);
   team.barrier();
 }
@@ -182,7 +183,7 @@ template <typename W>
 void mlp_phases(const par::Team& team, const Weights<W>& w, const Dims& n, Scratch<W>& s, W* delta_out,
                 qrow::Input& in) {
   const par::Range i = team.share(n.I);   // gate rows [begin, end) and the same up rows
-  prepare(w.gate_up, s.h.data(), n.H, in);
+  prepare<W>(w.gate_up, s.h.data(), n.H, in);
   product(w.gate_up, s.h.data(), n.H, s.gate.data(), i, in);
   product(w.gate_up, s.h.data(), n.H, s.gate.data(), {n.I + i.begin, n.I + i.end}, in);
   for (int64_t r = i.begin; r < i.end; ++r) {
@@ -190,7 +191,7 @@ void mlp_phases(const par::Team& team, const Weights<W>& w, const Dims& n, Scrat
     s.act[r] = static_cast<typename Scratch<W>::X>(rnd<W>(rnd<W>(g / (1.f + std::exp(-g))) * u));
   }
   team.barrier();
-  prepare(w.down, s.act.data(), n.I, in);
+  prepare<W>(w.down, s.act.data(), n.I, in);
   product(w.down, s.act.data(), n.I, delta_out, team.share(n.H), in);
   team.barrier();
 }

@@ -70,7 +70,7 @@ constexpr bool int8_x = !std::is_same_v<X, float>;
 constexpr bool int8_x = false;
 #endif
 
-// One row of x (K values) as `dot` reads it: int8 runs where int8_x, else float32
+// One row of x (K values) as `dot` reads it: int8 runs where int8_x of the activations' type A, else float32
 struct Input {
   int64_t K = 0;
   bool int8 = false;
@@ -78,9 +78,10 @@ struct Input {
 #ifdef PF_INT8_DOT
   int8dot::Rows q;
 #endif
-  template <typename X>
+  // x's values of activations of type A, held as X (a bf16 step may hold them widened to float32)
+  template <typename A, typename X>
   void set(const X* x, int64_t k) {
-    K = k, int8 = int8_x<X>;
+    K = k, int8 = int8_x<A>;
     f.resize(k);
     for (int64_t i = 0; i < k; ++i) f[i] = static_cast<float>(x[i]);
 #ifdef PF_INT8_DOT
