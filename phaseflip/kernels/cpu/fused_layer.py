@@ -13,10 +13,10 @@ When: calls outside a trace (eager steps, and the eager forward around a compile
 one token of one sequence, the whole layer on this rank (no tensor-parallel partial sums to reduce
 between its phases), float32 or bfloat16, with projections of that dtype where the boot measured the
 few-rows kernel the fastest one-row product (the fused products are its row dot), or in GGUF blocks
-(the fused products are the quantized kernel's one-row dot, qrow.h: the same answer as forward's). A compiled decode step traces its layers for
-inductor instead, so compile="auto"'s boot measurement of the batch-1 bucket (compiled against eager,
-rank/compile_choice.py) sets inductor's step against this one and keeps the faster; compile="on"
-runs inductor's, compile="off" this one.
+(the fused products are the quantized kernel's one-row dot, qrow.h: the same answer as forward's). A
+compiled decode step traces its layers for inductor instead, so compile="auto"'s boot measurement of the
+batch-1 bucket (compiled against eager, rank/compile_choice.py) sets inductor's step against this one and
+keeps the faster; compile="on" runs inductor's, compile="off" this one.
 """
 from __future__ import annotations
 

@@ -5,7 +5,7 @@
 // load holds 4 consecutive values of each of the 16 rows: vpdpbusd against 4 bytes of one row of x
 // broadcast to every lane sums them into each weight row's own lane, so a register tile of 8 rows of x
 // by 16 weight rows needs no horizontal sums. Each run's int32 sums then become float32 through the
-// run's scales: a (per weight row) times x's scale dx, plus c times x's dx * sum(q) (`Offsets`).
+// run's scales: a (per weight row) times x's scale dx, plus c times x's dx * sum(q) (`offsets`).
 // llama.cpp's repacked GEMMs use this interleave (public knowledge); here the repack lives in L1, once
 // per pass of x over a group, so the arena keeps the file's blocks.
 #pragma once
