@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from phaseflip.kernels.cpu.quant import storage_name
+from phaseflip.kernels.cpu.quant import FORMATS, block_x, storage_name
 from phaseflip.rank.weights import RankWeights, Stacked, replace_tensors
 
 ALIGN = 256  # bytes; every tensor starts on an aligned offset
@@ -54,11 +54,13 @@ class HostImage:
 EXPERT_WEIGHTS = ("experts_gate_up", "experts_down")
 
 
-def weight_report(image: HostImage, experts_read: float = 1.0) -> dict:
+def weight_report(image: HostImage, experts_read: float = 1.0, dtype: torch.dtype = torch.float32,
+                  device: str = "cpu") -> dict:
     """What a layout's weights are stored as: bytes per storage type (a GGUF block format by its name,
-    else the dtype's), each tensor's storage, and the bytes one decode token reads (every weight once,
+    else the dtype's), each tensor's storage, the bytes one decode token reads (every weight once,
     of an embedding that is not also the head only the one row it looks up, of an MoE's experts the
-    fraction `experts_read` a token routes to: top_k / num_experts)."""
+    fraction `experts_read` a token routes to: top_k / num_experts), and how products on blocks see x of
+    the activations' `dtype` on `device` (quant.block_x), where a weight is in blocks (else None)."""
     names_at = Counter(slot.offset for slot in image.slots.values())   # tied tensors share a slot
     tensors = {name: storage_name(slot.dtype, slot.shape) for name, slot in image.slots.items()}
     by_type: dict[str, int] = {}
@@ -68,7 +70,9 @@ def weight_report(image: HostImage, experts_read: float = 1.0) -> dict:
         one_row = name == "embed_tokens" and names_at[slot.offset] == 1
         read += (slot.num_bytes // slot.shape[0] if one_row else
                  round(slot.num_bytes * experts_read) if name.endswith(EXPERT_WEIGHTS) else slot.num_bytes)
-    return {"bytes_by_storage": by_type, "storage": tensors, "bytes_read_per_token": read}
+    blocks = any(kind in FORMATS for kind in by_type)
+    return {"bytes_by_storage": by_type, "storage": tensors, "bytes_read_per_token": read,
+            "block_products_x": block_x(dtype, device) if blocks else None}
 
 
 def experts_read(cfg) -> float:

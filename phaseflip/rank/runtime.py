@@ -306,7 +306,8 @@ class RankRuntime:
             steps=steps, compile={name: dict(r.compile.report) for name, r in self.runners.items()},
             memory=dict(self.memory), eager_fallbacks=stats.eager_fallbacks, chunked_runs=stats.chunked_runs,
             micro_batched_runs=stats.micro_batched_runs,
-            weights={name: weight_report(img, experts_read(self.cfg)) for name, img in self.arena.images.items()})
+            weights={name: weight_report(img, experts_read(self.cfg), self.kv.dtype, self.device)
+                     for name, img in self.arena.images.items()})
 
     def stats(self) -> RankStats:
         return RankStats(self.rank, self.active, self.registry.captures_at_boot,

@@ -96,7 +96,9 @@ def _check_weights_report(manifest, path):
     assert report["bytes_by_storage"]["Q8_0"] == stored["Q8_0"]
     assert report["storage"]["layers.0.qkv_proj"] == "Q4_1" and report["storage"]["lm_head"] == "Q8_0"
     assert report["bytes_read_per_token"] == sum(report["bytes_by_storage"].values())
-    assert "Q4_1 " in "\n".join(weights_table(manifest))
+    assert report["block_products_x"] == "float32, never rounded"   # the default dtype's activations
+    table = "\n".join(weights_table(manifest))
+    assert "Q4_1 " in table and "blocks multiply x as float32, never rounded" in table
 
 
 def test_two_ranks_flipping_every_step_give_one_ranks_tokens(q4_1):

@@ -59,5 +59,10 @@ def test_the_weight_report_counts_each_storage_and_what_a_token_reads():
     assert report["bytes_by_storage"] == {"float32": 6400, "Q4_0": 216}
     assert report["storage"]["layers.0.qkv_proj"] == "Q4_0"
     assert report["bytes_read_per_token"] == 32 + 216 + 3200
+    assert report["block_products_x"] == "float32, never rounded"   # float32 activations, on the CPU
     tied = arena.HostImage(image.data, {**slots, "lm_head": slots["embed_tokens"]})
     assert arena.weight_report(tied)["bytes_read_per_token"] == 3200 + 216
+    dense = arena.HostImage(image.data, {k: v for k, v in slots.items() if k != "layers.0.qkv_proj"})
+    assert arena.weight_report(dense)["block_products_x"] is None
+    assert arena.weight_report(image, dtype=torch.bfloat16, device="cuda:0")["block_products_x"].startswith(
+        "bfloat16 as it is")

@@ -5,8 +5,8 @@ Owns: `FORMATS` (name -> `BlockFormat`: GGML's type id, values and bytes a block
 (a name, checked: another names what is served), `weight_format`, `storage` and `storage_name` (what a
 weight of the arena holds: a quantized one is uint8 [rows, blocks, block bytes], and the bytes a block
 takes name its format), `quant_linear`, `quant_rows` (rows of W decoded by index: a quantized
-embedding's lookup), `dequantize`, and `int8_x` / `quantize_rows_int8` (whether the kernel multiplies
-int8 activations, and what they are).
+embedding's lookup), `dequantize`, and `int8_x` / `block_x` / `quantize_rows_int8` (whether the kernel multiplies
+int8 activations, how a report names that, and what they are).
 """
 from __future__ import annotations
 
@@ -93,6 +93,16 @@ def int8_x(fmt: BlockFormat, dtype: torch.dtype) -> bool:
     products with fmt's blocks, at every row count: bfloat16 x where the CPU has AVX512-VNNI (llama.cpp's
     numerics; kernels/cpu/qrow.h, int8.h, int8_wide.h); float32 x never (the decoded weights' products)."""
     return bool(_kernels().cpu_quant_int8_x(fmt.type_id, dtype))
+
+
+def block_x(dtype: torch.dtype, device: str) -> str:
+    """How products on blocks see x of `dtype` on `device` (what the weights report says): the CPU's
+    kernels int8 per run of 32 (int8_x) or float32 as it is; CUDA's Triton kernels x as it is."""
+    if str(device).startswith("cuda"):
+        return f"{str(dtype).removeprefix('torch.')} as it is (Triton decodes the blocks)"
+    if dtype != torch.float32 and library.quant_linear_op() is not None and int8_x(FORMATS["Q8_0"], dtype):
+        return "int8 per run of 32 (llama.cpp's numerics)"
+    return "float32, never rounded"
 
 
 def quantize_rows_int8(x: torch.Tensor) -> torch.Tensor:
