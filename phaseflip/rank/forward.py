@@ -134,8 +134,12 @@ def forward(state: StepState, meta: dict[str, torch.Tensor], layer_fn=decoder_la
     delta = None  # the last block's output, not yet added to the residual stream (fused add + norm)
     if w.layers and fused_layer.serves(residual, w.layers[0].qkv_proj.dtype, shard.tp_size, kv.tensor,
                                        meta["block_tables"], w.plain):
-        delta, residual = fused_layer.decoder_layers(w.layers, cfg.rms_norm_eps, cfg.head_dim ** -0.5, residual,
-                                                     meta, kv.tensor, cos_sin)   # one token, every layer, one call
+        # one token, every layer (and the final norm where the head is here), one call
+        out, residual = fused_layer.decoder_layers(w, cfg.rms_norm_eps, cfg.head_dim ** -0.5, residual, meta,
+                                                   kv.tensor, cos_sin, w.norm if shard.has_head else None)
+        if shard.has_head:
+            return out
+        delta = out
     else:
         for i, lw in enumerate(w.layers):
             delta, residual = layer_fn(lw, cfg, shard, delta, residual, meta, kv, i, local if lw.window else cos_sin,

@@ -178,7 +178,8 @@ class LayoutRunner:
         """One step over meta's rows: an exact-size run (eager replay, or uncaptured when step is None),
         or the step's bucket filled (hidden_in too, unless it already lies in the buffer) and replayed."""
         if step is None or step.exact_size:
-            exact = {k: v.to(self.kv.tensor.device) for k, v in meta.items()}
+            device = self.kv.tensor.device
+            exact = meta if device.type == "cpu" else {k: v.to(device) for k, v in meta.items()}
             if step is not None:
                 return step.replay(exact, variant)
             return (self._decode_fns(self.step_fn)[variant] if variant else self.step_fn)(exact)

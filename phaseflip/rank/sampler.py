@@ -130,8 +130,10 @@ class Sampler:
         CPU: mode, parameters, and each non-greedy sequence's uniform for this step, drawn now from its
         generator (the one the host path would draw after the step: the same tokens). A row with
         penalties goes to the step as greedy: the host redraws it (`finish_in_step`), so the step need
-        not run its path."""
+        not run its path. Every row greedy without penalties: no columns (the argmax variant reads none)."""
         states = [self._state(s) for s in seq_ids]
+        if all(st.generator is None and st.penalties is None for st in states):
+            return {}
         modes = [GREEDY if st.penalties else _mode(st.params) for st in states]
         return {"sample_mode": torch.tensor(modes, dtype=torch.int64),
                 **RowParams.of([st.params for st in states], vocab_size).columns(),

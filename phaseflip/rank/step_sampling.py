@@ -42,7 +42,10 @@ def sampling_variants(step: Step, head: Callable[[torch.Tensor], torch.Tensor]) 
 
 
 def variant_for(columns: dict[str, torch.Tensor]) -> str:
-    """The variant with exactly the paths these rows take (the host built the columns: no device read)."""
+    """The variant with exactly the paths these rows take (the host built the columns: no device read;
+    none: every row greedy)."""
+    if not columns:
+        return "greedy"
     mode = columns["sample_mode"]
     paths = (bool((mode == PLAIN).any()), bool((mode == FILTERED).any()))
     return next(name for name, p in VARIANTS.items() if p == paths)

@@ -125,6 +125,18 @@ class RankWeights:
         decode layers run)."""
         return all(lw.router is None and not lw.window and lw.attn_out_norm is None for lw in self.layers)
 
+    @functools.cached_property
+    def across_layers(self) -> dict[str, tuple[list[torch.Tensor], list[int]]]:
+        """Each LayerWeights field's tensors over the layers in layer order (a Split's parts in place), with
+        how many each layer holds (0 where absent): what one call over every layer reads
+        (kernels/cpu/fused_layer.py), gathered once."""
+        out = {}
+        for f in fields(LayerWeights):
+            held = [getattr(getattr(lw, f.name), "parts", (getattr(lw, f.name),)) for lw in self.layers]
+            held = [tuple(t for t in p if isinstance(t, torch.Tensor)) for p in held]
+            out[f.name] = ([t for p in held for t in p], [len(p) for p in held])
+        return out
+
     @property
     def dtype(self) -> torch.dtype:
         """The compute dtype: its norms' (every rank holds a layer or the final norm; a projection or the

@@ -155,6 +155,24 @@ def test_the_token_is_stored_in_every_layer_and_nothing_else():
     assert changed.nonzero().tolist() == [[block, layer, off] for layer in range(LAYERS)]
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_final_norm_is_the_last_add_and_norm(dtype):
+    """With the final norm (a rank that holds the head) the call ends as forward's _add_norm does."""
+    _, w = model("LlamaForCausalLM", dtype)
+    residual = torch.randn(1, H, generator=torch.Generator().manual_seed(2)).to(dtype)
+    rope = cos_sin_table(D, 512, 10000.0)[torch.tensor([39])]
+
+    def call(final_norm=None):
+        kv = torch.zeros(8, LAYERS, 2, BLOCK, HKV, D, dtype=dtype)
+        return fused_layer.decoder_layers(w, 1e-6, D ** -0.5, residual, one_token(40), kv, rope, final_norm)
+    delta, res = call()
+    normed, stream = call(w.norm)
+    want, want_stream = forward._add_norm(delta, res, w.norm, 1e-6)
+    assert torch.equal(stream, want_stream)
+    torch.testing.assert_close(normed, want, rtol=1e-5, atol=1e-5) if dtype == torch.float32 else \
+        torch.testing.assert_close(normed, want, rtol=0, atol=0.02)   # a sum of squares in another order
+
+
 def test_which_calls_run_fused(monkeypatch):
     monkeypatch.setattr(linear, "_chosen", {})   # this test's forms; the process's come back after it
     for dtype in (torch.float32, torch.float16):
@@ -187,9 +205,12 @@ def test_the_op_names_what_it_refuses():
     meta = one_token(5)
     cos_sin = torch.zeros(1, D)
 
-    def call(layers=w.layers, residual=torch.zeros(1, H), cache=kv, meta=meta, cos_sin=cos_sin):
-        return fused_layer.decoder_layers(layers, 1e-6, D ** -0.5, residual, meta, cache, cos_sin)
+    def call(layers=w.layers, residual=torch.zeros(1, H), cache=kv, meta=meta, cos_sin=cos_sin, final_norm=None):
+        return fused_layer.decoder_layers(dataclasses.replace(w, layers=layers), 1e-6, D ** -0.5, residual, meta,
+                                          cache, cos_sin, final_norm)
     call()
+    with pytest.raises(RuntimeError, match=r"final_norm must be a contiguous CPU vector of 192 Float, got \[96\]"):
+        call(final_norm=w.norm[:96])
     with pytest.raises(RuntimeError, match=r"one token's contiguous CPU residual \[1, H\], got \[2, 192\]"):
         call(residual=torch.zeros(2, H))
     with pytest.raises(RuntimeError, match="float32 or bfloat16, got Half"):

@@ -38,27 +38,26 @@ def serves(residual: torch.Tensor, weight_dtype: torch.dtype, tp_size: int, kv_c
     return residual.shape[0] == 1 and block_tables.shape[0] == 1 and _why_not(weight_dtype, tp_size, plain) is None
 
 
-def decoder_layers(layers: list, eps: float, scale: float, residual: torch.Tensor, meta: dict[str, torch.Tensor],
-                   kv_cache: torch.Tensor, cos_sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """forward's loop of decoder_layer over `layers` for one token: (the last MLP's output, the residual
-    stream before it), each layer's K/V of the token stored at meta["slot_mapping"] (layer i of the
-    list in layer i of kv_cache)."""
-    return library.decode_layers_op()(residual, *_weight_lists(layers), kv_cache, meta["slot_mapping"],
-                                      meta["block_tables"], meta["seq_lens"], cos_sin, eps, scale)
+def decoder_layers(weights, eps: float, scale: float, residual: torch.Tensor, meta: dict[str, torch.Tensor],
+                   kv_cache: torch.Tensor, cos_sin: torch.Tensor, final_norm: torch.Tensor | None = None
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """forward's loop of decoder_layer over `weights.layers` (a RankWeights) for one token: (the last MLP's
+    output, the residual stream before it), each layer's K/V of the token stored at meta["slot_mapping"]
+    (layer i of the list in layer i of kv_cache). With final_norm (the rank holds the head): (the final
+    norm of the residual stream, that stream), forward's `_add_norm` after its last layer."""
+    return library.decode_layers_op()(residual, *_weight_lists(weights), kv_cache, meta["slot_mapping"],
+                                      meta["block_tables"], meta["seq_lens"], cos_sin, eps, scale, final_norm)
 
 
-def _weight_lists(layers: list) -> tuple:
-    """The op's weight arguments for `layers`: one list per weight kind, qkv_proj and gate_up_proj as their
-    parts (a Split's, rank/weights.py), and how many parts each layer has."""
-    def each(name: str) -> list[torch.Tensor]:
-        return [t for t in (getattr(lw, name) for lw in layers) if t is not None]
-
-    def parts(name: str) -> tuple[list[torch.Tensor], list[int]]:
-        held = [getattr(getattr(lw, name), "parts", (getattr(lw, name),)) for lw in layers]
-        return [t for p in held for t in p], [len(p) for p in held]
-    (qkv, qkv_parts), (gate_up, gate_up_parts) = parts("qkv_proj"), parts("gate_up_proj")
-    return (each("input_layernorm"), qkv, each("qkv_bias"), each("q_norm"), each("k_norm"), each("o_proj"),
-            each("post_attention_layernorm"), gate_up, each("down_proj"), qkv_parts, gate_up_parts)
+def _weight_lists(weights) -> tuple:
+    """The op's weight arguments: one list per weight kind, qkv_proj and gate_up_proj as their parts (a
+    Split's, rank/weights.py), and how many parts each layer has."""
+    kinds = weights.across_layers
+    qkv, qkv_parts = kinds["qkv_proj"]
+    gate_up, gate_up_parts = kinds["gate_up_proj"]
+    return (kinds["input_layernorm"][0], qkv, kinds["qkv_bias"][0], kinds["q_norm"][0], kinds["k_norm"][0],
+            kinds["o_proj"][0], kinds["post_attention_layernorm"][0], gate_up, kinds["down_proj"][0], qkv_parts,
+            gate_up_parts)
 
 
 def report(dtype: torch.dtype, tp_size: int, plain: bool = True) -> dict:

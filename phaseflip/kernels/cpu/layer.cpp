@@ -4,7 +4,8 @@
 // phases: residual add + RMSNorm; the qkv product (rows split over the threads); per kv head: k norm
 // (Qwen3), rotary and the K/V store; per query head: q norm, rotary and the attention over the paged
 // cache (decode.cpp's attend_token); the o product; residual add + RMSNorm; gate and up products
-// with SiLU-and-mul on each thread's own rows; the down product. Each product streams its weight once:
+// with SiLU-and-mul on each thread's own rows; the down product; after the last layer, on the rank that
+// holds the head, the final residual add + RMSNorm (forward's `_add_norm`). Each product streams its weight once:
 // float rows through dot.h's row dot, a GGUF file's blocks (its parts in their formats) through qrow.h's,
 // which quant.cpp's one-row product takes too (each thread prepares x for it once a phase). Values are
 // rounded to the activations' dtype W where the reference's operators round (kernels/reference/norm.py,
@@ -198,10 +199,11 @@ void mlp_phases(const par::Team& team, const Weights<W>& w, const Dims& n, Scrat
 
 // The layers in order: the residual stream resid in; delta_out (the last MLP's output) and res_out (the
 // residual stream before it) out, and each layer's K/V of the token stored. The outputs carry the stream
-// from layer to layer; a barrier closes each layer (the next one's norm reads all of it)
+// from layer to layer; a barrier closes each layer (the next one's norm reads all of it). With a final
+// norm (the rank holds the head): the last MLP's output added to res_out, and delta_out its norm instead
 template <typename W>
 void layers(const std::vector<Weights<W>>& ws, const Step& st, const W* resid, W* delta_out, W* res_out,
-            const std::vector<paged::Cache>& caches) {
+            const std::vector<paged::Cache>& caches, const W* final_norm) {
   static thread_local Scratch<W> mine;   // the calling thread's
   Scratch<W>& s = mine;                  // named in the region: the region's threads share it (mine
   s.fit(st.n);                           // there would be each thread's own)
@@ -217,6 +219,8 @@ void layers(const std::vector<Weights<W>>& ws, const Step& st, const W* resid, W
       team.single([&] { add_norm(s.o.data(), res_out, w.ln2, H, st.eps, res_out, s.h.data()); });
       mlp_phases(team, w, st.n, s, delta_out, in);
     }
+    if (final_norm)
+      team.single([&] { add_norm<W, W>(delta_out, res_out, final_norm, H, st.eps, res_out, delta_out); });
   });
 }
 
@@ -224,7 +228,8 @@ void layers(const std::vector<Weights<W>>& ws, const Step& st, const W* resid, W
 template <typename W>
 std::tuple<at::Tensor, at::Tensor> decode_layers_as(const at::Tensor& residual, const LayerLists& lists,
                                                     const at::Tensor& kv_cache, const paged::Batch& b,
-                                                    const at::Tensor& cos_sin, double eps) {
+                                                    const at::Tensor& cos_sin, double eps,
+                                                    const c10::optional<at::Tensor>& final_norm) {
   const at::ScalarType dt = residual.scalar_type();
   const Dims n = layer_weights::dims_of(residual, lists, kv_cache, dt);
   TORCH_CHECK(b.tokens == 1 && b.seqs == 1, "decode_layers: the metadata of one token and one sequence, got ",
@@ -236,9 +241,14 @@ std::tuple<at::Tensor, at::Tensor> decode_layers_as(const at::Tensor& residual, 
     caches.push_back(paged::cache_of(kv_cache.select(1, static_cast<int64_t>(l))));
   paged::check(b, caches[0]);   // every layer's cache has the first's blocks
   const std::vector<Weights<W>> ws = layer_weights::checked<W>(lists, n, dt);
+  const W* norm = nullptr;
+  if (final_norm.has_value()) {
+    layer_weights::check_vector(*final_norm, n.H, "final_norm", dt);
+    norm = final_norm->data_ptr<W>();
+  }
   at::Tensor delta_out = at::empty({1, n.H}, residual.options()), res_out = at::empty({1, n.H}, residual.options());
   const Step st{n, b, cos_sin.data_ptr<float>(), static_cast<float>(eps)};
-  layers<W>(ws, st, residual.data_ptr<W>(), delta_out.data_ptr<W>(), res_out.data_ptr<W>(), caches);
+  layers<W>(ws, st, residual.data_ptr<W>(), delta_out.data_ptr<W>(), res_out.data_ptr<W>(), caches, norm);
   return {delta_out, res_out};
 }
 
@@ -247,12 +257,13 @@ std::tuple<at::Tensor, at::Tensor> decode_layers(
     at::TensorList qkv, at::TensorList qkv_bias, at::TensorList q_norm, at::TensorList k_norm, at::TensorList o,
     at::TensorList post_norm, at::TensorList gate_up, at::TensorList down, at::IntArrayRef qkv_parts,
     at::IntArrayRef gate_up_parts, const at::Tensor& kv_cache, const at::Tensor& slot_mapping,
-    const at::Tensor& block_tables, const at::Tensor& seq_lens, const at::Tensor& cos_sin, double eps, double scale) {
+    const at::Tensor& block_tables, const at::Tensor& seq_lens, const at::Tensor& cos_sin, double eps, double scale,
+    const c10::optional<at::Tensor>& final_norm) {
   const LayerLists lists{input_norm, qkv, qkv_bias, q_norm, k_norm, o, post_norm, gate_up, down, qkv_parts,
                          gate_up_parts};
   return dtype::dispatch("decode_layers", residual.scalar_type(), [&](auto zero) {
     const paged::Batch b = paged::batch_of("decode_layers", slot_mapping, block_tables, seq_lens, at::Tensor(), scale);
-    return decode_layers_as<decltype(zero)>(residual, lists, kv_cache, b, cos_sin, eps);
+    return decode_layers_as<decltype(zero)>(residual, lists, kv_cache, b, cos_sin, eps, final_norm);
   });
 }
 
@@ -262,6 +273,6 @@ TORCH_LIBRARY_FRAGMENT(phaseflip, m) {
   m.def("cpu_decode_layers(Tensor residual, Tensor[] input_norm, Tensor[] qkv, Tensor[] qkv_bias, "
         "Tensor[] q_norm, Tensor[] k_norm, Tensor[] o, Tensor[] post_norm, Tensor[] gate_up, Tensor[] down, "
         "int[] qkv_parts, int[] gate_up_parts, Tensor(a!) kv_cache, Tensor slot_mapping, Tensor block_tables, "
-        "Tensor seq_lens, Tensor cos_sin, float eps, float scale) -> (Tensor, Tensor)");
+        "Tensor seq_lens, Tensor cos_sin, float eps, float scale, Tensor? final_norm=None) -> (Tensor, Tensor)");
   m.impl("cpu_decode_layers", c10::DispatchKey::CPU, TORCH_FN(decode_layers));
 }
