@@ -46,13 +46,16 @@ def _blocks(fmt: quant.BlockFormat, n: int, k: int, seed: int):
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 9, 17, 64, 300])   # few-rows forms up to 8, wide forms past
 def test_matches_gguf_dequantize_then_f_linear(op, name, dtype, rows):
     fmt = quant.block_format(name)
-    blocks, w = _blocks(fmt, 100, 768, seed=rows)   # the wide forms' last group of 16 weight rows holds 4
-    assert blocks.shape == (100, fmt.row_bytes(768)) and blocks.dtype == torch.uint8
+    # weights of their own for each case (a row the kernel failed to write must not hold a close answer left
+    # by the case before); 102 rows: the wide forms' last group of 16 holds 6, the one-row form's 4 parts
+    # leave 2 (3 where two threads take 51 each)
+    blocks, w = _blocks(fmt, 102, 768, seed=rows * 100 + sorted(quant.FORMATS).index(name))
+    assert blocks.shape == (102, fmt.row_bytes(768)) and blocks.dtype == torch.uint8
     x = torch.randn(rows, 768, generator=torch.Generator().manual_seed(rows)).to(dtype)
     got = quant.quant_linear(x, blocks, fmt)
     # bf16 x with integer products (AVX512-VNNI): the kernel multiplies x rounded to int8 per block
     want = F.linear(quant.quantize_rows_int8(x) if quant.int8_x(fmt, dtype) else x.float(), w)
-    assert got.dtype == dtype and got.shape == (rows, 100)
+    assert got.dtype == dtype and got.shape == (rows, 102)
     tol = 1e-4 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(got.float(), want, rtol=tol, atol=tol * want.abs().max().item())
 

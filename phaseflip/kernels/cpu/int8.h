@@ -116,44 +116,74 @@ inline float total(__m256 v) {
   return _mm_cvtss_f32(_mm_add_ss(q2, _mm_movehdup_ps(q2)));
 }
 
-// out[m] = (one weight row of `runs` runs of 32, blocks of format B) . x's row m, for M rows of x
-template <typename B, int M>
-inline void dot(const uint8_t* row, int64_t runs, const Rows& x, float* out) {
+// out[r * M + m] = (weight row r of R, `ld` bytes apart, each `runs` runs of 32 in blocks of format B) .
+// x's row m, for M rows of x. Each weight row's blocks are read once for all rows of x. A row's
+// accumulator adds one block at a time, each add waiting for the last (~4 cycles: at one row of x that,
+// not the memory, bounds a 4-bit row's read); R rows side by side overlap R such chains.
+template <typename B, int M, int R = 1>
+inline void dot(const uint8_t* row, int64_t ld, int64_t runs, const Rows& x, float* out) {
   constexpr int subs = B::values_per / QK;
-  __m256 acc[M];
-  float extra[M];
+  __m256 acc[R][M];
+  float extra[R][M];
 #pragma GCC unroll 4
-  for (int m = 0; m < M; ++m) acc[m] = _mm256_setzero_ps(), extra[m] = 0.f;
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 8
+    for (int m = 0; m < M; ++m) acc[r][m] = _mm256_setzero_ps(), extra[r][m] = 0.f;
   for (int64_t b = 0; b < runs / subs; ++b) {
-    const uint8_t* blk = row + b * B::bytes;
 #pragma GCC unroll 8
     for (int s = 0; s < subs; ++s) {   // unrolled: each run's s a constant, its scales' branches folded
       const int64_t i = b * subs + s;
-      if constexpr (is_signed<B>) {
-        __m256 scale;
-        const __m256i w = run(B(), blk, s, scale);
-        const __m256i magnitude = _mm256_sign_epi8(w, w);
 #pragma GCC unroll 4
-        for (int m = 0; m < M; ++m) {
-          const int64_t j = m * runs + i;
-          const __m256i sum = _mm256_dpbusd_epi32(_mm256_setzero_si256(), magnitude, _mm256_sign_epi8(x.run(j), w));
-          acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_mul_ps(scale, _mm256_set1_ps(x.d[j])), acc[m]);
-        }
-      } else {
-        float a, c;
-        const __m256i u = run(B(), blk, s, a, c);
-#pragma GCC unroll 4
-        for (int m = 0; m < M; ++m) {
-          const int64_t j = m * runs + i;
-          const __m256i sum = _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, x.run(j));
-          acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_set1_ps(a * x.d[j]), acc[m]);
-          extra[m] += c * x.s[j];
+      for (int r = 0; r < R; ++r) {
+        const uint8_t* blk = row + r * ld + b * B::bytes;
+        if constexpr (is_signed<B>) {
+          __m256 scale;
+          const __m256i w = run(B(), blk, s, scale);
+          const __m256i magnitude = _mm256_sign_epi8(w, w);
+#pragma GCC unroll 8
+          for (int m = 0; m < M; ++m) {
+            const int64_t j = m * runs + i;
+            const __m256i sum = _mm256_dpbusd_epi32(_mm256_setzero_si256(), magnitude, _mm256_sign_epi8(x.run(j), w));
+            acc[r][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_mul_ps(scale, _mm256_set1_ps(x.d[j])), acc[r][m]);
+          }
+        } else {
+          float a, c;
+          const __m256i u = run(B(), blk, s, a, c);
+#pragma GCC unroll 8
+          for (int m = 0; m < M; ++m) {
+            const int64_t j = m * runs + i;
+            const __m256i sum = _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, x.run(j));
+            acc[r][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_set1_ps(a * x.d[j]), acc[r][m]);
+            extra[r][m] += c * x.s[j];
+          }
         }
       }
     }
   }
 #pragma GCC unroll 4
-  for (int m = 0; m < M; ++m) out[m] = total(acc[m]) + extra[m];
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 8
+    for (int m = 0; m < M; ++m) out[r * M + m] = total(acc[r][m]) + extra[r][m];
+}
+
+// y[m * ldy + n] = weight row n (of N, `ld` bytes apart) . x's row m, for M rows of x. R = 4 / M weight
+// rows side by side, so that ~4 accumulators' chains overlap: the rows cut in R parts read in step, row i
+// of each part at once, each part one stream forward through memory (R neighbouring rows would be R
+// streams of one row each, too short for the hardware's prefetchers to follow)
+template <typename B, int M, typename Y>
+inline void rows(const uint8_t* w, int64_t ld, int64_t N, int64_t runs, const Rows& x, Y* y, int64_t ldy) {
+  constexpr int R = M < 4 ? 4 / M : 1;
+  const int64_t part = N / R;
+  float out[R * M];
+  for (int64_t i = 0; i < part; ++i) {
+    dot<B, M, R>(w + i * ld, part * ld, runs, x, out);
+    for (int r = 0; r < R; ++r)
+      for (int m = 0; m < M; ++m) y[m * ldy + i + r * part] = static_cast<Y>(out[r * M + m]);
+  }
+  for (int64_t n = R * part; n < N; ++n) {
+    dot<B, M>(w + n * ld, 0, runs, x, out);
+    for (int m = 0; m < M; ++m) y[m * ldy + n] = static_cast<Y>(out[m]);
+  }
 }
 
 }  // namespace int8dot

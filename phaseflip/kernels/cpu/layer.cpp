@@ -104,8 +104,7 @@ void product(const Proj& w, const typename Scratch<W>::X* x, int64_t K, W* y, pa
       dot::gemv_range<W, 1>(static_cast<const W*>(p.p), p.ld, x, K, out, p.rows, n0, n1);
     else if (n0 < n1)
       blocks::with_format(p.type, [&](auto b) {
-        for (int64_t n = n0; n < n1; ++n)
-          out[n] = static_cast<W>(qrow::dot<decltype(b)>(static_cast<const uint8_t*>(p.p) + n * p.ld, in));
+        qrow::dots<decltype(b)>(static_cast<const uint8_t*>(p.p) + n0 * p.ld, p.ld, n1 - n0, in, out + n0);
       });
     first += p.rows;
   }

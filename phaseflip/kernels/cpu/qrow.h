@@ -1,6 +1,6 @@
 // One weight row in a GGUF block format (blocks.h) dotted with rows of x: decoded into float32
 // (`decode_row`), decoded in registers and multiplied with up to a few rows of float32 x as it is
-// (`fused_dot`), and one row of x as a one-token product reads it (`Input`, `dot`): bfloat16 x quantized
+// (`fused_dot`), and one row of x as a one-token product reads it (`Input`, `dots`): bfloat16 x quantized
 // to int8 per run of 32 for integer products where the CPU has AVX512-VNNI (`int8_x`, int8.h), float32 x
 // as it is. quant.cpp's products and the fused one-token decoder layers (layer.cpp) share these, so a
 // token's product has one answer whichever of them runs it.
@@ -90,25 +90,25 @@ struct Input {
   }
 };
 
-// (one weight row of blocks B) . x
-template <typename B>
-float dot(const uint8_t* row, const Input& x) {
-  float out;
+// out[n] = (weight row n of N, blocks B, `ld` bytes apart) . x: integer products where x is int8 (int8.h,
+// several weight rows side by side), else each row decoded in registers against float32 x
+template <typename B, typename O>
+void dots(const uint8_t* rows, int64_t ld, int64_t N, const Input& x, O* out) {
 #ifdef PF_INT8_DOT
-  if (x.int8) {
-    int8dot::dot<B, 1>(row, x.K / QK, x.q, &out);
-    return out;
-  }
+  if (x.int8) return int8dot::rows<B, 1>(rows, ld, N, x.K / QK, x.q, out, 0);
 #endif
+  for (int64_t n = 0; n < N; ++n) {
+    float one;
 #ifdef PF_LANES
-  fused_dot<B, 1>(row, x.K, x.f.data(), &out);
+    fused_dot<B, 1>(rows + n * ld, x.K, x.f.data(), &one);
 #else
-  static thread_local std::vector<float> w;
-  w.resize(x.K);
-  decode_row<B>(row, x.K, w.data());
-  dot::row_dot<float, 1>(w.data(), x.f.data(), x.K, &out);
+    static thread_local std::vector<float> w;
+    w.resize(x.K);
+    decode_row<B>(rows + n * ld, x.K, w.data());
+    dot::row_dot<float, 1>(w.data(), x.f.data(), x.K, &one);
 #endif
-  return out;
+    out[n] = static_cast<O>(one);
+  }
 }
 
 }  // namespace qrow

@@ -133,20 +133,16 @@ void int8_rows(const at::Tensor& x, const uint8_t* wp, int64_t ldw, int64_t N, X
   qx.quantize(dot::dense_rows<float, X>(x, buf), M, K);
   const int64_t grain = std::max<int64_t>(1, 65536 / std::max<int64_t>(1, K / B::values_per * B::bytes));
   par::ranges(N, grain, [&](int64_t n0, int64_t n1) {
-    float out[FEW_ROWS];
-    for (int64_t n = n0; n < n1; ++n) {
-      const uint8_t* row = wp + n * ldw;
-      switch (M) {
-        case 1: int8dot::dot<B, 1>(row, runs, qx, out); break;
-        case 2: int8dot::dot<B, 2>(row, runs, qx, out); break;
-        case 3: int8dot::dot<B, 3>(row, runs, qx, out); break;
-        case 4: int8dot::dot<B, 4>(row, runs, qx, out); break;
-        case 5: int8dot::dot<B, 5>(row, runs, qx, out); break;
-        case 6: int8dot::dot<B, 6>(row, runs, qx, out); break;
-        case 7: int8dot::dot<B, 7>(row, runs, qx, out); break;
-        default: int8dot::dot<B, 8>(row, runs, qx, out);
-      }
-      for (int64_t m = 0; m < M; ++m) yp[m * N + n] = static_cast<X>(out[m]);
+    const uint8_t* w = wp + n0 * ldw;
+    switch (M) {
+      case 1: return int8dot::rows<B, 1>(w, ldw, n1 - n0, runs, qx, yp + n0, N);
+      case 2: return int8dot::rows<B, 2>(w, ldw, n1 - n0, runs, qx, yp + n0, N);
+      case 3: return int8dot::rows<B, 3>(w, ldw, n1 - n0, runs, qx, yp + n0, N);
+      case 4: return int8dot::rows<B, 4>(w, ldw, n1 - n0, runs, qx, yp + n0, N);
+      case 5: return int8dot::rows<B, 5>(w, ldw, n1 - n0, runs, qx, yp + n0, N);
+      case 6: return int8dot::rows<B, 6>(w, ldw, n1 - n0, runs, qx, yp + n0, N);
+      case 7: return int8dot::rows<B, 7>(w, ldw, n1 - n0, runs, qx, yp + n0, N);
+      default: return int8dot::rows<B, 8>(w, ldw, n1 - n0, runs, qx, yp + n0, N);
     }
   });
 }
