@@ -2,8 +2,9 @@
 test; `make test` never runs it).
 
 Owns: issue 45's speed rows, each file's workloads run interleaved (phaseflip, then llama.cpp, every round,
-same threads): llama-batched-bench's 200-token prompts + 100 new tokens at batch 1 and 32 (total tokens
-over wall seconds; phaseflip's the same tokens through LLM.generate), llama-bench's tg128 (decode from an
+same threads): llama-batched-bench's 200-token prompts + 100 new tokens at batch 1 and 32 (--batches: 1 alone
+for a model of 1B and up, whose batch 32 takes minutes a round; total tokens over wall seconds, phaseflip's
+the same tokens through LLM.generate), llama-bench's tg128 (decode from an
 empty cache; phaseflip's (time for 128 new tokens - time for 1) / 127 after a 1-token prompt) and pp512
 (prompt tokens over time to first token), and the read bound of batch-1 decode: the bytes a decode token
 reads (the engine's own weight report: the blocks as stored) over the bandwidth of a 1 GiB torch.sum read
@@ -24,13 +25,13 @@ import click
 from llamacpp_peer import EXE, _log, _run, _span, _timed, llama_bench, read_gbps
 from phaseflip.engine.llm import LLM
 
-PROMPT, NEW, BATCHES, TG, PP = 200, 100, (1, 32), 128, 512
+PROMPT, NEW, TG, PP = 200, 100, 128, 512
 
 
-def llama_batched(exe: Path, gguf: Path, threads: int) -> dict[int, float]:
+def llama_batched(exe: Path, gguf: Path, threads: int, batches: tuple[int, ...]) -> dict[int, float]:
     """{batch: total tok/s} of llama-batched-bench's 200 + 100 at each batch."""
     out = _run([exe, "-m", gguf, "-c", 10240, "-b", 2048, "-ub", 512, "-npp", PROMPT, "-ntg", NEW,
-                "-npl", ",".join(map(str, BATCHES)), "-t", threads, "--output-format", "jsonl"])
+                "-npl", ",".join(map(str, batches)), "-t", threads, "--output-format", "jsonl"])
     rows = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
     return {row["pl"]: row["speed"] for row in rows}
 
@@ -40,12 +41,12 @@ def prompts(count: int, length: int, seed: int) -> list[list[int]]:
     return [[rng.randrange(100, 40000) for _ in range(length)] for _ in range(count)]
 
 
-def boot(path: Path, threads: int, **engine) -> LLM:
+def boot(path: Path, threads: int, batches: tuple[int, ...], **engine) -> LLM:
     _log(f"booting phaseflip on {path.name}")
     t0 = time.perf_counter()
     # no prefix caching: the rounds repeat their prompts, which llama.cpp computes every time
     llm = LLM(model=str(path), num_threads=threads, max_model_len=1024, enable_prefix_caching=False, **engine)
-    for batch in BATCHES:
+    for batch in batches:
         _timed(llm, prompts(batch, PROMPT, 0), 2)   # warm-up: every step shape the rounds use
     _timed(llm, prompts(1, PP, 0), 1)
     _log(f"booted in {time.perf_counter() - t0:.1f} s")
@@ -64,9 +65,9 @@ def one_round(llm: LLM, path: Path, o: dict) -> dict:
     llama.cpp runs the GGUF file `path`, phaseflip whatever `llm` serves (the same file, or the checkpoint
     it was converted from)."""
     rows = {}
-    pf = {b: b * (PROMPT + NEW) / _timed(llm, prompts(b, PROMPT, 1), NEW) for b in BATCHES}
-    ll = llama_batched(o["llama_batched_bench"], path, o["threads"])
-    rows.update({f"{PROMPT}+{NEW} b{b} total": (ll[b], pf[b]) for b in BATCHES})
+    pf = {b: b * (PROMPT + NEW) / _timed(llm, prompts(b, PROMPT, 1), NEW) for b in o["batches"]}
+    ll = llama_batched(o["llama_batched_bench"], path, o["threads"], o["batches"])
+    rows.update({f"{PROMPT}+{NEW} b{b} total": (ll[b], pf[b]) for b in o["batches"]})
     before = read_gbps(o["threads"])
     one = prompts(1, 1, 2)
     first = statistics.median(_timed(llm, one, 1) for _ in range(o["repeats"]))
@@ -105,6 +106,16 @@ def print_table(name: str, result: dict, threads: int) -> None:
                f"{b['llama_cpp_fraction_of_bound']:.2f}")
 
 
+def _batches(value: str) -> tuple[int, ...]:
+    try:
+        batches = tuple(int(b) for b in value.split(","))
+    except ValueError:
+        batches = ()
+    if not batches or min(batches) < 1:
+        raise click.BadParameter(f"{value!r}: give batch sizes >= 1, comma-separated (e.g. 1,32)")
+    return batches
+
+
 @click.command()
 @click.option("--llama-bench", required=True, type=EXE, help="llama.cpp's built llama-bench.")
 @click.option("--llama-batched-bench", required=True, type=EXE, help="llama.cpp's built llama-batched-bench.")
@@ -112,17 +123,19 @@ def print_table(name: str, result: dict, threads: int) -> None:
 @click.option("--rounds", type=click.IntRange(min=1), default=2, show_default=True)
 @click.option("--repeats", type=click.IntRange(min=1), default=3, show_default=True,
               help="Repetitions of the tg/pp timings a round (llama-bench -r), medians taken.")
+@click.option("--batches", default="1,32", show_default=True, callback=lambda _c, _p, v: _batches(v),
+              help="The 200+100 workload's batch sizes, comma-separated (1 alone for a large model).")
 @click.option("--dtype", default="auto", show_default=True,
               help="phaseflip's activations (LLM's dtype): auto (float32 on the CPU) or bfloat16.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of the tables.")
 @click.argument("files", nargs=-1, required=True, type=click.Path(exists=True, dir_okay=False, path_type=Path))
-def main(llama_bench, llama_batched_bench, threads, rounds, repeats, dtype, as_json, files):
+def main(llama_bench, llama_batched_bench, threads, rounds, repeats, batches, dtype, as_json, files):
     """Benchmark phaseflip against llama.cpp on each GGUF file, interleaved, and print the ratios."""
     o = {"llama_bench": llama_bench, "llama_batched_bench": llama_batched_bench, "threads": threads,
-         "repeats": repeats}
+         "repeats": repeats, "batches": batches}
     results = {}
     for path in files:
-        llm = boot(path, threads, dtype=dtype)
+        llm = boot(path, threads, batches, dtype=dtype)
         try:
             nbytes = decode_bytes(llm)
             got = []

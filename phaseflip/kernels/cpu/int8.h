@@ -144,7 +144,8 @@ inline void dot(const uint8_t* row, int64_t ld, int64_t runs, const Rows& x, flo
           for (int m = 0; m < M; ++m) {
             const int64_t j = m * runs + i;
             const __m256i sum = _mm256_dpbusd_epi32(_mm256_setzero_si256(), magnitude, _mm256_sign_epi8(x.run(j), w));
-            acc[r][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_mul_ps(scale, _mm256_set1_ps(x.d[j])), acc[r][m]);
+            const __m256 scales = _mm256_mul_ps(scale, _mm256_set1_ps(x.d[j]));
+            acc[r][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), scales, acc[r][m]);
           }
         } else {
           float a, c;
