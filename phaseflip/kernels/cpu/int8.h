@@ -93,6 +93,19 @@ inline __m256i run(blocks::Q4_K, const uint8_t* b, int s, float& a, float& c) {
   return low4(s & 1 ? _mm256_srli_epi16(q, 4) : q);
 }
 
+// Q4_K's 8 runs' scales d * sc (lane s: run s) and offsets -dmin * mn of block b at once: the 12 bytes of
+// 6-bit sc and mn as three 32-bit words, four runs' values a word (what scale_min_k4 takes one at a time)
+inline void k4_scales(const uint8_t* b, __m256& scale, __m256& offset) {
+  uint32_t u[3];
+  __builtin_memcpy(u, b + 4, 12);
+  constexpr uint32_t six = 0x3f3f3f3f, four = 0x0f0f0f0f, two = 0x03030303;
+  const uint64_t sc = (u[0] & six) | uint64_t((u[2] & four) | (((u[0] >> 6) & two) << 4)) << 32;
+  const uint64_t mn = (u[1] & six) | uint64_t(((u[2] >> 4) & four) | (((u[1] >> 6) & two) << 4)) << 32;
+  const auto lanes = [](uint64_t v) { return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(v))); };
+  scale = _mm256_mul_ps(_mm256_set1_ps(half(b)), lanes(sc));
+  offset = _mm256_mul_ps(_mm256_set1_ps(-half(b + 2)), lanes(mn));
+}
+
 // Signed runs: w int8, and the scale of each int32 lane of a product
 inline __m256i run(blocks::Q8_0, const uint8_t* b, int, __m256& scale) {
   scale = _mm256_set1_ps(half(b));
@@ -116,12 +129,53 @@ inline float total(__m256 v) {
   return _mm_cvtss_f32(_mm_add_ss(q2, _mm_movehdup_ps(q2)));
 }
 
+// Q4_K's dot (as dot below): a block's 8 scales and offsets at once, then each run's integer sum; the
+// offsets' term sum(-dmin * mn * dx * sum(q)) as one 8-lane product a block
+template <int M, int R>
+inline void dot_k4(const uint8_t* row, int64_t ld, int64_t runs, const Rows& x, float* out) {
+  __m256 acc[R][M], extra[R][M];
+#pragma GCC unroll 4
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 8
+    for (int m = 0; m < M; ++m) acc[r][m] = extra[r][m] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < runs / 8; ++b) {
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) {
+      const uint8_t* blk = row + r * ld + b * blocks::Q4_K::bytes;
+      __m256 scale, offset;
+      k4_scales(blk, scale, offset);
+      alignas(32) float a[M][8];   // run s's scale times x's run scale, for each row of x
+#pragma GCC unroll 8
+      for (int m = 0; m < M; ++m) {
+        const int64_t j = m * runs + b * 8;
+        _mm256_store_ps(a[m], _mm256_mul_ps(scale, _mm256_loadu_ps(x.d.data() + j)));
+        extra[r][m] = _mm256_fmadd_ps(offset, _mm256_loadu_ps(x.s.data() + j), extra[r][m]);
+      }
+#pragma GCC unroll 8
+      for (int s = 0; s < 8; ++s) {
+        const __m256i q = load32(blk + 16 + (s / 2) * 32);
+        const __m256i u = low4(s & 1 ? _mm256_srli_epi16(q, 4) : q);
+#pragma GCC unroll 8
+        for (int m = 0; m < M; ++m) {
+          const __m256i sum = _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, x.run(m * runs + b * 8 + s));
+          acc[r][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_set1_ps(a[m][s]), acc[r][m]);
+        }
+      }
+    }
+  }
+#pragma GCC unroll 4
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 8
+    for (int m = 0; m < M; ++m) out[r * M + m] = total(_mm256_add_ps(acc[r][m], extra[r][m]));
+}
+
 // out[r * M + m] = (weight row r of R, `ld` bytes apart, each `runs` runs of 32 in blocks of format B) .
 // x's row m, for M rows of x. Each weight row's blocks are read once for all rows of x. A row's
 // accumulator adds one block at a time, each add waiting for the last (~4 cycles: at one row of x that,
 // not the memory, bounds a 4-bit row's read); R rows side by side overlap R such chains.
 template <typename B, int M, int R = 1>
 inline void dot(const uint8_t* row, int64_t ld, int64_t runs, const Rows& x, float* out) {
+  if constexpr (std::is_same_v<B, blocks::Q4_K>) return dot_k4<M, R>(row, ld, runs, x, out);
   constexpr int subs = B::values_per / QK;
   __m256 acc[R][M];
   float extra[R][M];
