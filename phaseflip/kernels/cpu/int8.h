@@ -129,7 +129,7 @@ inline float total(__m256 v) {
   return _mm_cvtss_f32(_mm_add_ss(q2, _mm_movehdup_ps(q2)));
 }
 
-// Q4_K's dot (as dot below): a block's 8 scales and offsets at once, then each run's integer sum; the
+// Q4_K's dot (as dot_runs below): a block's 8 scales and offsets at once, then each run's integer sum; the
 // offsets' term sum(-dmin * mn * dx * sum(q)) as one 8-lane product a block
 template <int M, int R>
 inline void dot_k4(const uint8_t* row, int64_t ld, int64_t runs, const Rows& x, float* out) {
@@ -174,8 +174,7 @@ inline void dot_k4(const uint8_t* row, int64_t ld, int64_t runs, const Rows& x, 
 // accumulator adds one block at a time, each add waiting for the last (~4 cycles: at one row of x that,
 // not the memory, bounds a 4-bit row's read); R rows side by side overlap R such chains.
 template <typename B, int M, int R = 1>
-inline void dot(const uint8_t* row, int64_t ld, int64_t runs, const Rows& x, float* out) {
-  if constexpr (std::is_same_v<B, blocks::Q4_K>) return dot_k4<M, R>(row, ld, runs, x, out);
+inline void dot_runs(const uint8_t* row, int64_t ld, int64_t runs, const Rows& x, float* out) {
   constexpr int subs = B::values_per / QK;
   __m256 acc[R][M];
   float extra[R][M];
@@ -219,6 +218,15 @@ inline void dot(const uint8_t* row, int64_t ld, int64_t runs, const Rows& x, flo
   for (int r = 0; r < R; ++r)
 #pragma GCC unroll 8
     for (int m = 0; m < M; ++m) out[r * M + m] = total(acc[r][m]) + extra[r][m];
+}
+
+// dot_runs's product, by dot_k4 for Q4_K
+template <typename B, int M, int R = 1>
+inline void dot(const uint8_t* row, int64_t ld, int64_t runs, const Rows& x, float* out) {
+  if constexpr (std::is_same_v<B, blocks::Q4_K>)
+    dot_k4<M, R>(row, ld, runs, x, out);
+  else
+    dot_runs<B, M, R>(row, ld, runs, x, out);
 }
 
 // y[m * ldy + n] = weight row n (of N, `ld` bytes apart) . x's row m, for M rows of x. R = 4 / M weight
