@@ -32,10 +32,12 @@ from phaseflip.rank.messages import Phase
 from phaseflip.rank.step_inputs import bucket_rows, phase_buckets
 
 MIN_GAIN = 0.05   # compile="auto" keeps a compiled step only this much faster than eager (compile costs boot)
-# compile="auto" on the CPU does not compile the 1-row decode where the fused layers run it: inductor's
-# step of that bucket, which traces the layers as operators, was never measured MIN_GAIN faster than the
-# fused call (docs/performance.md), and compiling it costs a whole-step compile at a cold boot
-FUSED_ONE_ROW = "the fused layers run 1 row (kernels/cpu/fused_layer.py): inductor's step not compiled against them"
+# compile="auto" on the CPU does not compile the decode buckets of up to fused_layer.SURE_ROWS rows the
+# fused layers run: inductor's step of such a bucket, which traces the layers as operators, was never
+# measured MIN_GAIN faster than the fused call (docs/performance.md), and compiling it costs a whole-step
+# compile at a cold boot
+FUSED_ROWS = ("the fused layers run this bucket (kernels/cpu/fused_layer.py): inductor's step not compiled "
+              "against them")
 # nor a tensor-parallel step: it breaks at each all-reduce, so its graphs cannot be saved and every boot
 # traces them again (~20 s of a warm boot for one decode bucket), and its measured gain at the same
 # bucket ranged from 27% slower to 16% faster between cold boots (docs/performance.md)
@@ -91,8 +93,9 @@ class CompileChoice:
         runs compiled. "auto" on the CPU: the decode step at 1 and 2 rows and at its largest bucket, and
         the prefill role at its smallest bucket, keep the compiled step only where it is measured at
         least MIN_GAIN faster than eager; a bucket between takes the choice of the largest (they share
-        its dynamic graph). Never compiled by "auto" on the CPU: the 1-row decode where the eager step
-        runs the fused layers (FUSED_ONE_ROW), and a tensor-parallel layout's steps (TP_ON_CPU).
+        its dynamic graph). Never compiled by "auto" on the CPU: the decode buckets of up to SURE_ROWS
+        rows whose eager step runs the fused layers (FUSED_ROWS; then the first bucket above them and the
+        largest are measured), and a tensor-parallel layout's steps (TP_ON_CPU).
         "auto" on CUDA: every bucket is measured as CUDA graphs at capture (choose_by_replay). Where
         `record` holds an earlier boot's choices for this key (rank/boot_record.py), they are taken
         and nothing is measured: only the buckets chosen compiled are compiled (or loaded). Every
@@ -123,29 +126,32 @@ class CompileChoice:
     def _choose(self, phase: Phase, mode: str, measure: bool, cuda: bool) -> None:
         """One role's choice per bucket by measurement (compile="auto" on the CPU), or compiled everywhere."""
         sizes = phase_buckets(self.shapes, phase)
-        # the buckets timed at boot: decode at 1 row (its own graph: 0/1 specialisation; not where
-        # the fused layers run it, FUSED_ONE_ROW), 2 rows (the dynamic graph's first size) and the
-        # largest, since from 4 rows up the two measure within a few % at every bucket and timing each
-        # bucket costs seconds of boot; prefill at its smallest bucket (its dynamic graph serves the
-        # others; larger chunks are GEMM-bound)
+        # the buckets timed at boot: decode at 1 row (its own graph: 0/1 specialisation), 2 rows (the
+        # dynamic graph's first size) and the largest, since from 4 rows up the two measure within a few
+        # % at every bucket and timing each bucket costs seconds of boot; where the fused layers run the
+        # buckets of up to SURE_ROWS rows (FUSED_ROWS), the first above them and the largest; prefill at
+        # its smallest bucket (its dynamic graph serves the others; larger chunks are GEMM-bound)
         probed = (sizes[:2] + sizes[2:][-1:]) if phase is Phase.DECODE else sizes[:1]
         report = {}
-        if (phase is Phase.DECODE and measure and len(probed) > 1 and probed[0][0] == 1
-                and self._fused_one_row()):
-            report[1] = {"choice": "eager", "reason": FUSED_ONE_ROW}
-            probed = probed[1:]
+        sure = min(self.fused_rows(), fused_layer.SURE_ROWS) if phase is Phase.DECODE and measure else 0
+        if sure:
+            report.update({b: {"choice": "eager", "reason": FUSED_ROWS} for b, _ in sizes if b <= sure})
+            above = [(b, sz) for b, sz in sizes if b > sure]
+            probed = above[:1] + above[1:][-1:]
         compiled = self.compiled_steps[phase]
         report.update({b: self._measure(compiled, self._views(sz), measure) for b, sz in probed})
         for b, _ in sizes:
-            self.choices[(phase.value, b)] = report.get(b, report[probed[-1][0]])["choice"]
+            self.choices[(phase.value, b)] = report[b]["choice"] if b in report else report[probed[-1][0]]["choice"]
         unprobed = [sz for b, sz in sizes if b not in report and self.choices[(phase.value, b)] == "compiled"]
         if unprobed:  # a second size makes the token dimension dynamic: that graph, which serves
             compiled(self._views(unprobed[0]))  # every larger bucket, compiles now, not mid-serving
+        fused_rule = (f"; the fused layers' buckets of up to {sure} rows stay eager, the first above them and "
+                      f"the largest are measured" if sure else "")
         self.report[phase.value] = {
             "choice": self._picked(phase), "buckets": report, "choices": self._role_choices(phase),
-            "rule": (f"measured: decode at 1 (unless the fused layers run it), 2 and its largest bucket "
-                     f"(those between take the largest's choice); prefill at its smallest bucket, for all; "
-                     f"compiled where >= {MIN_GAIN:.0%} faster than eager" if measure
+            "rule": (f"measured: decode at 1, 2 and its largest bucket (those between take the largest's "
+                     f"choice{fused_rule}); prefill at its smallest bucket, for all; compiled where >= "
+                     f"{MIN_GAIN:.0%} faster than eager" if measure
                      else f"compile={mode!r}{' on cuda' if cuda else ''}: compiled everywhere")}
 
     def _adopt(self, phase: Phase, recorded: dict) -> None:
@@ -165,15 +171,19 @@ class CompileChoice:
     def compiles_one_row(self, mode: str) -> bool:
         """Whether a step this layout compiles multiplies one row (where forms.choose_gemv's one-row form
         applies): compile="on" compiles the 1-row decode; "auto" on the CPU not where the fused layers
-        run it (FUSED_ONE_ROW) nor on a tensor-parallel layout (TP_ON_CPU). The LM head is measured
+        run it (FUSED_ROWS) nor on a tensor-parallel layout (TP_ON_CPU). The LM head is measured
         compiled against eager on its own (_prepare_head)."""
-        return mode == "on" or (mode == "auto" and self.state.shard.tp_size == 1 and not self._fused_one_row())
+        return mode == "on" or (mode == "auto" and self.state.shard.tp_size == 1 and not self.fused_rows())
 
-    def _fused_one_row(self) -> bool:
-        """Whether this rank's eager 1-row decode runs the fused layers (kernels/cpu/fused_layer.py)."""
+    def fused_rows(self) -> int:
+        """Up to how many rows this rank's eager decode runs the fused layers (kernels/cpu/fused_layer.py;
+        0: it does not)."""
         w = self.state.weights
-        return bool(w.layers) and fused_layer.report(w.layers[0].qkv_proj.dtype, self.state.shard.tp_size,
-                                                     w.plain)["reason"] is None
+        if not w.layers:
+            return 0
+        dtype = w.layers[0].qkv_proj.dtype
+        fused = fused_layer.report(dtype, self.state.shard.tp_size, w.plain)["reason"] is None
+        return fused_layer.max_rows(dtype) if fused else 0
 
     def _picked(self, phase: Phase) -> str:
         picked = {self.choices[(phase.value, b)] for b, _ in phase_buckets(self.shapes, phase)}

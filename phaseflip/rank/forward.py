@@ -134,7 +134,7 @@ def forward(state: StepState, meta: dict[str, torch.Tensor], layer_fn=decoder_la
     delta = None  # the last block's output, not yet added to the residual stream (fused add + norm)
     if w.layers and fused_layer.serves(residual, w.layers[0].qkv_proj.dtype, shard.tp_size, kv.tensor,
                                        meta["block_tables"], w.plain):
-        # one token, every layer (and the final norm where the head is here), one call
+        # one token a sequence, every layer (and the final norm where the head is here), one call
         out, residual = fused_layer.decoder_layers(w, cfg.rms_norm_eps, cfg.head_dim ** -0.5, residual, meta,
                                                    kv.tensor, cos_sin, w.norm if shard.has_head else None)
         if shard.has_head:

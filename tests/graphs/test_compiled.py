@@ -76,9 +76,9 @@ def test_the_vector_isa_probe_is_recorded_and_then_trusted(tmp_path):
 
 
 def test_auto_measures_each_bucket_matches_hf_and_writes_no_kv(tiny_model_dir, compiled_cache, monkeypatch):
-    """compile="auto", the default: each probed bucket timed compiled against eager (but the 1-row decode
-    where the fused layers run it), the faster kept and replayed, HF's tokens. The model is the next
-    test's (its graphs, compiled in this process, serve both: one cold compile for the two)."""
+    """compile="auto", the default: each probed bucket timed compiled against eager (but the decode buckets
+    the fused layers run), the faster kept and replayed, HF's tokens. The model is the next test's (its
+    graphs, compiled in this process, serve both: one cold compile for the two)."""
     d = tiny_model_dir("llama", num_layers=6)
     prompts = parity_prompts(384)[:4]
     expected = hf_greedy(d, prompts, 16)
@@ -91,13 +91,15 @@ def test_auto_measures_each_bucket_matches_hf_and_writes_no_kv(tiny_model_dir, c
     assert ok, msg
     report = m["ranks"][0]["compile"]["pp"]
     assert set(report["decode"]["buckets"]) == {1, 2, 4} and set(report["prefill"]["buckets"]) == {64}
-    fused = report["fused_layers"]["choice"] == "fused layers"
-    if fused:   # they run 1 row: inductor's step is neither compiled nor timed there, nor its one-row form
-        assert report["decode"]["buckets"][1] == {"choice": "eager", "reason": choice_module.FUSED_ONE_ROW}
+    fused = report["fused_layers"]["rows"]
+    if fused:   # they run these buckets: inductor's step is neither compiled nor timed there, nor its one-row form
+        assert fused == 8 and report["fused_layers"]["choice"] == "fused layers"
+        for bucket in (1, 2, 4):
+            assert report["decode"]["buckets"][bucket] == {"choice": "eager", "reason": choice_module.FUSED_ROWS}
         assert report["gemv"]["reason"] == choice_module.ONE_ROW_UNUSED and report["gemv"]["ms"] is None
     for role in ROLES:
         for bucket, r in report[role]["buckets"].items():
-            if fused and (role, bucket) == ("decode", 1):
+            if fused and role == "decode":
                 continue
             assert r["compiled_ms"] > 0 and r["eager_ms"] > 0 and r["first_call_ms"] > 0, (role, bucket)
             gain = 1 - r["compiled_ms"] / r["eager_ms"]

@@ -1,7 +1,7 @@
-"""The fused one-token decoder layers (kernels/cpu/fused_layer.py, layer.cpp): forward's answer and KV
-writes against its operator-by-operator path (float weights, and weights in GGUF blocks, one format or a
-Split of two), when a step takes them, and the op's refusals (HF parity of a whole engine on them:
-tests/engine/test_parity.py)."""
+"""The fused decode layers (kernels/cpu/fused_layer.py, layer.cpp): forward's answer and KV writes against
+its operator-by-operator path (one token, or one each of up to 8 sequences; float weights, and weights in
+GGUF blocks, one format or a Split of two), when a step takes them, and the op's refusals (HF parity of a
+whole engine on them: tests/engine/test_parity.py)."""
 from __future__ import annotations
 
 import dataclasses
@@ -64,13 +64,28 @@ def one_token(ctx: int) -> dict[str, torch.Tensor]:
             "query_start_loc": torch.tensor([0, 1])}
 
 
-def run_both(arch: str, dtype: torch.dtype, ctx: int, built=None):
-    """(fused, operators): forward's output and the KV cache after it, from the same filled cache; built:
-    (cfg, weights) of LAYERS layers of D-sized heads (default: model(arch, dtype))."""
+def tokens(ctxs: list[int]) -> dict[str, torch.Tensor]:
+    """The metadata of one decode token in each of len(ctxs) sequences, sequence i at position ctxs[i] - 1
+    in its own blocks (out of order; 0: a padding sequence, stored nowhere, attending nothing)."""
+    tables = [[(7 * (6 * i + j) + 3) % 48 for j in range(6)] for i in range(len(ctxs))]   # 48 blocks, none shared
+    pos = [max(ctx - 1, 0) for ctx in ctxs]
+    slots = [t[p // BLOCK] * BLOCK + p % BLOCK if ctx else -1 for t, p, ctx in zip(tables, pos, ctxs)]
+    return {"input_ids": torch.arange(7, 7 + len(ctxs)), "positions": torch.tensor(pos),
+            "slot_mapping": torch.tensor(slots), "block_tables": torch.tensor(tables),
+            "seq_lens": torch.tensor(ctxs), "query_start_loc": torch.arange(len(ctxs) + 1)}
+
+
+def run_both(arch: str, dtype: torch.dtype, ctx: int | list[int], built=None):
+    """(fused, operators): forward's output and the KV cache after it, from the same filled cache, for one
+    token at position ctx - 1 (a list: one token each of several sequences, `tokens`); built: (cfg,
+    weights) of LAYERS layers of D-sized heads (default: model(arch, dtype))."""
     cfg, w = built or model(arch, dtype)
-    shape = KVShape(num_layers=LAYERS, num_blocks=8, block_size=BLOCK, num_kv_heads=HKV, head_dim=D)
+    several = isinstance(ctx, list)
+    shape = KVShape(num_layers=LAYERS, num_blocks=48 if several else 8, block_size=BLOCK, num_kv_heads=HKV,
+                    head_dim=D)
     filled = torch.randn(shape.numel, generator=torch.Generator().manual_seed(1)).to(dtype)
-    rope, meta, shard = cos_sin_table(D, 512, 10000.0), one_token(ctx), RankShard.full(cfg)
+    rope, shard = cos_sin_table(D, 512, 10000.0), RankShard.full(cfg)
+    meta = tokens(ctx) if several else one_token(ctx)
     results = []
     for fused in (True, False):
         kv = KVView(filled.clone(), shape)
@@ -85,6 +100,24 @@ def test_fused_layers_give_the_operators_answer(arch, ctx):
     (out, kv), (want, want_kv) = run_both(arch, torch.float32, ctx)
     torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(kv, want_kv, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("arch", ["LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"])
+@pytest.mark.parametrize("ctxs", [[40, 1], [40, 1, 17, 90, 3], [40, 1, 17, 90, 3, 16, 0, 33]])
+def test_several_sequences_give_the_operators_answer(arch, ctxs):
+    """One token each of 2, 5 and 8 sequences (the last with a padding one): every row as the operators
+    give it, each token's K/V in its own sequence's blocks."""
+    (out, kv), (want, want_kv) = run_both(arch, torch.float32, ctxs)
+    assert out.shape == (len(ctxs), H)
+    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(kv, want_kv, rtol=1e-5, atol=1e-5)
+
+
+def test_several_sequences_in_bfloat16_round_as_the_operators():
+    """Bit for bit up to 4 rows, where the operators' products are the few-rows kernel's row dot too (more
+    rows take the wide kernel, whose sums add in another order)."""
+    (out, kv), (want, want_kv) = run_both("Qwen3ForCausalLM", torch.bfloat16, [40, 1, 17, 90])
+    assert torch.equal(out, want) and torch.equal(kv, want_kv)
 
 
 @pytest.mark.parametrize("arch", ["LlamaForCausalLM", "Qwen3ForCausalLM"])
@@ -181,8 +214,12 @@ def test_which_calls_run_fused(monkeypatch):
     F32 = torch.float32
     x, kv, tables = torch.zeros(1, H), torch.zeros(1, 1, 2, BLOCK, HKV, D), torch.zeros(1, 4, dtype=torch.long)
     assert fused_layer.serves(x, F32, 1, kv, tables)
-    assert not fused_layer.serves(torch.zeros(2, H), F32, 1, kv, tables)          # two tokens
+    assert not fused_layer.serves(torch.zeros(2, H), F32, 1, kv, tables)          # two tokens of one sequence
     assert not fused_layer.serves(x, F32, 1, kv, torch.zeros(2, 4, dtype=torch.long))   # two sequences
+    for seqs in (2, 8, 9):   # one token each of up to MAX_ROWS sequences
+        tables_of = torch.zeros(seqs, 4, dtype=torch.long)
+        assert fused_layer.serves(torch.zeros(seqs, H), F32, 1, kv, tables_of) == (seqs <= 8)
+    assert not fused_layer.serves(torch.zeros(2, H), torch.uint8, 1, kv, torch.zeros(2, 4, dtype=torch.long))
     assert not fused_layer.serves(x, F32, 2, kv, tables)                           # tensor-parallel partial sums
     assert not fused_layer.serves(x.half(), torch.float16, 1, kv, tables)
     assert fused_layer.serves(x, torch.uint8, 1, kv, tables)                    # weights in GGUF blocks
@@ -212,8 +249,16 @@ def test_the_op_names_what_it_refuses():
     call()
     with pytest.raises(RuntimeError, match=r"final_norm must be a contiguous CPU vector of 192 Float, got \[96\]"):
         call(final_norm=w.norm[:96])
-    with pytest.raises(RuntimeError, match=r"one token's contiguous CPU residual \[1, H\], got \[2, 192\]"):
+    with pytest.raises(RuntimeError, match=r"one token a sequence for the residual's 2, got 1 tokens and 1 seq"):
         call(residual=torch.zeros(2, H))
+    with pytest.raises(RuntimeError, match=r"residual \[M, H\], 1 <= M <= 8, got \[9, 192\]"):
+        call(residual=torch.zeros(9, H))
+    two = tokens([5, 9])
+    with pytest.raises(RuntimeError, match="weights in GGUF blocks take one token, got 2"):
+        last = w.layers[-1]
+        call(layers=[*w.layers[:-1], dataclasses.replace(last, down_proj=in_blocks(last.down_proj, "Q8_0", 0))],
+             residual=torch.zeros(2, H), meta=two, cos_sin=torch.zeros(2, D),
+             cache=torch.zeros(48, LAYERS, 2, BLOCK, HKV, D))
     with pytest.raises(RuntimeError, match="float32 or bfloat16, got Half"):
         call(residual=torch.zeros(1, H, dtype=torch.half))
     with pytest.raises(RuntimeError, match="down_proj must be a CPU \\[192, 320\\] weight"):

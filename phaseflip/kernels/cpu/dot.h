@@ -1,5 +1,5 @@
-// The dot product of one weight row with up to a few rows of x, and a range of weight rows so dotted
-// (`gemv_range`): what the few-rows product (gemv.cpp) and the one-token decoder layer
+// The dot product of weight rows with up to a few rows of x, and a range of weight rows so dotted
+// (`gemv_range`, `gemv_rows`): what the few-rows product (gemv.cpp) and the fused decode layers
 // (layer.cpp) stream the weights through, and x's rows as they read them (`dense_rows`). float32 or
 // bfloat16 weights; x float32, or bfloat16 where the CPU's bf16 pair-dot instruction serves
 // (Lanes<W>::X); sums in float32.
@@ -37,14 +37,15 @@ template <> struct Lanes<c10::BFloat16> {
 #endif
 
 // Independent sums per row of x: 2 with AVX-512's 32 registers; with AVX2's 16 registers of 8 lanes, 4
-// for up to 2 rows (an FMA's latency over its issue rate wants 8 in flight), else 2 (no spill)
-constexpr int dot_unroll(int m) { return pf::LANES == 16 || m > 2 ? 2 : 4; }
+// for up to 2 rows (an FMA's latency over its issue rate wants 8 in flight), 2 up to 4 rows, else 1 (no
+// spill)
+constexpr int dot_unroll(int m) { return pf::LANES == 16 ? 2 : m <= 2 ? 4 : m <= 4 ? 2 : 1; }
 
-// out[m] = sum_k w[k] * x[m][k]: one weight row read front to back (a single memory stream: 2, 4 or 8
-// rows read side by side are slower, software prefetch no faster), dot_unroll(M) independent
-// accumulators per row of x (one chain of dependent FMAs is slower, four no faster with AVX-512). The
-// unroll pragmas keep acc[][] in registers: without them GCC keeps it on the stack, a store and a
-// reload around every FMA
+// out[m] = sum_k w[k] * x[m][k]: one weight row read front to back (neighbouring rows read side by side
+// are slower: streams of one row each, too short for the prefetchers; software prefetch no faster),
+// dot_unroll(M) independent accumulators per row of x (one chain of dependent FMAs is slower, four no
+// faster with AVX-512). The unroll pragmas keep acc[][] in registers: without them GCC keeps it on the
+// stack, a store and a reload around every FMA
 template <typename W, int M>
 inline void row_dot(const W* w, const typename Lanes<W>::X* x, int64_t K, float* out) {
   using L = Lanes<W>;
@@ -102,13 +103,83 @@ const X* dense_rows(const at::Tensor& x, std::vector<X>& buf) {
   return buf.data();
 }
 
+#ifdef PF_LANES
+// Weight rows read in step by gemv_range at M rows of x: 4, or fewer where the R * M accumulators would
+// not fit the registers (16 with AVX-512's 32, 8 with AVX2's 16)
+constexpr int dot_parts(int m) {
+  const int fit = (pf::LANES == 16 ? 16 : 8) / m;
+  return fit < 1 ? 1 : fit > 4 ? 4 : fit;
+}
+
+// R weight rows `ld` apart (one of each of R parts) dotted with M rows of x at once, one accumulator each
+template <typename W, int M, int R>
+inline void rows_dot(const W* w, int64_t ld, const typename Lanes<W>::X* x, int64_t K, float* out) {
+  using L = Lanes<W>;
+  pf::vf acc[R][M];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 8
+    for (int m = 0; m < M; ++m) acc[r][m] = pf::zero();
+  int64_t k = 0;
+  for (; k + L::step <= K; k += L::step)
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r)
+#pragma GCC unroll 8
+      for (int m = 0; m < M; ++m) acc[r][m] = L::fma(acc[r][m], w + r * ld + k, x + m * K + k);
+  if (k < K)
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r)
+#pragma GCC unroll 8
+      for (int m = 0; m < M; ++m) acc[r][m] = L::fma_n(acc[r][m], w + r * ld + k, x + m * K + k, K - k);
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 8
+    for (int m = 0; m < M; ++m) out[r * M + m] = pf::sum(acc[r][m]);
+}
+#endif
+
+// y[m * N + n] = weight row n . x's row m for n in [n0, n1) and M rows of x: the range cut in
+// dot_parts(M) parts read in step (row i of each part at once, each part one stream forward through
+// memory; one row at a time leaves the memory idle while a row's sums finish), the tail row by row
 template <typename W, int M>
 void gemv_range(const W* w, int64_t ldw, const typename Lanes<W>::X* x, int64_t K, W* y, int64_t N, int64_t n0,
                 int64_t n1) {
   float part[M];
-  for (int64_t n = n0; n < n1; ++n) {
+  int64_t n = n0;
+#ifdef PF_LANES
+  constexpr int R = dot_parts(M);
+  if constexpr (R > 1) {
+    const int64_t len = (n1 - n0) / R;
+    float out[R * M];
+    for (int64_t i = 0; i < len; ++i) {
+      rows_dot<W, M, R>(w + (n0 + i) * ldw, len * ldw, x, K, out);
+      for (int r = 0; r < R; ++r)
+        for (int m = 0; m < M; ++m) y[m * N + n0 + i + r * len] = static_cast<W>(out[r * M + m]);
+    }
+    n = n0 + R * len;
+  }
+#endif
+  for (; n < n1; ++n) {
     row_dot<W, M>(w + n * ldw, x, K, part);
     for (int m = 0; m < M; ++m) y[m * N + n] = static_cast<W>(part[m]);
+  }
+}
+
+// gemv_range for M rows of x, M at run time (1 .. MAX_ROWS)
+constexpr int MAX_ROWS = 8;
+template <typename W>
+void gemv_rows(int M, const W* w, int64_t ldw, const typename Lanes<W>::X* x, int64_t K, W* y, int64_t N,
+               int64_t n0, int64_t n1) {
+  static_assert(MAX_ROWS == 8, "one case per row count up to MAX_ROWS");
+  switch (M) {
+    case 1: return gemv_range<W, 1>(w, ldw, x, K, y, N, n0, n1);
+    case 2: return gemv_range<W, 2>(w, ldw, x, K, y, N, n0, n1);
+    case 3: return gemv_range<W, 3>(w, ldw, x, K, y, N, n0, n1);
+    case 4: return gemv_range<W, 4>(w, ldw, x, K, y, N, n0, n1);
+    case 5: return gemv_range<W, 5>(w, ldw, x, K, y, N, n0, n1);
+    case 6: return gemv_range<W, 6>(w, ldw, x, K, y, N, n0, n1);
+    case 7: return gemv_range<W, 7>(w, ldw, x, K, y, N, n0, n1);
+    default: return gemv_range<W, 8>(w, ldw, x, K, y, N, n0, n1);
   }
 }
 

@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <vector>
 #include "blocks.h"
+#include "dot.h"
 
 namespace layer_weights {
 
@@ -129,11 +130,13 @@ std::vector<Weights<W>> checked(const LayerLists& L, const Dims& n, at::ScalarTy
   return ws;
 }
 
-// The layers' shapes, from the residual [1, H], the cache [blocks, layers, 2, block_size, Hkv, D] and the
+// The layers' shapes, from the residual [M, H], the cache [blocks, layers, 2, block_size, Hkv, D] and the
 // first layer's o and gate_up (each layer's weights are checked against them, `checked`)
 inline Dims dims_of(const at::Tensor& residual, const LayerLists& L, const at::Tensor& kv_cache, at::ScalarType dt) {
-  TORCH_CHECK(residual.dim() == 2 && residual.size(0) == 1 && residual.is_contiguous() && !residual.is_cuda(),
-              "decode_layers: one token's contiguous CPU residual [1, H], got ", residual.sizes());
+  TORCH_CHECK(residual.dim() == 2 && residual.size(0) >= 1 && residual.size(0) <= dot::MAX_ROWS &&
+                  residual.is_contiguous() && !residual.is_cuda(),
+              "decode_layers: the tokens' contiguous CPU residual [M, H], 1 <= M <= ", dot::MAX_ROWS, ", got ",
+              residual.sizes());
   TORCH_CHECK(!L.qkv.empty() && !L.o.empty() && !L.gate_up.empty() && !L.down.empty() && !L.gate_up_parts.empty(),
               "decode_layers: at least one layer");
   TORCH_CHECK(kv_cache.dim() == 6 && kv_cache.stride(5) == 1 && kv_cache.scalar_type() == dt &&

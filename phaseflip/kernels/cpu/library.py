@@ -3,12 +3,12 @@ this machine on first use, loaded as torch ops.
 
 Owns: `few_rows_op` (`phaseflip::cpu_few_rows_linear`), `paged_attention_op`
 (`phaseflip::cpu_paged_attention`: phaseflip::paged_attention in C++, every CPU step of float32 or
-bfloat16, eager or compiled), `decode_layers_op` (`phaseflip::cpu_decode_layers`: one token through the
-decoder layers, kernels/cpu/fused_layer.py), `quant_linear_op` (`phaseflip::cpu_quant_linear`: products on
-weights in a GGUF block format, kernels/cpu/quant.py), `moe_rows_op` (`phaseflip::cpu_moe_rows`: an MoE
-layer's experts for a few tokens in one parallel region, kernels/cpu/moe.py), each None where the kernels
-cannot be built or give a wrong answer, and `kernel_report` (whether they are there, why not, where they
-live, what the build cost).
+bfloat16, eager or compiled), `decode_layers_op` (`phaseflip::cpu_decode_layers`: a decode step's
+tokens through the decoder layers, kernels/cpu/fused_layer.py), `quant_linear_op`
+(`phaseflip::cpu_quant_linear`: products on weights in a GGUF block format, kernels/cpu/quant.py),
+`moe_rows_op` (`phaseflip::cpu_moe_rows`: an MoE layer's experts for a few tokens in one parallel region,
+kernels/cpu/moe.py), each None where the kernels cannot be built or give a wrong answer, and
+`kernel_report` (whether they are there, why not, where they live, what the build cost).
 
 Why a few-rows product of our own: a decode step's projections multiply one to four rows by every weight,
 a pass over the whole model that should run at the memory's read speed. Neither the library's GEMM
@@ -80,8 +80,8 @@ def paged_attention_op(dtype: torch.dtype):
 
 
 def decode_layers_op():
-    """torch.ops.phaseflip.cpu_decode_layers (layer.cpp: one token through a stack of decoder
-    layers); None where the kernels are not here (kernel_report)."""
+    """torch.ops.phaseflip.cpu_decode_layers (layer.cpp: one token each of up to 8 sequences through a
+    stack of decoder layers); None where the kernels are not here (kernel_report)."""
     return torch.ops.phaseflip.cpu_decode_layers if _loaded() else None
 
 
