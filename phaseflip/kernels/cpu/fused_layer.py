@@ -36,7 +36,8 @@ SURE_ROWS = 4
 def serves(residual: torch.Tensor, weight_dtype: torch.dtype, tp_size: int, kv_cache: torch.Tensor,
            block_tables: torch.Tensor, plain: bool = True) -> bool:
     """Whether forward's layers, their projections' weights of weight_dtype, run as one decode_layers call
-    (see the module's "When"); plain: every layer has a dense MLP and full attention."""
+    (see the module's "When"); plain: every layer has a dense MLP and full attention. As many tokens as
+    sequences is one token each: an eager step's metadata is exact-size, every sequence with a token."""
     if residual.is_cuda or torch.compiler.is_compiling() or kv_cache.dim() != 6:
         return False
     if weight_dtype not in (residual.dtype, torch.uint8):   # uint8: GGUF blocks

@@ -9,14 +9,13 @@
 // rank that holds the head, the final residual add + RMSNorm (forward's `_add_norm`). Each product streams
 // its weight once: float rows through dot.h's row dots, a GGUF file's blocks (its parts in their formats,
 // one token only) through qrow.h's, which quant.cpp's one-row product takes too (each thread prepares x
-// for it once a phase). Values are
-// rounded to the activations' dtype W where the reference's operators round (kernels/reference/norm.py,
-// rotary.py, activation.py), so bfloat16 follows eager torch's roundings (a norm's sum of squares is
-// added in another order than torch's, so a value can still land one rounding apart); float32 is
-// unaffected.
+// for it once a phase). Values are rounded to the activations' dtype W where the reference's operators
+// round (kernels/reference/norm.py, rotary.py, activation.py), so bfloat16 follows eager torch's roundings
+// (a norm's sum of squares is added in another order than torch's, so a value can still land one rounding
+// apart); float32 is unaffected.
 // Why: a small decode step streams its weights at the memory's speed, but between ~8 operators a layer
-// the threads meet at every join and the main thread's dispatch runs alone; even one call a layer leaves time outside
-// the region at every layer (parallel.h: a region with phases). Built and loaded by
+// the threads meet at every join and the main thread's dispatch runs alone; even one call a layer leaves
+// time outside the region at every layer (parallel.h: a region with phases). Built and loaded by
 // phaseflip/kernels/cpu/library.py with the other kernels; kernels/cpu/fused_layer.py decides when it runs.
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
