@@ -41,39 +41,55 @@ template <> struct Lanes<c10::BFloat16> {
 // spill)
 constexpr int dot_unroll(int m) { return pf::LANES == 16 ? 2 : m <= 2 ? 4 : m <= 4 ? 2 : 1; }
 
-// out[m] = sum_k w[k] * x[m][k]: one weight row read front to back (neighbouring rows read side by side
-// are slower: streams of one row each, too short for the prefetchers; software prefetch no faster),
-// dot_unroll(M) independent accumulators per row of x (one chain of dependent FMAs is slower, four no
-// faster with AVX-512). The unroll pragmas keep acc[][] in registers: without them GCC keeps it on the
-// stack, a store and a reload around every FMA
-template <typename W, int M>
-inline void row_dot(const W* w, const typename Lanes<W>::X* x, int64_t K, float* out) {
+// out[r * M + m] = weight row r (of R, `ld` apart) . x's row m, for M rows of x: each weight row read front
+// to back, U independent accumulators per (weight row, row of x). Neighbouring rows read side by side are
+// slower (streams of one row each, too short for the prefetchers; software prefetch no faster): R rows
+// are one of each of R parts (gemv_range). One row alone wants dot_unroll(M) accumulators (one chain of
+// dependent FMAs is slower, four no faster with AVX-512); R rows give R chains. The unroll pragmas keep
+// acc in registers: without them GCC keeps it on the stack, a store and a reload around every FMA
+template <typename W, int M, int R, int U>
+inline void rows_dot(const W* w, int64_t ld, const typename Lanes<W>::X* x, int64_t K, float* out) {
   using L = Lanes<W>;
-  constexpr int U = dot_unroll(M);
-  pf::vf acc[M][U];
+  pf::vf acc[R][M][U];
 #pragma GCC unroll 8
-  for (int m = 0; m < M; ++m)
+  for (int r = 0; r < R; ++r)
 #pragma GCC unroll 8
-    for (int u = 0; u < U; ++u) acc[m][u] = pf::zero();
+    for (int m = 0; m < M; ++m)
+#pragma GCC unroll 8
+      for (int u = 0; u < U; ++u) acc[r][m][u] = pf::zero();
   int64_t k = 0;
-  for (; k + U * L::step <= K; k += U * L::step) {
+  for (; k + U * L::step <= K; k += U * L::step)
 #pragma GCC unroll 8
     for (int u = 0; u < U; ++u)
 #pragma GCC unroll 8
-      for (int m = 0; m < M; ++m) acc[m][u] = L::fma(acc[m][u], w + k + u * L::step, x + m * K + k + u * L::step);
-  }
+      for (int r = 0; r < R; ++r)
+#pragma GCC unroll 8
+        for (int m = 0; m < M; ++m)
+          acc[r][m][u] = L::fma(acc[r][m][u], w + r * ld + k + u * L::step, x + m * K + k + u * L::step);
   for (; k + L::step <= K; k += L::step)
 #pragma GCC unroll 8
-    for (int m = 0; m < M; ++m) acc[m][0] = L::fma(acc[m][0], w + k, x + m * K + k);
+    for (int r = 0; r < R; ++r)
+#pragma GCC unroll 8
+      for (int m = 0; m < M; ++m) acc[r][m][0] = L::fma(acc[r][m][0], w + r * ld + k, x + m * K + k);
   if (k < K)
 #pragma GCC unroll 8
-    for (int m = 0; m < M; ++m) acc[m][0] = L::fma_n(acc[m][0], w + k, x + m * K + k, K - k);
+    for (int r = 0; r < R; ++r)
 #pragma GCC unroll 8
-  for (int m = 0; m < M; ++m) {
+      for (int m = 0; m < M; ++m) acc[r][m][0] = L::fma_n(acc[r][m][0], w + r * ld + k, x + m * K + k, K - k);
 #pragma GCC unroll 8
-    for (int u = 1; u < U; ++u) acc[m][0] = pf::add(acc[m][0], acc[m][u]);
-    out[m] = pf::sum(acc[m][0]);
-  }
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 8
+    for (int m = 0; m < M; ++m) {
+#pragma GCC unroll 8
+      for (int u = 1; u < U; ++u) acc[r][m][0] = pf::add(acc[r][m][0], acc[r][m][u]);
+      out[r * M + m] = pf::sum(acc[r][m][0]);
+    }
+}
+
+// out[m] = sum_k w[k] * x[m][k]: one weight row (rows_dot's, alone)
+template <typename W, int M>
+inline void row_dot(const W* w, const typename Lanes<W>::X* x, int64_t K, float* out) {
+  rows_dot<W, M, 1, dot_unroll(M)>(w, 0, x, K, out);
 }
 #else
 template <typename W> struct Lanes { using X = float; };
@@ -110,32 +126,6 @@ constexpr int dot_parts(int m) {
   const int fit = (pf::LANES == 16 ? 16 : 8) / m;
   return fit < 1 ? 1 : fit > 4 ? 4 : fit;
 }
-
-// R weight rows `ld` apart (one of each of R parts) dotted with M rows of x at once, one accumulator each
-template <typename W, int M, int R>
-inline void rows_dot(const W* w, int64_t ld, const typename Lanes<W>::X* x, int64_t K, float* out) {
-  using L = Lanes<W>;
-  pf::vf acc[R][M];
-#pragma GCC unroll 8
-  for (int r = 0; r < R; ++r)
-#pragma GCC unroll 8
-    for (int m = 0; m < M; ++m) acc[r][m] = pf::zero();
-  int64_t k = 0;
-  for (; k + L::step <= K; k += L::step)
-#pragma GCC unroll 8
-    for (int r = 0; r < R; ++r)
-#pragma GCC unroll 8
-      for (int m = 0; m < M; ++m) acc[r][m] = L::fma(acc[r][m], w + r * ld + k, x + m * K + k);
-  if (k < K)
-#pragma GCC unroll 8
-    for (int r = 0; r < R; ++r)
-#pragma GCC unroll 8
-      for (int m = 0; m < M; ++m) acc[r][m] = L::fma_n(acc[r][m], w + r * ld + k, x + m * K + k, K - k);
-#pragma GCC unroll 8
-  for (int r = 0; r < R; ++r)
-#pragma GCC unroll 8
-    for (int m = 0; m < M; ++m) out[r * M + m] = pf::sum(acc[r][m]);
-}
 #endif
 
 // y[m * N + n] = weight row n . x's row m for n in [n0, n1) and M rows of x: the range cut in
@@ -152,7 +142,7 @@ void gemv_range(const W* w, int64_t ldw, const typename Lanes<W>::X* x, int64_t 
     const int64_t len = (n1 - n0) / R;
     float out[R * M];
     for (int64_t i = 0; i < len; ++i) {
-      rows_dot<W, M, R>(w + (n0 + i) * ldw, len * ldw, x, K, out);
+      rows_dot<W, M, R, 1>(w + (n0 + i) * ldw, len * ldw, x, K, out);
       for (int r = 0; r < R; ++r)
         for (int m = 0; m < M; ++m) y[m * N + n0 + i + r * len] = static_cast<W>(out[r * M + m]);
     }
