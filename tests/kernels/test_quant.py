@@ -54,7 +54,7 @@ def test_matches_gguf_dequantize_then_f_linear(op, name, dtype, rows):
     x = torch.randn(rows, 768, generator=torch.Generator().manual_seed(rows)).to(dtype)
     got = quant.quant_linear(x, blocks, fmt)
     # bf16 x with integer products (AVX512-VNNI): the kernel multiplies x rounded to int8 per block
-    want = F.linear(quant.quantize_rows_int8(x) if quant.int8_x(fmt, dtype) else x.float(), w)
+    want = F.linear(quant.quantize_rows_int8(x, fmt) if quant.int8_x(fmt, dtype) else x.float(), w)
     assert got.dtype == dtype and got.shape == (rows, 102)
     tol = 1e-4 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(got.float(), want, rtol=tol, atol=tol * want.abs().max().item())
@@ -65,7 +65,7 @@ def test_a_strided_x_and_no_rows(op):
     blocks, w = _blocks(fmt, 40, 64, seed=1)
     for rows in (6, 20):                         # the few-rows and the wide forms
         x = torch.randn(64, rows).t()            # rows 1 apart, values `rows` apart
-        seen = quant.quantize_rows_int8(x) if quant.int8_x(fmt, x.dtype) else x
+        seen = quant.quantize_rows_int8(x, fmt) if quant.int8_x(fmt, x.dtype) else x
         torch.testing.assert_close(quant.quant_linear(x, blocks, fmt), F.linear(seen, w), rtol=1e-4, atol=1e-4)
     assert quant.quant_linear(torch.empty(0, 64), blocks, fmt).shape == (0, 40)
 

@@ -1,11 +1,16 @@
-// Products of GGUF blocks (blocks.h) with a few rows of activations quantized to int8 per run of 32
-// values (llama.cpp's approach, public knowledge): AVX512-VNNI's vpdpbusd multiplies 32 unsigned bytes
-// by 32 signed ones and sums them four at a time into 8 int32 lanes (256-bit vectors: single-pumped on
-// Zen 4), which a run's scales turn into float32. With the activations' run scale dx and q = round(x / dx):
+// Products of GGUF blocks (blocks.h) with a few rows of activations quantized to int8 per block of the
+// weights' format, 32 or 256 values (llama.cpp's approach, public knowledge: its Q8_0 and Q8_K):
+// AVX512-VNNI's vpdpbusd multiplies 32 unsigned bytes by 32 signed ones and sums them four at a time into
+// 8 int32 lanes (256-bit vectors: single-pumped on Zen 4), which a run's scales turn into float32. With
+// x's scale dx and q = round(x / dx):
 // - most formats give each run's weights as w = a * u + c, u unsigned (< 64): the run's dot is
-//   a * dx * sum(u * q) + c * dx * sum(q) (Q4_0, Q4_1, Q5_0, Q5_1: a block; Q4_K: a run of its block);
-// - Q8_0 and Q6_K give signed w (Q6_K's q - 32) and a scale for each 16 values: sum(|w| * sign(w) q)
-//   per lane, times its lane's scale (lanes 0-3 hold values 0-15, 4-7 values 16-31).
+//   a * dx * sum(u * q) + c * dx * sum(q) (Q4_0, Q4_1, Q5_0, Q5_1: a block);
+// - Q4_K's runs share dx (one per 256 values): each run's u8 x s8 products summed in int16 pairs times the
+//   run's 6-bit scale add up in int32 across the block, one float conversion a block (dot_k4);
+// - Q6_K's runs share dx too: each run's unsigned 6-bit q times x in int16 pairs times the int8 scale of
+//   its 16 values, in int32 across the block, the 32 taken from every q through x's sums per 16 (dot_k6);
+// - Q8_0 (and Q6_K in int8_wide.h) give signed w (Q6_K's q - 32) and a scale for each 16 values:
+//   sum(|w| * sign(w) q) per lane, times its lane's scale (lanes 0-3 hold values 0-15, 4-7 values 16-31).
 // A weight row's blocks are read once for all rows of x. Included by qrow.h and quant.cpp; compiled where the
 // CPU has AVX512-VNNI, -VL and -BW (PF_INT8_DOT), else quant.cpp keeps its float32 paths.
 #pragma once
@@ -27,26 +32,39 @@ inline float half(const uint8_t* p) {
   return _cvtsh_ss(h);
 }
 
-// Rows of x [M, K] (dense float32) quantized per run of 32: q int8, the run's scale d = max|x| / 127,
-// and s = d * sum(q), runs in x's order (run i at x + i * 32)
+// Rows of x [M, K] (dense float32) quantized per `group` values (32, or 256 for the K formats; K a multiple of
+// it):
+// q int8, the group's scale max|x| / 127 as d of each of its runs of 32, s = d * sum(q) per run and sum16
+// the integer sum(q) of each 16 values, runs in x's order (run i at x + i * 32)
 struct Rows {
   std::vector<int8_t> q;
   std::vector<float> d, s;
+  std::vector<int16_t> sum16;
+  int64_t group = QK;
 
-  void quantize(const float* x, int64_t M, int64_t K) {
-    const int64_t runs = M * K / QK;
+  void quantize(const float* x, int64_t M, int64_t K, int64_t values) {
+    const int64_t runs = M * K / QK, per = values / QK;
+    group = values;
     q.resize(M * K);
     d.resize(runs);
     s.resize(runs);
-    for (int64_t i = 0; i < runs; ++i) {
-      const __m512 a = _mm512_loadu_ps(x + i * QK), b = _mm512_loadu_ps(x + i * QK + 16);
-      const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
+    sum16.resize(2 * runs);
+    for (int64_t g = 0; g < runs; g += per) {
+      __m512 top = _mm512_setzero_ps();
+      for (int64_t v = g * QK; v < (g + per) * QK; v += 16)
+        top = _mm512_max_ps(top, _mm512_abs_ps(_mm512_loadu_ps(x + v)));
+      const float amax = _mm512_reduce_max_ps(top);
       const __m512 inv = _mm512_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
-      const __m512i qa = _mm512_cvtps_epi32(_mm512_mul_ps(a, inv)), qb = _mm512_cvtps_epi32(_mm512_mul_ps(b, inv));
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(q.data() + i * QK), _mm512_cvtsepi32_epi8(qa));
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(q.data() + i * QK + 16), _mm512_cvtsepi32_epi8(qb));
-      d[i] = amax / 127.f;
-      s[i] = d[i] * static_cast<float>(_mm512_reduce_add_epi32(_mm512_add_epi32(qa, qb)));
+      for (int64_t i = g; i < g + per; ++i) {
+        const __m512 a = _mm512_loadu_ps(x + i * QK), b = _mm512_loadu_ps(x + i * QK + 16);
+        const __m512i qa = _mm512_cvtps_epi32(_mm512_mul_ps(a, inv)), qb = _mm512_cvtps_epi32(_mm512_mul_ps(b, inv));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(q.data() + i * QK), _mm512_cvtsepi32_epi8(qa));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(q.data() + i * QK + 16), _mm512_cvtsepi32_epi8(qb));
+        sum16[2 * i] = static_cast<int16_t>(_mm512_reduce_add_epi32(qa));
+        sum16[2 * i + 1] = static_cast<int16_t>(_mm512_reduce_add_epi32(qb));
+        d[i] = amax / 127.f;
+        s[i] = d[i] * static_cast<float>(sum16[2 * i] + sum16[2 * i + 1]);
+      }
     }
   }
 
@@ -93,19 +111,6 @@ inline __m256i run(blocks::Q4_K, const uint8_t* b, int s, float& a, float& c) {
   return low4(s & 1 ? _mm256_srli_epi16(q, 4) : q);
 }
 
-// Q4_K's 8 runs' scales d * sc (lane s: run s) and offsets -dmin * mn of block b at once: the 12 bytes of
-// 6-bit sc and mn as three 32-bit words, four runs' values a word (what scale_min_k4 takes one at a time)
-inline void k4_scales(const uint8_t* b, __m256& scale, __m256& offset) {
-  uint32_t u[3];
-  __builtin_memcpy(u, b + 4, 12);
-  constexpr uint32_t six = 0x3f3f3f3f, four = 0x0f0f0f0f, two = 0x03030303;
-  const uint64_t sc = (u[0] & six) | uint64_t((u[2] & four) | (((u[0] >> 6) & two) << 4)) << 32;
-  const uint64_t mn = (u[1] & six) | uint64_t(((u[2] >> 4) & four) | (((u[1] >> 6) & two) << 4)) << 32;
-  const auto lanes = [](uint64_t v) { return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(v))); };
-  scale = _mm256_mul_ps(_mm256_set1_ps(half(b)), lanes(sc));
-  offset = _mm256_mul_ps(_mm256_set1_ps(-half(b + 2)), lanes(mn));
-}
-
 // Signed runs: w int8, and the scale of each int32 lane of a product
 inline __m256i run(blocks::Q8_0, const uint8_t* b, int, __m256& scale) {
   scale = _mm256_set1_ps(half(b));
@@ -129,8 +134,19 @@ inline float total(__m256 v) {
   return _mm_cvtss_f32(_mm_add_ss(q2, _mm_movehdup_ps(q2)));
 }
 
-// Q4_K's dot (as dot_runs below): a block's 8 scales and offsets at once, then each run's integer sum; the
-// offsets' term sum(-dmin * mn * dx * sum(q)) as one 8-lane product a block
+// Q4_K's 6-bit scales sc and mins mn of block b's 8 runs as 8 bytes each (byte s: run s's), from its 12 bytes
+// as three 32-bit words, four runs' values a word (what scale_min_k4 takes one at a time)
+inline void k4_bytes(const uint8_t* b, uint64_t& sc, uint64_t& mn) {
+  uint32_t u[3];
+  __builtin_memcpy(u, b + 4, 12);
+  constexpr uint32_t six = 0x3f3f3f3f, four = 0x0f0f0f0f, two = 0x03030303;
+  sc = (u[0] & six) | uint64_t((u[2] & four) | (((u[0] >> 6) & two) << 4)) << 32;
+  mn = (u[1] & six) | uint64_t(((u[2] >> 4) & four) | (((u[1] >> 6) & two) << 4)) << 32;
+}
+
+// Q4_K's dot (as dot_runs below) with x quantized per 256 (x.d the same over a block's 8 runs): each run's
+// u8 x s8 products summed in pairs (int16), times its 6-bit scale and summed in int32 across the block's 8
+// runs; one float conversion and FMA a block (d * dx), the offsets' term as one 8-lane FMA a block
 template <int M, int R>
 inline void dot_k4(const uint8_t* row, int64_t ld, int64_t runs, const Rows& x, float* out) {
   __m256 acc[R][M], extra[R][M];
@@ -142,24 +158,32 @@ inline void dot_k4(const uint8_t* row, int64_t ld, int64_t runs, const Rows& x, 
 #pragma GCC unroll 4
     for (int r = 0; r < R; ++r) {
       const uint8_t* blk = row + r * ld + b * blocks::Q4_K::bytes;
-      __m256 scale, offset;
-      k4_scales(blk, scale, offset);
-      alignas(32) float a[M][8];   // run s's scale times x's run scale, for each row of x
+      uint64_t sc, mn;
+      k4_bytes(blk, sc, mn);
+      const __m256i s32 = _mm256_cvtepu8_epi32(_mm_cvtsi64_si128(static_cast<int64_t>(sc)));
+      alignas(32) int32_t pair[8];   // run s's scale in both int16 halves of a 32-bit word
+      _mm256_store_si256(reinterpret_cast<__m256i*>(pair), _mm256_or_si256(s32, _mm256_slli_epi32(s32, 16)));
+      const __m256i m32 = _mm256_cvtepu8_epi32(_mm_cvtsi64_si128(static_cast<int64_t>(mn)));
+      const __m256 offset = _mm256_mul_ps(_mm256_set1_ps(-half(blk + 2)), _mm256_cvtepi32_ps(m32));
+      const float d = half(blk);
+      __m256i isum[M][2];
 #pragma GCC unroll 8
-      for (int m = 0; m < M; ++m) {
-        const int64_t j = m * runs + b * 8;
-        _mm256_store_ps(a[m], _mm256_mul_ps(scale, _mm256_loadu_ps(x.d.data() + j)));
-        extra[r][m] = _mm256_fmadd_ps(offset, _mm256_loadu_ps(x.s.data() + j), extra[r][m]);
-      }
+      for (int m = 0; m < M; ++m) isum[m][0] = isum[m][1] = _mm256_setzero_si256();
 #pragma GCC unroll 8
       for (int s = 0; s < 8; ++s) {
         const __m256i q = load32(blk + 16 + (s / 2) * 32);
         const __m256i u = low4(s & 1 ? _mm256_srli_epi16(q, 4) : q);
 #pragma GCC unroll 8
-        for (int m = 0; m < M; ++m) {
-          const __m256i sum = _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, x.run(m * runs + b * 8 + s));
-          acc[r][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_set1_ps(a[m][s]), acc[r][m]);
-        }
+        for (int m = 0; m < M; ++m)
+          isum[m][s & 1] = _mm256_dpwssd_epi32(isum[m][s & 1], _mm256_maddubs_epi16(u, x.run(m * runs + b * 8 + s)),
+                                               _mm256_set1_epi32(pair[s]));
+      }
+#pragma GCC unroll 8
+      for (int m = 0; m < M; ++m) {
+        const int64_t j = m * runs + b * 8;
+        acc[r][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(isum[m][0], isum[m][1])),
+                                    _mm256_set1_ps(d * x.d[j]), acc[r][m]);
+        extra[r][m] = _mm256_fmadd_ps(offset, _mm256_loadu_ps(x.s.data() + j), extra[r][m]);
       }
     }
   }
@@ -167,6 +191,66 @@ inline void dot_k4(const uint8_t* row, int64_t ld, int64_t runs, const Rows& x, 
   for (int r = 0; r < R; ++r)
 #pragma GCC unroll 8
     for (int m = 0; m < M; ++m) out[r * M + m] = total(_mm256_add_ps(acc[r][m], extra[r][m]));
+}
+
+// Q6_K's dot with x quantized per 256 (x.d the same over a block's 8 runs): each run's unsigned 6-bit q
+// times x summed in int16 pairs, times the int8 scale of its 16 values (lanes 0-3 and 4-7 of the int32
+// sums), summed in int32 across the block; the 32 taken from every q as -32 * sc * sum(x's q) for each
+// 16 values (x.sum16) at the block's end; one float conversion and FMA a block (d * dx)
+template <int M, int R>
+inline void dot_k6(const uint8_t* row, int64_t ld, int64_t runs, const Rows& x, float* out) {
+  __m256 acc[R][M];
+#pragma GCC unroll 4
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 8
+    for (int m = 0; m < M; ++m) acc[r][m] = _mm256_setzero_ps();
+  const __m256i low = _mm256_set1_epi8(0x0F), bits45 = _mm256_set1_epi8(0x30);
+  for (int64_t b = 0; b < runs / 8; ++b) {
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) {
+      const uint8_t* blk = row + r * ld + b * blocks::Q6_K::bytes;
+      const __m128i sc = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 192));
+      __m256i pairs[2];   // scale g (of values 16g .. 16g + 15) in both int16 halves of word g % 8
+#pragma GCC unroll 2
+      for (int h = 0; h < 2; ++h) {
+        const __m256i v = _mm256_cvtepi8_epi32(h ? _mm_srli_si128(sc, 8) : sc);
+        pairs[h] = _mm256_or_si256(_mm256_and_si256(v, _mm256_set1_epi32(0xFFFF)), _mm256_slli_epi32(v, 16));
+      }
+      const __m256i sc16 = _mm256_cvtepi8_epi16(sc);
+      const float d = half(blk + 208);
+      __m256i isum[M][2];
+#pragma GCC unroll 8
+      for (int m = 0; m < M; ++m) isum[m][0] = isum[m][1] = _mm256_setzero_si256();
+#pragma GCC unroll 8
+      for (int s = 0; s < 8; ++s) {
+        const blocks::Q6_K::Sub sub = blocks::Q6_K::sub(blk, s);
+        const int t = s % 4;
+        const __m256i lo = _mm256_and_si256(shift_right(load32(sub.low), sub.low_shift), low);
+        const __m256i h = load32(sub.high);   // bit pair t at bits 4-5
+        const __m256i hi =
+            _mm256_and_si256(t < 2 ? _mm256_slli_epi16(h, 4 - 2 * t) : _mm256_srli_epi16(h, 2 * t - 4), bits45);
+        const __m256i u = _mm256_or_si256(lo, hi);
+        const __m256i scale = _mm256_permutevar8x32_epi32(
+            pairs[s / 4], _mm256_set_epi32(2 * t + 1, 2 * t + 1, 2 * t + 1, 2 * t + 1, 2 * t, 2 * t, 2 * t, 2 * t));
+#pragma GCC unroll 8
+        for (int m = 0; m < M; ++m)
+          isum[m][s & 1] =
+              _mm256_dpwssd_epi32(isum[m][s & 1], _mm256_maddubs_epi16(u, x.run(m * runs + b * 8 + s)), scale);
+      }
+#pragma GCC unroll 8
+      for (int m = 0; m < M; ++m) {
+        const int64_t j = m * runs + b * 8;
+        const __m256i sums = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.sum16.data() + 2 * j));
+        const __m256i offset = _mm256_slli_epi32(_mm256_madd_epi16(sc16, sums), 5);
+        const __m256i sum = _mm256_sub_epi32(_mm256_add_epi32(isum[m][0], isum[m][1]), offset);
+        acc[r][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_set1_ps(d * x.d[j]), acc[r][m]);
+      }
+    }
+  }
+#pragma GCC unroll 4
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 8
+    for (int m = 0; m < M; ++m) out[r * M + m] = total(acc[r][m]);
 }
 
 // out[r * M + m] = (weight row r of R, `ld` bytes apart, each `runs` runs of 32 in blocks of format B) .
@@ -220,11 +304,13 @@ inline void dot_runs(const uint8_t* row, int64_t ld, int64_t runs, const Rows& x
     for (int m = 0; m < M; ++m) out[r * M + m] = total(acc[r][m]) + extra[r][m];
 }
 
-// dot_runs's product, by dot_k4 for Q4_K
+// dot_runs's product, by dot_k4 for Q4_K and dot_k6 for Q6_K
 template <typename B, int M, int R = 1>
 inline void dot(const uint8_t* row, int64_t ld, int64_t runs, const Rows& x, float* out) {
   if constexpr (std::is_same_v<B, blocks::Q4_K>)
     dot_k4<M, R>(row, ld, runs, x, out);
+  else if constexpr (std::is_same_v<B, blocks::Q6_K>)
+    dot_k6<M, R>(row, ld, runs, x, out);
   else
     dot_runs<B, M, R>(row, ld, runs, x, out);
 }
@@ -232,7 +318,8 @@ inline void dot(const uint8_t* row, int64_t ld, int64_t runs, const Rows& x, flo
 // y[m * ldy + n] = weight row n (of N, `ld` bytes apart) . x's row m, for M rows of x. R = 4 / M weight
 // rows side by side, so that ~4 accumulators' chains overlap: the rows cut in R parts read in step, row i
 // of each part at once, each part one stream forward through memory (R neighbouring rows would be R
-// streams of one row each, too short for the hardware's prefetchers to follow)
+// streams of one row each, too short for the hardware's prefetchers to follow). x quantized per block of B's
+// values (Rows::quantize with B::values_per)
 template <typename B, int M, typename Y>
 inline void rows(const uint8_t* w, int64_t ld, int64_t N, int64_t runs, const Rows& x, Y* y, int64_t ldy) {
   constexpr int R = M < 4 ? 4 / M : 1;

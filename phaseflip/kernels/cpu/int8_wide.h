@@ -1,4 +1,4 @@
-// Products of GGUF blocks with many rows of x quantized to int8 per run of 32 (int8.h's Rows): the
+// Products of GGUF blocks with many rows of x quantized to int8 (int8.h's Rows, d and s per run): the
 // integer form of quant.cpp's wide products, on AVX512-VNNI. Sixteen weight rows at a time are unpacked
 // into this thread's buffer (`Group`) as unsigned bytes u with w = a * u + c per run (Q8_0's signed
 // bytes shifted by 128, Q6_K's by 32, whose a and c change every 16 values), laid out so that one 64-byte

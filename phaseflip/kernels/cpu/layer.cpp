@@ -92,7 +92,7 @@ void rotate(const W* x, W* out, const float* cos_sin, int64_t d) {
 // its own, before its products
 template <typename W>
 void prepare(const Proj& w, const typename Scratch<W>::X* x, int64_t K, qrow::Input& in) {
-  if (w.blocks) in.set<W>(x, K);
+  if (w.blocks()) in.set<W>(x, K, w.blocks32, w.blocks256);
 }
 
 // Columns [r.begin, r.end) of y's M rows (ldy apart) = w's rows . x's M rows (K values each), each part's
@@ -264,7 +264,7 @@ std::tuple<at::Tensor, at::Tensor> decode_layers_as(const at::Tensor& residual, 
   paged::check(b, caches[0]);   // every layer's cache has the first's blocks
   const std::vector<Weights<W>> ws = layer_weights::checked<W>(lists, n, dt);
   for (const Weights<W>& w : ws)
-    TORCH_CHECK(M == 1 || !(w.qkv.blocks || w.o.blocks || w.gate_up.blocks || w.down.blocks),
+    TORCH_CHECK(M == 1 || !(w.qkv.blocks() || w.o.blocks() || w.gate_up.blocks() || w.down.blocks()),
                 "decode_layers: weights in GGUF blocks take one token, got ", M);
   const W* norm = nullptr;
   if (final_norm.has_value()) {

@@ -26,7 +26,8 @@ struct Part {
 };
 struct Proj {
   std::vector<Part> parts;
-  bool blocks = false;   // a part is GGUF blocks: x is prepared for their dot (qrow::Input)
+  bool blocks32 = false, blocks256 = false;   // a part is GGUF blocks of 32 / 256 values: x is prepared for
+  bool blocks() const { return blocks32 || blocks256; }   // their dot (qrow::Input)
 };
 
 template <typename W>
@@ -74,7 +75,10 @@ inline Proj proj_of(at::TensorList list, size_t* next, int64_t count, int64_t ro
     const at::Tensor& t = list[(*next)++];
     const int64_t here = j + 1 < count ? std::min<int64_t>(t.dim() ? t.size(0) : 0, left) : left;
     w.parts.push_back(part_of(t, here, cols, name, dtype));
-    w.blocks = w.blocks || w.parts.back().type != 0;
+    if (const int64_t type = w.parts.back().type) {
+      const int64_t values = blocks::with_format(type, [](auto b) { return decltype(b)::values_per; });
+      (values == blocks::QK ? w.blocks32 : w.blocks256) = true;
+    }
     left -= here;
   }
   TORCH_CHECK(left == 0, "decode_layers: the parts of ", name, " hold fewer than its ", rows, " rows");

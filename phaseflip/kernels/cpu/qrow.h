@@ -1,9 +1,9 @@
 // One weight row in a GGUF block format (blocks.h) dotted with rows of x: decoded into float32
 // (`decode_row`), decoded in registers and multiplied with up to a few rows of float32 x as it is
-// (`fused_dot`), and one row of x as a one-token product reads it (`Input`, `dots`): bfloat16 x quantized
-// to int8 per run of 32 for integer products where the CPU has AVX512-VNNI (`int8_x`, int8.h), float32 x
-// as it is. quant.cpp's products and the fused one-token decoder layers (layer.cpp) share these, so a
-// token's product has one answer whichever of them runs it.
+// (`fused_dot`), and one row of x as a one-token product reads it (`Input`, `dots`): bfloat16 x quantized to
+// int8 per block of the weights' format (32 or 256 values) for integer products where the CPU has
+// AVX512-VNNI (`int8_x`, int8.h), float32 x as it is. quant.cpp's products and the fused one-token decoder
+// layers (layer.cpp) share these, so a token's product has one answer whichever of them runs it.
 #pragma once
 #include <cstdint>
 #include <type_traits>
@@ -60,9 +60,9 @@ void fused_dot(const uint8_t* row, int64_t K, const float* x, float* out) {
 }
 #endif
 
-// Whether x of type X is quantized to int8 per run of 32 for its products with blocks: bfloat16 x (its
-// values already rounded) where the CPU has the integer dot (int8.h); float32 x never (its products are
-// those of the decoded weights, as the reference computes them)
+// Whether x of type X is quantized to int8 (per block of the weights' values) for its products with blocks:
+// bfloat16 x (its values already rounded) where the CPU has the integer dot (int8.h); float32 x never (its
+// products are those of the decoded weights, as the reference computes them)
 template <typename X>
 #ifdef PF_INT8_DOT
 constexpr bool int8_x = !std::is_same_v<X, float>;
@@ -70,22 +70,26 @@ constexpr bool int8_x = !std::is_same_v<X, float>;
 constexpr bool int8_x = false;
 #endif
 
-// One row of x (K values) as `dot` reads it: int8 runs where int8_x of the activations' type A, else float32
+// One row of x (K values) as `dot` reads it: int8 where int8_x of the activations' type A, quantized per 32
+// and per 256 values as the formats that will read it need (`set`'s flags), else float32
 struct Input {
   int64_t K = 0;
   bool int8 = false;
   std::vector<float> f;
 #ifdef PF_INT8_DOT
-  int8dot::Rows q;
+  int8dot::Rows q32, q256;
+  const int8dot::Rows& per(int64_t values) const { return values == QK ? q32 : q256; }
 #endif
-  // x's values of activations of type A, held as X (a bf16 step may hold them widened to float32)
+  // x's values of activations of type A, held as X (a bf16 step may hold them widened to float32), for
+  // blocks of 32 values (per32) and of 256 (per256)
   template <typename A, typename X>
-  void set(const X* x, int64_t k) {
+  void set(const X* x, int64_t k, bool per32, bool per256) {
     K = k, int8 = int8_x<A>;
     f.resize(k);
     for (int64_t i = 0; i < k; ++i) f[i] = static_cast<float>(x[i]);
 #ifdef PF_INT8_DOT
-    if (int8) q.quantize(f.data(), 1, k);
+    if (int8 && per32) q32.quantize(f.data(), 1, k, QK);
+    if (int8 && per256) q256.quantize(f.data(), 1, k, 256);
 #endif
   }
 };
@@ -95,7 +99,7 @@ struct Input {
 template <typename B, typename O>
 void dots(const uint8_t* rows, int64_t ld, int64_t N, const Input& x, O* out) {
 #ifdef PF_INT8_DOT
-  if (x.int8) return int8dot::rows<B, 1>(rows, ld, N, x.K / QK, x.q, out, 0);
+  if (x.int8) return int8dot::rows<B, 1>(rows, ld, N, x.K / QK, x.per(B::values_per), out, 0);
 #endif
   for (int64_t n = 0; n < N; ++n) {
     float one;

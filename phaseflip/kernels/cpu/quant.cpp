@@ -1,19 +1,18 @@
-// Products x @ W^T with W in a GGUF block format, as the file holds it: each weight row a run of
-// blocks, each block scales and small integers (the formats: blocks.h).
-// x [M, K] float32 or bfloat16 (the output is x's dtype), float32 sums. The weight is read once a
-// product, at its quantized size: what a decode step's time is (it reads every weight).
-// bfloat16 x, where the CPU has AVX512-VNNI (qrow::int8_x), is quantized to int8 per run of 32 at every
-// row count (llama.cpp's approach) and multiplied by integer dot products: up to FEW_ROWS rows of x, each
-// weight row's blocks read once for all of them (int8.h); more, sixteen weight rows at a time unpacked
-// into L1 for an integer register tile (int8_wide.h). float32 x is never rounded (its products are
-// those of the decoded weights), nor is x on another CPU: up to FEW_ROWS rows each block is decoded in
-// registers and multiplied with every row as it is (qrow.h's fused_dot); more, x is packed into panels
-// as for the float32 kernel's wide form and a few weight rows at a time are decoded into an L1 buffer
-// for its register tile (`tiled`). Without vectors, each weight row is decoded into float32 and dotted
-// with every row of x.
-// Also rows of W decoded to float32 by index (`quant_rows`: a quantized embedding's lookup).
-// Vectors of AVX-512 or AVX2 (simd.h), plain loops on a CPU with neither. Built with the other kernels
-// by phaseflip/kernels/cpu/library.py; rows split over torch's threads (parallel.h's ranges).
+// Products x @ W^T with W in a GGUF block format, as the file holds it: each weight row a run of blocks,
+// each block scales and small integers (the formats: blocks.h). x [M, K] float32 or bfloat16 (the output is
+// x's dtype), float32 sums. The weight is read once a product, at its quantized size: what a decode step's
+// time is (it reads every weight). bfloat16 x, where the CPU has AVX512-VNNI (qrow::int8_x), is quantized to
+// int8 per block of the format's values (32, or 256 for the K formats) at every row count (llama.cpp's
+// approach) and multiplied by integer dot products: up to FEW_ROWS rows of x, each weight row's blocks read
+// once for all of them (int8.h); more, sixteen weight rows at a time unpacked into L1 for an integer
+// register tile (int8_wide.h). float32 x is never rounded (its products are those of the decoded weights),
+// nor is x on another CPU: up to FEW_ROWS rows each block is decoded in registers and multiplied with every
+// row as it is (qrow.h's fused_dot); more, x is packed into panels as for the float32 kernel's wide form and
+// a few weight rows at a time are decoded into an L1 buffer for its register tile (`tiled`). Without
+// vectors, each weight row is decoded into float32 and dotted with every row of x. Also rows of W decoded to
+// float32 by index (`quant_rows`: a quantized embedding's lookup). Vectors of AVX-512 or AVX2 (simd.h),
+// plain loops on a CPU with neither. Built with the other kernels by phaseflip/kernels/cpu/library.py; rows
+// split over torch's threads (parallel.h's ranges).
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <c10/util/BFloat16.h>
@@ -123,14 +122,14 @@ void tiled_rows(const at::Tensor& xf, const uint8_t* wp, int64_t ldw, int64_t N,
 #endif
 
 #ifdef PF_INT8_DOT
-// Up to FEW_ROWS rows of x: x quantized to int8 per run of 32 once, then integer products (int8.h); a
-// weight row's blocks are read once for all rows
+// Up to FEW_ROWS rows of x: x quantized to int8 per block of B's values once, then integer products
+// (int8.h); a weight row's blocks are read once for all rows
 template <typename B, typename X>
 void int8_rows(const at::Tensor& x, const uint8_t* wp, int64_t ldw, int64_t N, X* yp) {
   const int64_t M = x.size(0), K = x.size(1), runs = K / QK;
   std::vector<float> buf;
   int8dot::Rows qx;
-  qx.quantize(dot::dense_rows<float, X>(x, buf), M, K);
+  qx.quantize(dot::dense_rows<float, X>(x, buf), M, K, B::values_per);
   const int64_t grain = std::max<int64_t>(1, 65536 / std::max<int64_t>(1, K / B::values_per * B::bytes));
   par::ranges(N, grain, [&](int64_t n0, int64_t n1) {
     const uint8_t* w = wp + n0 * ldw;
@@ -147,7 +146,7 @@ void int8_rows(const at::Tensor& x, const uint8_t* wp, int64_t ldw, int64_t N, X
   });
 }
 
-// More than FEW_ROWS rows of x (one pass): x quantized to int8 per run of 32, and each group of
+// More than FEW_ROWS rows of x (one pass): x quantized to int8 per block of B's values, and each group of
 // int8wide::NR weight rows unpacked once into this thread's buffer for the integer register tile
 // (int8_wide.h), which meets every row of x
 template <typename B, typename X>
@@ -157,7 +156,7 @@ void int8_wide(const at::Tensor& x, const uint8_t* wp, int64_t ldw, int64_t N, X
   const int64_t M = x.size(0), K = x.size(1);
   std::vector<float> buf, xs;
   int8dot::Rows qx;
-  qx.quantize(dot::dense_rows<float, X>(x, buf), M, K);
+  qx.quantize(dot::dense_rows<float, X>(x, buf), M, K, B::values_per);
   int8wide::offsets(qx, M, K, R, xs);
   par::ranges((N + NR - 1) / NR, 1, [&](int64_t g0, int64_t g1) {
     static thread_local int8wide::Group g;
@@ -257,8 +256,8 @@ at::Tensor quant_rows(const at::Tensor& w, const at::Tensor& ids, int64_t type) 
   return out;
 }
 
-// whether this build multiplies the format's blocks with x of dtype `dtype` quantized to int8 per run of 32
-// (at every row count); else x stays float32
+// whether this build multiplies the format's blocks with x of dtype `dtype` quantized to int8 per block of
+// the format's values (at every row count); else x stays float32
 bool quant_int8_x(int64_t type, at::ScalarType dtype) {
   blocks::with_format(type, [](auto) { return 0; });   // the type checked
   return dtype::dispatch("quant_int8_x", dtype, [](auto zero) { return qrow::int8_x<decltype(zero)>; });

@@ -89,26 +89,27 @@ def quant_rows(blocks: torch.Tensor, ids: torch.Tensor, fmt: BlockFormat) -> tor
 
 
 def int8_x(fmt: BlockFormat, dtype: torch.dtype) -> bool:
-    """Whether the kernels, as built for this CPU, quantize x of `dtype` to int8 per run of 32 for integer
-    products with fmt's blocks, at every row count: bfloat16 x where the CPU has AVX512-VNNI (llama.cpp's
+    """Whether the kernels, as built for this CPU, quantize x of `dtype` to int8 per block of fmt's values
+    (32, or 256 for the K formats: quantize_rows_int8) for integer products with fmt's blocks, at every row
+    count: bfloat16 x where the CPU has AVX512-VNNI (llama.cpp's
     numerics; kernels/cpu/qrow.h, int8.h, int8_wide.h); float32 x never (the decoded weights' products)."""
     return bool(_kernels().cpu_quant_int8_x(fmt.type_id, dtype))
 
 
 def block_x(dtype: torch.dtype, device: str) -> str:
     """How products on blocks see x of `dtype` on `device` (what the weights report says): the CPU's
-    kernels int8 per run of 32 (int8_x) or float32 as it is; CUDA's Triton kernels x as it is."""
+    kernels int8 per block of the weights' values (int8_x) or float32 as it is; CUDA's Triton kernels x as it is."""
     if str(device).startswith("cuda"):
         return f"{str(dtype).removeprefix('torch.')} as it is (Triton decodes the blocks)"
     if dtype != torch.float32 and library.quant_linear_op() is not None and int8_x(FORMATS["Q8_0"], dtype):
-        return "int8 per run of 32 (llama.cpp's numerics)"
+        return "int8 per block of the weights' values, 32 or 256 (llama.cpp's numerics)"
     return "float32, never rounded"
 
 
-def quantize_rows_int8(x: torch.Tensor) -> torch.Tensor:
-    """x [M, K] as the kernel's int8 products see it: each block of 32 values rounded to multiples of
-    max|block| / 127 (float32)."""
-    blocks = x.float().reshape(x.shape[0], -1, 32)
+def quantize_rows_int8(x: torch.Tensor, fmt: BlockFormat) -> torch.Tensor:
+    """x [M, K] as the kernel's int8 products with fmt's blocks see it: each block of fmt.block_values
+    values rounded to multiples of max|block| / 127 (float32)."""
+    blocks = x.float().reshape(x.shape[0], -1, fmt.block_values)
     amax = blocks.abs().amax(-1, keepdim=True)
     inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
     return (torch.round(blocks * inv).clamp(-127, 127) * (amax / 127.0)).reshape(x.shape)
