@@ -4,7 +4,9 @@
 // 8 int32 lanes (256-bit vectors: single-pumped on Zen 4), which a run's scales turn into float32. With
 // x's scale dx and q = round(x / dx):
 // - most formats give each run's weights as w = a * u + c, u unsigned (< 64): the run's dot is
-//   a * dx * sum(u * q) + c * dx * sum(q) (Q4_0, Q4_1, Q5_0, Q5_1: a block);
+//   a * dx * sum(u * q) + c * dx * sum(q) (Q4_1, Q5_0, Q5_1: a block);
+// - Q4_0's -8 goes into the integer sum instead: vpdpbusd starts from -8 times x's sums of each 4 values
+//   (x.less8), and d * dx scales the sum in 8 lanes (dot_q40);
 // - Q4_K's runs share dx (one per 256 values): each run's u8 x s8 products summed in int16 pairs times the
 //   run's 6-bit scale add up in int32 across the block, one float conversion a block (dot_k4);
 // - Q6_K's runs share dx too: each run's unsigned 6-bit q times x in int16 pairs times the int8 scale of
@@ -34,12 +36,13 @@ inline float half(const uint8_t* p) {
 
 // Rows of x [M, K] (dense float32) quantized per `group` values (32, or 256 for the K formats; K a multiple of
 // it):
-// q int8, the group's scale max|x| / 127 as d of each of its runs of 32, s = d * sum(q) per run and sum16
-// the integer sum(q) of each 16 values, runs in x's order (run i at x + i * 32)
+// q int8, the group's scale max|x| / 127 as d of each of its runs of 32, s = d * sum(q) per run, sum16
+// the integer sum(q) of each 16 values and less8, runs in x's order (run i at x + i * 32)
 struct Rows {
   std::vector<int8_t> q;
   std::vector<float> d, s;
   std::vector<int16_t> sum16;
+  std::vector<int32_t> less8;   // per run, 8 lanes: -8 times the sum of each 4 values of q (vpdpbusd's lanes)
   int64_t group = QK;
 
   void quantize(const float* x, int64_t M, int64_t K, int64_t values) {
@@ -49,6 +52,7 @@ struct Rows {
     d.resize(runs);
     s.resize(runs);
     sum16.resize(2 * runs);
+    less8.resize(8 * runs);
     for (int64_t g = 0; g < runs; g += per) {
       __m512 top = _mm512_setzero_ps();
       for (int64_t v = g * QK; v < (g + per) * QK; v += 16)
@@ -64,6 +68,9 @@ struct Rows {
         sum16[2 * i + 1] = static_cast<int16_t>(_mm512_reduce_add_epi32(qb));
         d[i] = amax / 127.f;
         s[i] = d[i] * static_cast<float>(sum16[2 * i] + sum16[2 * i + 1]);
+        const __m256i fours = _mm256_dpbusd_epi32(_mm256_setzero_si256(), _mm256_set1_epi8(8), run(i));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(less8.data() + 8 * i),
+                            _mm256_sub_epi32(_mm256_setzero_si256(), fours));
       }
     }
   }
@@ -75,10 +82,12 @@ inline __m256i load32(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_
 inline __m256i low4(__m256i v) { return _mm256_and_si256(v, _mm256_set1_epi8(0x0F)); }
 inline __m256i shift_right(__m256i v, int n) { return _mm256_srl_epi16(v, _mm_cvtsi32_si128(n)); }  // then mask
 
-// a 32-value block's 16 bytes of nibbles in value order: low halves are values 0-15, high halves 16-31
+// a 32-value block's 16 bytes of nibbles in value order: low halves are values 0-15, high halves 16-31 (one
+// load into both halves of the vector, the high one's 16-bit lanes shifted by 4, then a mask)
 inline __m256i nibbles(const uint8_t* q) {
-  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q)), low = _mm_set1_epi8(0x0F);
-  return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(raw, 4), low), _mm_and_si128(raw, low));
+  const __m256i both = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q)));
+  const __m256i shift = _mm256_set_epi64x(0x0004000400040004, 0x0004000400040004, 0, 0);
+  return low4(_mm256_srlv_epi16(both, shift));
 }
 
 // Q5's values: nibbles plus bit 4 from the 32 fifth bits (bit j: value j's)
@@ -253,6 +262,38 @@ inline void dot_k6(const uint8_t* row, int64_t ld, int64_t runs, const Rows& x, 
     for (int m = 0; m < M; ++m) out[r * M + m] = total(acc[r][m]);
 }
 
+// Q4_0's dot (as dot_runs below): the 8 taken from every q as vpdpbusd's starting sums (x.less8), the
+// block's d times x's dx in 8 lanes
+template <int M, int R>
+inline void dot_q40(const uint8_t* row, int64_t ld, int64_t runs, const Rows& x, float* out) {
+  __m256 acc[R][M];
+#pragma GCC unroll 4
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 8
+    for (int m = 0; m < M; ++m) acc[r][m] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < runs; ++b) {
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) {
+      const uint8_t* blk = row + r * ld + b * blocks::Q4_0::bytes;
+      const __m256i u = nibbles(blk + 2);
+      int16_t h;
+      __builtin_memcpy(&h, blk, 2);
+      const __m256 d = _mm256_cvtph_ps(_mm_set1_epi16(h));
+#pragma GCC unroll 8
+      for (int m = 0; m < M; ++m) {
+        const int64_t j = m * runs + b;
+        const __m256i start = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.less8.data() + 8 * j));
+        const __m256i sum = _mm256_dpbusd_epi32(start, u, x.run(j));
+        acc[r][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_mul_ps(d, _mm256_set1_ps(x.d[j])), acc[r][m]);
+      }
+    }
+  }
+#pragma GCC unroll 4
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 8
+    for (int m = 0; m < M; ++m) out[r * M + m] = total(acc[r][m]);
+}
+
 // out[r * M + m] = (weight row r of R, `ld` bytes apart, each `runs` runs of 32 in blocks of format B) .
 // x's row m, for M rows of x. Each weight row's blocks are read once for all rows of x. A row's
 // accumulator adds one block at a time, each add waiting for the last (~4 cycles: at one row of x that,
@@ -311,6 +352,8 @@ inline void dot(const uint8_t* row, int64_t ld, int64_t runs, const Rows& x, flo
     dot_k4<M, R>(row, ld, runs, x, out);
   else if constexpr (std::is_same_v<B, blocks::Q6_K>)
     dot_k6<M, R>(row, ld, runs, x, out);
+  else if constexpr (std::is_same_v<B, blocks::Q4_0>)
+    dot_q40<M, R>(row, ld, runs, x, out);
   else
     dot_runs<B, M, R>(row, ld, runs, x, out);
 }
