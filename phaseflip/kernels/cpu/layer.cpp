@@ -22,6 +22,7 @@
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <tuple>
 #include <vector>
@@ -48,6 +49,7 @@ struct Scratch {   // the tokens' vectors between phases, shared by the threads:
   using X = typename dot::Lanes<W>::X;   // what a product reads x as
   std::vector<X> h, attn_x, act;         // [M, H] normed input, [M, hq * D] attention output, [M, I] SiLU * up
   std::vector<W> qkv, q, attn, o, gate;  // [M, nqkv], [M, hq * D] roped q, [M, hq * D], [M, H], [M, 2 I]
+  std::atomic<int64_t> taken[4];         // the products' tails dealt (qkv, o, gate and up, down): deal()
   void fit(const Dims& n, int64_t M) {
     h.resize(M * n.H), attn_x.resize(M * n.hq * n.d), act.resize(M * n.I);
     qkv.resize(M * n.nqkv), q.resize(M * n.hq * n.d), attn.resize(M * n.hq * n.d), o.resize(M * n.H);
@@ -114,6 +116,21 @@ void product(const Proj& w, const typename Scratch<W>::X* x, int64_t K, int64_t 
   }
 }
 
+// fn(range) over [0, n) split between the threads: each its equal share of the first ~7/8 (one long run of
+// rows, which its dot streams in parts), then the rest in chunks of ~n / 64 taken by whichever thread is
+// free (`taken`: this phase's counter, zero before it), so that a thread slowed in its share leaves the
+// others the tail instead of waiting at the barrier. Shares and chunks are whole multiples of 4 rows, what
+// the dots read in step (dot.h, int8.h), so that few rows fall to their one-row form (whose float32 sums
+// add in another order), and the rows each form takes do not depend on which thread takes them
+template <typename Fn>
+void deal(const par::Team& team, std::atomic<int64_t>& taken, int64_t n, const Fn& fn) {
+  const int64_t unit = 4 * team.size, fixed = (n - n / 8) / unit * unit, chunk = std::max<int64_t>(4, n / 64 / 4 * 4);
+  const par::Range mine = team.share(fixed);
+  if (mine.begin < mine.end) fn(mine);
+  for (int64_t c = taken.fetch_add(chunk); fixed + c < n; c = taken.fetch_add(chunk))
+    fn(par::Range{fixed + c, std::min(n, fixed + c + chunk)});
+}
+
 struct Step {   // what the phases read besides the weights and the scratch
   Dims n;
   int64_t M;               // tokens, one a sequence: token m is sequence m's
@@ -169,23 +186,27 @@ void attention_phases(const par::Team& team, const Weights<W>& w, const Step& st
                       Scratch<W>& s, std::vector<float>& buf, qrow::Input& in) {
   const Dims& n = st.n;
   const int64_t M = st.M;
-  const par::Range qkv = team.share(n.nqkv);
   prepare<W>(w.qkv, s.h.data(), n.H, in);
-  product(w.qkv, s.h.data(), n.H, M, s.qkv.data(), n.nqkv, qkv, in);
-  if (w.qkv_b)
-    for (int64_t m = 0; m < M; ++m)
-      for (int64_t i = qkv.begin; i < qkv.end; ++i) {
-        W& y = s.qkv[m * n.nqkv + i];
-        y = static_cast<W>(static_cast<float>(y) + static_cast<float>(w.qkv_b[i]));
-      }
+  deal(team, s.taken[0], n.nqkv, [&](par::Range qkv) {
+    product(w.qkv, s.h.data(), n.H, M, s.qkv.data(), n.nqkv, qkv, in);
+    if (w.qkv_b)
+      for (int64_t m = 0; m < M; ++m)
+        for (int64_t i = qkv.begin; i < qkv.end; ++i) {
+          W& y = s.qkv[m * n.nqkv + i];
+          y = static_cast<W>(static_cast<float>(y) + static_cast<float>(w.qkv_b[i]));
+        }
+  });
   team.barrier();
+  if (team.id == 0) s.taken[0] = 0;   // for the next layer's (every thread is past this phase)
   for (int64_t j = team.id; j < M * n.hkv; j += team.size) store_head(w, st, c, s, j / n.hkv, j % n.hkv);
   team.barrier();
   attend_heads(w, st, c, s, team.share(M * n.hq), buf);
   team.barrier();
   prepare<W>(w.o, s.attn_x.data(), n.hq * n.d, in);
-  product(w.o, s.attn_x.data(), n.hq * n.d, M, s.o.data(), n.H, team.share(n.H), in);
+  deal(team, s.taken[1], n.H,
+       [&](par::Range r) { product(w.o, s.attn_x.data(), n.hq * n.d, M, s.o.data(), n.H, r, in); });
   team.barrier();
+  if (team.id == 0) s.taken[1] = 0;
 }
 
 // A layer's MLP, as phases of the region: gate and up products with SiLU * up on each thread's own rows,
@@ -193,21 +214,24 @@ void attention_phases(const par::Team& team, const Weights<W>& w, const Step& st
 template <typename W>
 void mlp_phases(const par::Team& team, const Weights<W>& w, const Dims& n, int64_t M, Scratch<W>& s, W* delta_out,
                 qrow::Input& in) {
-  const par::Range i = team.share(n.I);   // gate rows [begin, end) and the same up rows
   prepare<W>(w.gate_up, s.h.data(), n.H, in);
-  product(w.gate_up, s.h.data(), n.H, M, s.gate.data(), 2 * n.I, i, in);
-  product(w.gate_up, s.h.data(), n.H, M, s.gate.data(), 2 * n.I, {n.I + i.begin, n.I + i.end}, in);
-  for (int64_t m = 0; m < M; ++m) {
-    const W* gate = s.gate.data() + m * 2 * n.I;   // token m's gate, then its up
-    for (int64_t r = i.begin; r < i.end; ++r) {
-      const float g = static_cast<float>(gate[r]), u = static_cast<float>(gate[n.I + r]);
-      s.act[m * n.I + r] = static_cast<typename Scratch<W>::X>(rnd<W>(rnd<W>(g / (1.f + std::exp(-g))) * u));
+  deal(team, s.taken[2], n.I, [&](par::Range i) {   // gate rows [begin, end) and the same up rows
+    product(w.gate_up, s.h.data(), n.H, M, s.gate.data(), 2 * n.I, i, in);
+    product(w.gate_up, s.h.data(), n.H, M, s.gate.data(), 2 * n.I, {n.I + i.begin, n.I + i.end}, in);
+    for (int64_t m = 0; m < M; ++m) {
+      const W* gate = s.gate.data() + m * 2 * n.I;   // token m's gate, then its up
+      for (int64_t r = i.begin; r < i.end; ++r) {
+        const float g = static_cast<float>(gate[r]), u = static_cast<float>(gate[n.I + r]);
+        s.act[m * n.I + r] = static_cast<typename Scratch<W>::X>(rnd<W>(rnd<W>(g / (1.f + std::exp(-g))) * u));
+      }
     }
-  }
+  });
   team.barrier();
+  if (team.id == 0) s.taken[2] = 0;
   prepare<W>(w.down, s.act.data(), n.I, in);
-  product(w.down, s.act.data(), n.I, M, delta_out, n.H, team.share(n.H), in);
+  deal(team, s.taken[3], n.H, [&](par::Range r) { product(w.down, s.act.data(), n.I, M, delta_out, n.H, r, in); });
   team.barrier();
+  if (team.id == 0) s.taken[3] = 0;
 }
 
 // Each token's residual add + RMSNorm (add_norm's rows, H values each), a token a thread, then a barrier
@@ -229,6 +253,7 @@ void layers(const std::vector<Weights<W>>& ws, const Step& st, const W* resid, W
   static thread_local Scratch<W> mine;   // the calling thread's
   Scratch<W>& s = mine;                  // named in the region: the region's threads share it (mine
   s.fit(st.n, st.M);                     // there would be each thread's own)
+  for (std::atomic<int64_t>& t : s.taken) t = 0;
   const int64_t H = st.n.H, M = st.M;
   par::region([&](const par::Team& team) {
     static thread_local std::vector<float> buf;   // each thread's attention scratch
