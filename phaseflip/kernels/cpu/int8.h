@@ -34,15 +34,15 @@ inline float half(const uint8_t* p) {
   return _cvtsh_ss(h);
 }
 
-// Rows of x [M, K] (dense float32) quantized per `group` values (32, or 256 for the K formats; K a multiple of
-// it):
-// q int8, the group's scale max|x| / 127 as d of each of its runs of 32, s = d * sum(q) per run, sum16
-// the integer sum(q) of each 16 values and less8, runs in x's order (run i at x + i * 32)
+// Rows of x [M, K] (dense float32) quantized per `group` values (32, or 256 for the K formats; K a multiple
+// of it): q int8, the group's scale max|x| / 127 as d of each of its runs of 32, s = d * sum(q) per run,
+// runs in x's order (run i at x + i * 32); for what each format's dot adds from x's sums, per 32-value
+// group less8 (Q4_0), per 256-value group sum16 (Q6_K)
 struct Rows {
   std::vector<int8_t> q;
   std::vector<float> d, s;
-  std::vector<int16_t> sum16;
   std::vector<int32_t> less8;   // per run, 8 lanes: -8 times the sum of each 4 values of q (vpdpbusd's lanes)
+  std::vector<int16_t> sum16;   // per 16 values: the sum of q
   int64_t group = QK;
 
   void quantize(const float* x, int64_t M, int64_t K, int64_t values) {
@@ -51,8 +51,7 @@ struct Rows {
     q.resize(M * K);
     d.resize(runs);
     s.resize(runs);
-    sum16.resize(2 * runs);
-    less8.resize(8 * runs);
+    (per == 1 ? less8.resize(8 * runs) : sum16.resize(2 * runs));
     for (int64_t g = 0; g < runs; g += per) {
       __m512 top = _mm512_setzero_ps();
       for (int64_t v = g * QK; v < (g + per) * QK; v += 16)
@@ -64,13 +63,17 @@ struct Rows {
         const __m512i qa = _mm512_cvtps_epi32(_mm512_mul_ps(a, inv)), qb = _mm512_cvtps_epi32(_mm512_mul_ps(b, inv));
         _mm_storeu_si128(reinterpret_cast<__m128i*>(q.data() + i * QK), _mm512_cvtsepi32_epi8(qa));
         _mm_storeu_si128(reinterpret_cast<__m128i*>(q.data() + i * QK + 16), _mm512_cvtsepi32_epi8(qb));
-        sum16[2 * i] = static_cast<int16_t>(_mm512_reduce_add_epi32(qa));
-        sum16[2 * i + 1] = static_cast<int16_t>(_mm512_reduce_add_epi32(qb));
         d[i] = amax / 127.f;
-        s[i] = d[i] * static_cast<float>(sum16[2 * i] + sum16[2 * i + 1]);
-        const __m256i fours = _mm256_dpbusd_epi32(_mm256_setzero_si256(), _mm256_set1_epi8(8), run(i));
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(less8.data() + 8 * i),
-                            _mm256_sub_epi32(_mm256_setzero_si256(), fours));
+        if (per == 1) {
+          s[i] = d[i] * static_cast<float>(_mm512_reduce_add_epi32(_mm512_add_epi32(qa, qb)));
+          const __m256i fours = _mm256_dpbusd_epi32(_mm256_setzero_si256(), _mm256_set1_epi8(8), run(i));
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(less8.data() + 8 * i),
+                              _mm256_sub_epi32(_mm256_setzero_si256(), fours));
+        } else {
+          sum16[2 * i] = static_cast<int16_t>(_mm512_reduce_add_epi32(qa));
+          sum16[2 * i + 1] = static_cast<int16_t>(_mm512_reduce_add_epi32(qb));
+          s[i] = d[i] * static_cast<float>(sum16[2 * i] + sum16[2 * i + 1]);
+        }
       }
     }
   }
@@ -143,6 +146,15 @@ inline float total(__m256 v) {
   return _mm_cvtss_f32(_mm_add_ss(q2, _mm_movehdup_ps(q2)));
 }
 
+// out[r * M + m] = the sum of acc[r][m]'s lanes
+template <int R, int M>
+inline void totals(const __m256 (&acc)[R][M], float* out) {
+#pragma GCC unroll 4
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 8
+    for (int m = 0; m < M; ++m) out[r * M + m] = total(acc[r][m]);
+}
+
 // Q4_K's 6-bit scales sc and mins mn of block b's 8 runs as 8 bytes each (byte s: run s's), from its 12 bytes
 // as three 32-bit words, four runs' values a word (what scale_min_k4 takes one at a time)
 inline void k4_bytes(const uint8_t* b, uint64_t& sc, uint64_t& mn) {
@@ -158,11 +170,7 @@ inline void k4_bytes(const uint8_t* b, uint64_t& sc, uint64_t& mn) {
 // runs; one float conversion and FMA a block (d * dx), the offsets' term as one 8-lane FMA a block
 template <int M, int R>
 inline void dot_k4(const uint8_t* row, int64_t ld, int64_t runs, const Rows& x, float* out) {
-  __m256 acc[R][M], extra[R][M];
-#pragma GCC unroll 4
-  for (int r = 0; r < R; ++r)
-#pragma GCC unroll 8
-    for (int m = 0; m < M; ++m) acc[r][m] = extra[r][m] = _mm256_setzero_ps();
+  __m256 acc[R][M] = {}, extra[R][M] = {};
   for (int64_t b = 0; b < runs / 8; ++b) {
 #pragma GCC unroll 4
     for (int r = 0; r < R; ++r) {
@@ -199,7 +207,8 @@ inline void dot_k4(const uint8_t* row, int64_t ld, int64_t runs, const Rows& x, 
 #pragma GCC unroll 4
   for (int r = 0; r < R; ++r)
 #pragma GCC unroll 8
-    for (int m = 0; m < M; ++m) out[r * M + m] = total(_mm256_add_ps(acc[r][m], extra[r][m]));
+    for (int m = 0; m < M; ++m) acc[r][m] = _mm256_add_ps(acc[r][m], extra[r][m]);
+  totals(acc, out);
 }
 
 // Q6_K's dot with x quantized per 256 (x.d the same over a block's 8 runs): each run's unsigned 6-bit q
@@ -208,11 +217,7 @@ inline void dot_k4(const uint8_t* row, int64_t ld, int64_t runs, const Rows& x, 
 // 16 values (x.sum16) at the block's end; one float conversion and FMA a block (d * dx)
 template <int M, int R>
 inline void dot_k6(const uint8_t* row, int64_t ld, int64_t runs, const Rows& x, float* out) {
-  __m256 acc[R][M];
-#pragma GCC unroll 4
-  for (int r = 0; r < R; ++r)
-#pragma GCC unroll 8
-    for (int m = 0; m < M; ++m) acc[r][m] = _mm256_setzero_ps();
+  __m256 acc[R][M] = {};
   const __m256i low = _mm256_set1_epi8(0x0F), bits45 = _mm256_set1_epi8(0x30);
   for (int64_t b = 0; b < runs / 8; ++b) {
 #pragma GCC unroll 4
@@ -256,21 +261,14 @@ inline void dot_k6(const uint8_t* row, int64_t ld, int64_t runs, const Rows& x, 
       }
     }
   }
-#pragma GCC unroll 4
-  for (int r = 0; r < R; ++r)
-#pragma GCC unroll 8
-    for (int m = 0; m < M; ++m) out[r * M + m] = total(acc[r][m]);
+  totals(acc, out);
 }
 
 // Q4_0's dot (as dot_runs below): the 8 taken from every q as vpdpbusd's starting sums (x.less8), the
 // block's d times x's dx in 8 lanes
 template <int M, int R>
 inline void dot_q40(const uint8_t* row, int64_t ld, int64_t runs, const Rows& x, float* out) {
-  __m256 acc[R][M];
-#pragma GCC unroll 4
-  for (int r = 0; r < R; ++r)
-#pragma GCC unroll 8
-    for (int m = 0; m < M; ++m) acc[r][m] = _mm256_setzero_ps();
+  __m256 acc[R][M] = {};
   for (int64_t b = 0; b < runs; ++b) {
 #pragma GCC unroll 4
     for (int r = 0; r < R; ++r) {
@@ -288,10 +286,7 @@ inline void dot_q40(const uint8_t* row, int64_t ld, int64_t runs, const Rows& x,
       }
     }
   }
-#pragma GCC unroll 4
-  for (int r = 0; r < R; ++r)
-#pragma GCC unroll 8
-    for (int m = 0; m < M; ++m) out[r * M + m] = total(acc[r][m]);
+  totals(acc, out);
 }
 
 // out[r * M + m] = (weight row r of R, `ld` bytes apart, each `runs` runs of 32 in blocks of format B) .
