@@ -60,6 +60,18 @@ def test_matches_gguf_dequantize_then_f_linear(op, name, dtype, rows):
     torch.testing.assert_close(got.float(), want, rtol=tol, atol=tol * want.abs().max().item())
 
 
+@pytest.mark.parametrize("name", ["Q4_0", "Q4_1", "Q5_0", "Q8_0"])
+@pytest.mark.parametrize("k", [96, 576])   # 3 and 18 blocks a row: groups of 8 blocks and a part one, or only a part
+@pytest.mark.parametrize("rows", [1, 2, 4, 8])
+def test_rows_of_blocks_not_a_multiple_of_8(op, name, k, rows):
+    fmt = quant.block_format(name)
+    blocks, w = _blocks(fmt, 40, k, seed=k + rows)
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(k)).to(torch.bfloat16)
+    got = quant.quant_linear(x, blocks, fmt)
+    want = F.linear(quant.quantize_rows_int8(x, fmt) if quant.int8_x(fmt, x.dtype) else x.float(), w)
+    torch.testing.assert_close(got.float(), want, rtol=2e-2, atol=2e-2 * want.abs().max().item())
+
+
 def test_a_strided_x_and_no_rows(op):
     fmt = quant.block_format("Q4_1")
     blocks, w = _blocks(fmt, 40, 64, seed=1)

@@ -5,8 +5,8 @@
 // x's scale dx and q = round(x / dx):
 // - most formats give each run's weights as w = a * u + c, u unsigned (< 64): the run's dot is
 //   a * dx * sum(u * q) + c * dx * sum(q) (Q4_1, Q5_0, Q5_1: a block);
-// - Q4_0's -8 goes into the integer sum instead: vpdpbusd starts from -8 times x's sums of each 4 values
-//   (x.less8), and d * dx scales the sum in 8 lanes (dot_q40);
+// - Q4_0's -8 goes into the integer sum instead (-8 sum(q), x.sum), 8 blocks' sums in the lanes of one
+//   vector that d * dx scales (dot_q40);
 // - Q4_K's runs share dx (one per 256 values): each run's u8 x s8 products summed in int16 pairs times the
 //   run's 6-bit scale add up in int32 across the block, one float conversion a block (dot_k4);
 // - Q6_K's runs share dx too: each run's unsigned 6-bit q times x in int16 pairs times the int8 scale of
@@ -37,11 +37,11 @@ inline float half(const uint8_t* p) {
 // Rows of x [M, K] (dense float32) quantized per `group` values (32, or 256 for the K formats; K a multiple
 // of it): q int8, the group's scale max|x| / 127 as d of each of its runs of 32, s = d * sum(q) per run,
 // runs in x's order (run i at x + i * 32); for what each format's dot adds from x's sums, per 32-value
-// group less8 (Q4_0), per 256-value group sum16 (Q6_K)
+// group sum (Q4_0), per 256-value group sum16 (Q6_K)
 struct Rows {
   std::vector<int8_t> q;
   std::vector<float> d, s;
-  std::vector<int32_t> less8;   // per run, 8 lanes: -8 times the sum of each 4 values of q (vpdpbusd's lanes)
+  std::vector<int32_t> sum;     // per run: the sum of q
   std::vector<int16_t> sum16;   // per 16 values: the sum of q
   int64_t group = QK;
 
@@ -51,7 +51,7 @@ struct Rows {
     q.resize(M * K);
     d.resize(runs);
     s.resize(runs);
-    (per == 1 ? less8.resize(8 * runs) : sum16.resize(2 * runs));
+    (per == 1 ? sum.resize(runs) : sum16.resize(2 * runs));
     for (int64_t g = 0; g < runs; g += per) {
       __m512 top = _mm512_setzero_ps();
       for (int64_t v = g * QK; v < (g + per) * QK; v += 16)
@@ -65,10 +65,8 @@ struct Rows {
         _mm_storeu_si128(reinterpret_cast<__m128i*>(q.data() + i * QK + 16), _mm512_cvtsepi32_epi8(qb));
         d[i] = amax / 127.f;
         if (per == 1) {
-          s[i] = d[i] * static_cast<float>(_mm512_reduce_add_epi32(_mm512_add_epi32(qa, qb)));
-          const __m256i fours = _mm256_dpbusd_epi32(_mm256_setzero_si256(), _mm256_set1_epi8(8), run(i));
-          _mm256_storeu_si256(reinterpret_cast<__m256i*>(less8.data() + 8 * i),
-                              _mm256_sub_epi32(_mm256_setzero_si256(), fours));
+          sum[i] = _mm512_reduce_add_epi32(_mm512_add_epi32(qa, qb));
+          s[i] = d[i] * static_cast<float>(sum[i]);
         } else {
           sum16[2 * i] = static_cast<int16_t>(_mm512_reduce_add_epi32(qa));
           sum16[2 * i + 1] = static_cast<int16_t>(_mm512_reduce_add_epi32(qb));
@@ -264,28 +262,84 @@ inline void dot_k6(const uint8_t* row, int64_t ld, int64_t runs, const Rows& x, 
   totals(acc, out);
 }
 
-// Q4_0's dot (as dot_runs below): the 8 taken from every q as vpdpbusd's starting sums (x.less8), the
-// block's d times x's dx in 8 lanes
+// Lane i: 16 times the sum of lanes 0-3 of s[i] plus the sum of its lanes 4-7
+inline __m256i sum8(const __m256i (&s)[8]) {
+  const __m256i u0 = _mm256_hadd_epi32(_mm256_hadd_epi32(s[0], s[1]), _mm256_hadd_epi32(s[2], s[3]));
+  const __m256i u1 = _mm256_hadd_epi32(_mm256_hadd_epi32(s[4], s[5]), _mm256_hadd_epi32(s[6], s[7]));
+  return _mm256_add_epi32(_mm256_slli_epi32(_mm256_permute2x128_si256(u0, u1, 0x20), 4),
+                          _mm256_permute2x128_si256(u0, u1, 0x31));
+}
+
+// The float16 scales at the start of the first n (<= 8) of 8 blocks `stride` bytes apart, as float32, 0 in
+// lanes n-7: a byte permute of the blocks' first 128 bytes where AVX512-VBMI has it and all 8 are there,
+// else a masked gather (which reads no byte of the blocks past n)
+template <int stride>
+inline __m256 scales8(const uint8_t* p, int n) {
+#ifdef __AVX512VBMI__
+  if (n == 8 && 7 * stride + 1 < 128) {
+    alignas(64) static constexpr auto index = [] {
+      struct { int8_t b[64]; } t{};
+      for (int i = 0; i < 16; ++i) t.b[i] = static_cast<int8_t>(stride * (i / 2) + i % 2);
+      return t;
+    }();
+    const __m512i both = _mm512_permutex2var_epi8(_mm512_loadu_si512(p), _mm512_load_si512(index.b),
+                                                  _mm512_loadu_si512(p + 64));
+    return _mm256_cvtph_ps(_mm512_castsi512_si128(both));
+  }
+#endif
+  const __m256i at = _mm256_mullo_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_epi32(stride));
+  const __mmask8 in = static_cast<__mmask8>((1u << n) - 1);
+  const __m256i words = _mm256_mmask_i32gather_epi32(_mm256_setzero_si256(), in, at, p, 1);
+  return _mm256_cvtph_ps(_mm256_cvtepi32_epi16(words));
+}
+
+// Q4_0's dot (as dot_runs below), 8 blocks at a time: each block's 16 bytes in both halves of a vector, the
+// low halves' nibbles (values 0-15) masked in lanes 0-3, the high ones (16-31) masked unshifted (16 times
+// their value) in lanes 4-7; each block's 8 lanes of vpdpbusd's sums into one int32 lane of a vector
+// (sum8: the low lanes times 16, so the block's sum is 16 sum(u * q)), the 8 taken from every u as
+// -128 sum(q) in the same lane; one float conversion and scaling (d * dx / 16: exact, a power of two)
+// serve 8 blocks. The last group (runs not a multiple of 8) takes its n blocks, zeros in the rest.
+template <int M, int R, bool whole>
+inline void q40_group(const uint8_t* row, int64_t ld, int64_t runs, int64_t b, int n, const Rows& x,
+                      __m256 (&acc)[R][M]) {
+  using B = blocks::Q4_0;
+  const __m256i halves = _mm256_set_epi64x(-0x0F0F0F0F0F0F0F10LL, -0x0F0F0F0F0F0F0F10LL, 0x0F0F0F0F0F0F0F0FLL,
+                                           0x0F0F0F0F0F0F0F0FLL);   // 0x0F in bytes 0-15, 0xF0 in 16-31
+  if constexpr (whole) n = 8;
+  const __mmask8 in = static_cast<__mmask8>((1u << n) - 1);
+#pragma GCC unroll 4
+  for (int r = 0; r < R; ++r) {
+    const uint8_t* blk = row + r * ld + b * B::bytes;
+    __m256i u[8];
+#pragma GCC unroll 8
+    for (int i = 0; i < 8; ++i)
+      u[i] = i < n ? _mm256_and_si256(halves, _mm256_broadcastsi128_si256(_mm_loadu_si128(
+                                                  reinterpret_cast<const __m128i*>(blk + i * B::bytes + 2))))
+                   : _mm256_setzero_si256();
+    const __m256 d = scales8<B::bytes>(blk, n);
+#pragma GCC unroll 8
+    for (int m = 0; m < M; ++m) {
+      const int64_t j = m * runs + b;
+      __m256i sums[8];
+#pragma GCC unroll 8
+      for (int i = 0; i < 8; ++i)
+        sums[i] = i < n ? _mm256_dpbusd_epi32(_mm256_setzero_si256(), u[i], x.run(j + i)) : _mm256_setzero_si256();
+      const __m256i qsum = whole ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.sum.data() + j))
+                                 : _mm256_maskz_loadu_epi32(in, x.sum.data() + j);
+      const __m256i total = _mm256_sub_epi32(sum8(sums), _mm256_slli_epi32(qsum, 7));
+      const __m256 dx = whole ? _mm256_loadu_ps(x.d.data() + j) : _mm256_maskz_loadu_ps(in, x.d.data() + j);
+      acc[r][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(total), _mm256_mul_ps(d, _mm256_mul_ps(dx, _mm256_set1_ps(1.f / 16))),
+                                  acc[r][m]);
+    }
+  }
+}
+
 template <int M, int R>
 inline void dot_q40(const uint8_t* row, int64_t ld, int64_t runs, const Rows& x, float* out) {
   __m256 acc[R][M] = {};
-  for (int64_t b = 0; b < runs; ++b) {
-#pragma GCC unroll 4
-    for (int r = 0; r < R; ++r) {
-      const uint8_t* blk = row + r * ld + b * blocks::Q4_0::bytes;
-      const __m256i u = nibbles(blk + 2);
-      int16_t h;
-      __builtin_memcpy(&h, blk, 2);
-      const __m256 d = _mm256_cvtph_ps(_mm_set1_epi16(h));
-#pragma GCC unroll 8
-      for (int m = 0; m < M; ++m) {
-        const int64_t j = m * runs + b;
-        const __m256i start = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.less8.data() + 8 * j));
-        const __m256i sum = _mm256_dpbusd_epi32(start, u, x.run(j));
-        acc[r][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_mul_ps(d, _mm256_set1_ps(x.d[j])), acc[r][m]);
-      }
-    }
-  }
+  const int64_t whole = runs / 8 * 8;
+  for (int64_t b = 0; b < whole; b += 8) q40_group<M, R, true>(row, ld, runs, b, 8, x, acc);
+  if (whole < runs) q40_group<M, R, false>(row, ld, runs, whole, static_cast<int>(runs - whole), x, acc);
   totals(acc, out);
 }
 
