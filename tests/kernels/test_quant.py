@@ -60,7 +60,7 @@ def test_matches_gguf_dequantize_then_f_linear(op, name, dtype, rows):
     torch.testing.assert_close(got.float(), want, rtol=tol, atol=tol * want.abs().max().item())
 
 
-@pytest.mark.parametrize("name", ["Q4_0", "Q4_1", "Q5_0", "Q8_0"])
+@pytest.mark.parametrize("name", ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"])
 @pytest.mark.parametrize("k", [96, 576])   # 3 and 18 blocks a row: groups of 8 blocks and a part one, or only a part
 @pytest.mark.parametrize("rows", [1, 2, 4, 8])
 def test_rows_of_blocks_not_a_multiple_of_8(op, name, k, rows):

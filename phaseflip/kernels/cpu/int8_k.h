@@ -16,7 +16,7 @@ inline void k4_bytes(const uint8_t* b, uint64_t& sc, uint64_t& mn) {
   mn = (u[1] & six) | uint64_t(((u[2] >> 4) & four) | (((u[1] >> 6) & two) << 4)) << 32;
 }
 
-// Q4_K's dot (as int8.h's dot_runs) with x quantized per 256 (x.d the same over a block's 8 runs): each run's
+// Q4_K's dot (as int8.h's dot) with x quantized per 256 (x.d the same over a block's 8 runs): each run's
 // u8 x s8 products summed in pairs (int16), times its 6-bit scale and summed in int32 across the block's 8
 // runs; one float conversion and FMA a block (d * dx), the offsets' term as one 8-lane FMA a block
 template <int M, int R>
