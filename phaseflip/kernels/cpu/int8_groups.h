@@ -61,7 +61,7 @@ inline __m256 halves8(const uint8_t* p, int n) {
   return _mm256_cvtph_ps(_mm256_cvtepi32_epi16(words));
 }
 
-// x's 8 values per run from run j, 0 past the first n (a masked load reads nothing past them)
+// The values of x for 8 runs from p (one a run), 0 past the first n (a masked load reads nothing past them)
 template <bool whole, typename T>
 inline auto runs8(const T* p, int n) {
   const __mmask8 in = static_cast<__mmask8>((1u << n) - 1);
