@@ -75,26 +75,11 @@ inline auto runs8(const T* p, int n) {
 // unshifted, 16 times their value), its integer offset (w = d * (u - offset)) or an fp16 m (w = d * u + m)
 // at byte 2
 template <typename B>
-struct Group;
-template <>
-struct Group<blocks::Q4_0> {
-  static constexpr int low = 4, offset = 8;
-  static constexpr bool m = false;
-};
-template <>
-struct Group<blocks::Q4_1> {
-  static constexpr int low = 4, offset = 0;
-  static constexpr bool m = true;
-};
-template <>
-struct Group<blocks::Q5_0> {
-  static constexpr int low = 0, offset = 16;
-  static constexpr bool m = false;
-};
-template <>
-struct Group<blocks::Q5_1> {
-  static constexpr int low = 0, offset = 0;
-  static constexpr bool m = true;
+struct Group {
+  static constexpr bool q4 = std::is_same_v<B, blocks::Q4_0> || std::is_same_v<B, blocks::Q4_1>;
+  static constexpr int low = q4 ? 4 : 0;
+  static constexpr int offset = std::is_same_v<B, blocks::Q4_0> ? 8 : std::is_same_v<B, blocks::Q5_0> ? 16 : 0;
+  static constexpr bool m = std::is_same_v<B, blocks::Q4_1> || std::is_same_v<B, blocks::Q5_1>;
 };
 
 // Block b's unsigned bytes u for vpdpbusd
