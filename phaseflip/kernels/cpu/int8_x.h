@@ -23,7 +23,7 @@ inline float half(const uint8_t* p) {
 // Rows of x [M, K] (dense float32) quantized per `group` values (32, or 256 for the K formats; K a multiple
 // of it): q int8, the group's scale max|x| / 127 as d of each of its runs of 32, s = d * sum(q) per run,
 // runs in x's order (run i at x + i * 32); for what each format's dot adds from x's sums, per 32-value
-// group sum (Q4_0), per 256-value group sum16 (Q6_K)
+// group sum (the integer offsets of Q4_0 and Q5_0), per 256-value group sum16 (Q6_K)
 struct Rows {
   std::vector<int8_t> q;
   std::vector<float> d, s;
