@@ -12,7 +12,9 @@ dynamic (dynamo specialises it where the step branches on it, as automatic dynam
 saved beside the others. Once bound, a bucket's calls skip the guards (its views keep their shapes; the
 owner's attributes do not change after boot): no frame evaluation, no guards. A step that cannot be
 saved (a graph break, a value dynamo cannot pickle) is reported and traced by torch.compile at every
-boot instead. `available()` says whether this torch has the API (graphs/compile.py's
+boot instead. Within `saved_only()` a shape no saved form serves raises `Unserved` instead of
+compiling (a caller trying a size its boot did not bind, which must not compile mid-serving).
+`available()` says whether this torch has the API (graphs/compile.py's
 compile_whole_step and DirectStep serve where it does not). The directory's name is the caller's key:
 whatever the graphs depend on (the model, the shard, phaseflip's own source, torch) must be in it.
 """
@@ -45,6 +47,10 @@ def wrapper_options() -> dict:
     return options
 
 
+class Unserved(LookupError):
+    """No saved compiled form serves these shapes, and compiling was not allowed (saved_only)."""
+
+
 class SavedSteps:
     """fn(owner, views), compiled: the saved compiled forms of fn under `directory`, one bound per shape
     of views (the first call at a shape finds or compiles it)."""
@@ -56,6 +62,7 @@ class SavedSteps:
         self._loaded: list[tuple[str, object]] | None = None   # (file name, artifact)
         self._bound: dict[tuple, Callable] = {}                # the arguments' signature -> fn, unguarded
         self._fallback = None                                  # torch.compile's fn where saving failed
+        self._compiles = True                                  # False within saved_only()
         self.report = {"dir": str(self.dir), "loaded": [], "compiled": [], "load_ms": 0.0, "compile_ms": 0.0}
 
     def __call__(self, views: dict[str, torch.Tensor]):
@@ -67,9 +74,22 @@ class SavedSteps:
         running the step; returns the bound step (fn(owner, views), unguarded)."""
         return self._bind(_signature(views), (self.owner, views))
 
+    @contextlib.contextmanager
+    def saved_only(self):
+        """Within: shapes no saved form serves raise Unserved instead of being compiled (or traced)."""
+        self._compiles = False
+        try:
+            yield
+        finally:
+            self._compiles = True
+
     def _bind(self, signature: tuple, args: tuple) -> Callable:
         if signature not in self._bound:
-            artifact = None if "not_saved" in self.report else self._find(args) or self._compile(args)
+            artifact = None if "not_saved" in self.report else self._find(args)
+            if artifact is None and not self._compiles:
+                raise Unserved(f"no saved form of {self.fn.__name__} serves {_rows(args)} rows")
+            if artifact is None and "not_saved" not in self.report:
+                artifact = self._compile(args)
             self._bound[signature] = self._traced if artifact is None else artifact.fn   # unguarded
         return self._bound[signature]
 

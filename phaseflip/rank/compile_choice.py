@@ -168,6 +168,29 @@ class CompileChoice:
             (step.prepare if isinstance(step, SavedSteps) else step)(self._views(sizes))
         self.report[phase.value] = {**recorded, "choice": self._picked(phase)}
 
+    def prefill_at_own_rows(self, views: dict[str, torch.Tensor]) -> torch.Tensor | None:
+        """The compiled prefill step over views of fewer token rows than their bucket, where a saved form
+        of its layer serves them as they are: its graph is dynamic in the tokens, so a bucket's padding
+        rows would be arithmetic for nothing (a 1-token prompt padded to a 32-token bucket). None where
+        no saved form serves these rows (it is not compiled now, mid-serving: the caller replays the
+        bucket) or where the layer is traced rather than saved (a guard that fails would recompile).
+        Counted in report["prefill"]["own_rows"]: runs, and the row counts no saved form served."""
+        layer = self.saved_steps.get(Phase.PREFILL)
+        if layer is None:
+            return None
+        rows = views["input_ids"].shape[0]
+        counts = self.report[Phase.PREFILL.value].setdefault("own_rows", {"runs": 0, "unserved": []})
+        if rows in counts["unserved"]:
+            return None
+        try:
+            with layer.saved_only():
+                hidden = self.compiled_steps[Phase.PREFILL](views)
+        except saved_steps.Unserved:
+            counts["unserved"].append(rows)
+            return None
+        counts["runs"] += 1
+        return hidden
+
     def compiles_one_row(self, mode: str) -> bool:
         """Whether a step this layout compiles multiplies one row (where forms.choose_gemv's one-row form
         applies): compile="on" compiles the 1-row decode; "auto" on the CPU not where the fused layers

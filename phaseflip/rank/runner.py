@@ -5,9 +5,9 @@ this stage's layers, send them to the next (explicit send/recv); TP: run every l
 head/MLP share (all-reduces inside the maths), gather the vocab-parallel logits to the output rank.
 The output rank (the last one in both layouts) samples; where it holds the whole vocabulary, a decode
 step ends in the sampled ids (LM head and sampler inside the recorded step, one read of the ids by the
-host; step_sampling.py). Replays the smallest captured bucket that fits; a decode batch above every
-bucket replays the largest CUDA graph chunk by chunk; any other uncaptured size runs eagerly and is
-counted. Which backend each bucket records (compiled or eager, measured) is compile_choice.py's part.
+host; step_sampling.py). Replays the smallest captured bucket that fits (a compiled CPU prefill over
+its own token rows, its graph being dynamic in them); a decode batch above every bucket replays the
+largest CUDA graph chunk by chunk; any other uncaptured size runs eagerly and is counted. Which backend each bucket records (compiled or eager, measured) is compile_choice.py's part.
 """
 from __future__ import annotations
 
@@ -34,7 +34,7 @@ from phaseflip.rank.prompt_logprobs import prompt_logprobs
 from phaseflip.rank.sampler import Sampler
 from phaseflip.rank.weights import RankWeights, Split
 from phaseflip.rank.shard import RankShard
-from phaseflip.rank.step_inputs import bucket_rows, decode_rows, phase_buckets, prepare_inputs
+from phaseflip.rank.step_inputs import TOKEN_BUFFERS, bucket_rows, decode_rows, phase_buckets, prepare_inputs
 from phaseflip.rank.step_sampling import cat_outputs, sampling_variants, variant_for
 
 
@@ -78,6 +78,9 @@ class LayoutPart:
     output_rank: int              # the layout spec's: where logits are sampled
     weights: RankWeights
     kv: KVView
+
+
+TOKEN_ROWS = (*TOKEN_BUFFERS, "hidden_in")   # the buffers with a row per token
 
 
 class LayoutRunner:
@@ -155,7 +158,8 @@ class LayoutRunner:
 
     def _run(self, batch: StepBatch, meta: dict[str, torch.Tensor], variant: str | None = None):
         """This stage's hidden states: a replay when a bucket fits, else an eager run. An eager replay
-        runs at the exact size; a compiled or CUDA-graph one over its padded bucket. Between PP stages
+        runs at the exact size; a compiled prefill at its own token rows where a saved form serves them
+        (_prefill_own_rows); any other over its padded bucket. Between PP stages
         only the real rows travel (padding rows of a padded receiver keep stale, never-read values).
         A decode batch above the largest decode bucket may run as chunks of that bucket (`_run_chunks`)."""
         chunk = self._decode_chunk(batch)
@@ -176,7 +180,8 @@ class LayoutRunner:
 
     def _replay(self, step, meta: dict[str, torch.Tensor], variant: str | None = None):
         """One step over meta's rows: an exact-size run (eager replay, or uncaptured when step is None),
-        or the step's bucket filled (hidden_in too, unless it already lies in the buffer) and replayed."""
+        a compiled prefill over its own token rows, or the step's bucket filled (hidden_in too, unless it
+        already lies in the buffer) and replayed."""
         if step is None or step.exact_size:
             device = self.kv.tensor.device
             exact = meta if device.type == "cpu" else {k: v.to(device) for k, v in meta.items()}
@@ -187,7 +192,28 @@ class LayoutRunner:
             if name in meta and not (name == "hidden_in" and meta[name].data_ptr() == view.data_ptr()):
                 self.buffers.fill(name, meta[name], view.shape[0])
         self.buffers.upload()
+        if step.backend == "compiled" and step.key.phase == Phase.PREFILL.value:
+            hidden = self._prefill_own_rows(step, meta["input_ids"].shape[0])
+            if hidden is not None:
+                return hidden
         return step.replay(variant=variant)
+
+    def _prefill_own_rows(self, step, tokens: int) -> torch.Tensor | None:
+        """A compiled prefill of `tokens` tokens (its bucket's views filled) over a prefix of the token
+        rows rather than all of them, where a saved form serves it (CompileChoice.prefill_at_own_rows;
+        None: replay the bucket). The sequences stay padded to the bucket's (the rows its graph was
+        bound at). At least 2 token rows (1 would be a specialisation nothing bound at boot serves), and
+        never as many as the sequence rows: forward takes that as one token a sequence, a decode, and
+        runs the fused decode layers. A step that stops at a layer no saved form serves has written
+        only K/V the bucket's replay writes again."""
+        seqs = step.views["seq_lens"].shape[0]
+        rows = max(tokens, 2) + (max(tokens, 2) == seqs)
+        if rows >= step.views["input_ids"].shape[0]:
+            return None
+        views = {name: view[:rows] if name in TOKEN_ROWS else view for name, view in step.views.items()}
+        hidden = self.compile.prefill_at_own_rows(views)
+        step.replays += hidden is not None
+        return hidden
 
     def _decode_chunk(self, batch: StepBatch) -> int | None:
         """The largest decode bucket where a decode batch exceeds it and that bucket's step is of a

@@ -90,6 +90,11 @@ def boot_table(m: dict) -> list[str]:
                     st = c["saved_steps"]
                     lines.append(f"      saved graphs: {len(st['loaded'])} loaded in {st['load_ms']:.0f} ms, "
                                  f"{len(st['compiled'])} compiled in {st['compile_ms']:.0f} ms ({st['dir']})")
+                if "own_rows" in c:
+                    own = c["own_rows"]
+                    lines.append(f"      steps run over their own token rows, not the bucket's: {own['runs']}"
+                                 + (f"; rows no saved graph serves (the bucket replayed): {own['unserved']}"
+                                    if own["unserved"] else ""))
     return lines
 
 

@@ -17,11 +17,14 @@ from torch._dynamo.utils import counters
 from phaseflip import LLM, SamplingParams
 from phaseflip.graphs.buffers import StaticBuffers
 from phaseflip.graphs.capture import StepKey, capture_eager
+from phaseflip.kernels.cpu import fused_layer
+from phaseflip.kernels.cpu.linear import SMALL_BATCH
 from phaseflip.rank import compile_choice as choice_module
 from phaseflip.rank import runtime as runtime_module
 from phaseflip.rank.messages import Phase
 from phaseflip.rank.runner import LayoutRunner
 from phaseflip.rank.step_inputs import phase_buckets
+from phaseflip.tools.inspect_cmd import boot_table
 from tests.engine.test_parity import parity_prompts
 from tests.models import compare_greedy, hf_greedy
 
@@ -34,7 +37,7 @@ def _boot(d, compile_mode, tmp_path, monkeypatch, decode_buckets=(1, 2, 4)):
         monkeypatch.delenv(name, raising=False)
     torch._dynamo.reset()  # forget graphs an earlier test compiled for the same layer function
     counters.clear()
-    return LLM(model=str(d), dtype="float32", compile=compile_mode, max_num_seqs=4, max_num_batched_tokens=128,
+    return LLM(model=str(d), dtype="float32", compile=compile_mode, max_num_seqs=8, max_num_batched_tokens=128,
                decode_buckets=decode_buckets, prefill_buckets=(64, 128))
 
 
@@ -114,7 +117,8 @@ def test_one_layer_compiles_once_for_every_layer_and_nothing_compiles_after_boot
                                                                                   monkeypatch):
     d = tiny_model_dir("llama", num_layers=6)
     prompts = parity_prompts(384)[:3] + parity_prompts(384)[5:6]  # 1+5+17+100 tokens: the 128-token prefill bucket too
-    expected = hf_greedy(d, prompts, 8)
+    eight = parity_prompts(384)[4][:8]   # alone: as many tokens as the 8 sequence rows the prefill is bound at
+    expected = hf_greedy(d, prompts + [eight], 8)
     # decode buckets 1 and 2 for 4 sequences: a decode of 3 or 4 runs as chunks of the compiled 2-row
     # step (what CUDA graphs do; the CPU's own choice is one uncaptured step, so the test opts it in)
     monkeypatch.setattr(LayoutRunner, "CHUNKED_BACKENDS", ("cuda", "compiled"))
@@ -122,7 +126,14 @@ def test_one_layer_compiles_once_for_every_layer_and_nothing_compiles_after_boot
     monkeypatch.setattr(runtime_module, "StaticBuffers", functools.partial(StaticBuffers, staged=True))
     with _boot(d, "on", compiled_cache, monkeypatch, decode_buckets=(1, 2)) as llm:
         graphs_at_boot = counters["stats"]["unique_graphs"]
-        outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+        greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+        outs = llm.generate(prompts, greedy, use_tqdm=False)
+        # each prompt alone: the compiled prefill over its own token rows (2 for one token; 9 for the
+        # 8-token prompt, which at 8 would pass for a decode of 8 sequences and run the fused decode
+        # layers, here forced to serve what they can), not its bucket's 64 or 128
+        with monkeypatch.context() as forced:
+            forced.setattr(fused_layer, "_why_not", lambda dtype, tp_size, plain=True: None)
+            alone = [llm.generate([p], greedy, use_tqdm=False)[0] for p in prompts + [eight]]
         # seeded sampling inside the recorded (compiled, padded, chunked) decode step, against the host
         # sampler on the same engine
         sampled = [SamplingParams(temperature=0.9, top_k=40, top_p=0.95, seed=i, max_tokens=6, ignore_eos=True,
@@ -138,8 +149,16 @@ def test_one_layer_compiles_once_for_every_layer_and_nothing_compiles_after_boot
     assert finishes > 0, "no decode step sampled inside the step"
     assert [o.outputs[0].token_ids for o in in_step] == [o.outputs[0].token_ids for o in on_host]
     assert [o.outputs[0].logprobs for o in in_step] == [o.outputs[0].logprobs for o in on_host]
-    ok, _, msg = compare_greedy([o.outputs[0].token_ids for o in outs], expected)
+    ok, _, msg = compare_greedy([o.outputs[0].token_ids for o in outs], expected[:4])
     assert ok, msg
+    ok, _, msg = compare_greedy([o.outputs[0].token_ids for o in alone], expected)
+    assert ok, msg
+    own_rows = m["ranks"][0]["compile"]["pp"]["prefill"]["own_rows"]
+    # 5, 17 and 100 rows alone, the 8-token prompt at 9, and the batches; rows up to linear.SMALL_BATCH
+    # may take other product forms than the graph compiled at 64 rows (its guards say whether): those
+    # replay the bucket
+    assert own_rows["runs"] >= 4 and all(r <= SMALL_BATCH for r in own_rows["unserved"]), own_rows
+    assert f"steps run over their own token rows, not the bucket's: {own_rows['runs']}" in "\n".join(boot_table(m))
     assert buffers.staged and buffers.uploads == sum(s["replays"] for s in m["steps"]), "one copy per replay"
     assert stats["chunked_runs"].get("pp:decode", 0) > 0, stats["chunked_runs"]
     assert "pp:decode" not in stats["eager_fallbacks"], stats["eager_fallbacks"]

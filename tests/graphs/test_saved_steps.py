@@ -1,6 +1,7 @@
 """SavedSteps (graphs/saved_steps.py): a step compiled by one owner is loaded by the next from its
 directory, without tracing; shapes its guards do not cover compile a form of their own; a step that
-cannot be saved runs traced, with the reason reported. SavedLayer: one decoder layer's graphs serve every
+cannot be saved runs traced, with the reason reported; within saved_only a shape no saved form serves
+is refused, never compiled. SavedLayer: one decoder layer's graphs serve every
 layer index, saved and loaded alike."""
 from dataclasses import dataclass
 
@@ -61,6 +62,31 @@ def test_a_step_that_cannot_be_saved_runs_traced_and_says_why(tmp_path):
     torch.testing.assert_close(saved(v), broken(owner, v))
     assert "not_saved" in saved.report and saved.report["compiled"] == []
     assert not list(tmp_path.glob("*.pt"))
+
+
+def test_saved_only_runs_what_a_saved_form_serves_and_compiles_nothing(tmp_path):
+    """Within saved_only: rows the dynamic form's guards cover run (and bind); a shape no saved form
+    serves raises Unserved, compiles nothing and binds nothing, so outside it compiles as before; a
+    step that cannot be saved (traced: it might recompile) is Unserved at any new shape."""
+    owner = Owner(torch.randn(8, 4))
+    saved = SavedSteps(step, owner, tmp_path)
+    saved(_views(32))
+    files = sorted(tmp_path.glob("*.pt"))
+    with saved.saved_only():
+        for rows in (2, 7, 31):
+            v = _views(rows)
+            torch.testing.assert_close(saved(v), step(owner, v))
+        with pytest.raises(saved_steps.Unserved, match="no saved form of step serves 1 rows"):
+            saved(_views(1))   # 0/1 specialisation: the dynamic form does not serve one row
+    assert sorted(tmp_path.glob("*.pt")) == files and len(saved.report["compiled"]) == 1
+    v1 = _views(1)
+    torch.testing.assert_close(saved(v1), step(owner, v1))
+    assert len(saved.report["compiled"]) == 2
+
+    traced = SavedSteps(broken, owner, tmp_path / "broken")
+    traced(_views(4))
+    with traced.saved_only(), pytest.raises(saved_steps.Unserved):
+        traced(_views(5))
 
 
 def toy_layer(lw, cfg, shard, delta, residual, meta, kv, layer, cos_sin, comm):
