@@ -18,15 +18,26 @@
 #include <cstdint>
 #include <cstring>
 #include "simd.h"
+#ifdef __F16C__
+#include <immintrin.h>
+#endif
 
 namespace blocks {
 
 constexpr int QK = 32;   // values a sub-block
 
+// the IEEE half at p as a float: F16C's conversion where the build has it (the int8 dots take a scale or
+// two a block), else c10's
 inline float half_at(const uint8_t* p) {
+#ifdef __F16C__
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  return _cvtsh_ss(h);
+#else
   c10::Half h;
   std::memcpy(&h, p, 2);
   return static_cast<float>(h);
+#endif
 }
 
 inline uint32_t u32_at(const uint8_t* p) {

@@ -30,7 +30,7 @@ inline void dot_q80(const uint8_t* row, int64_t ld, int64_t runs, const Rows& x,
     for (int r = 0; r < R; ++r) {
       const uint8_t* blk = row + r * ld + b * blocks::Q8_0::bytes;
       const __m256i w = load32(blk + 2), magnitude = _mm256_sign_epi8(w, w);
-      const __m256 d = _mm256_set1_ps(half(blk));
+      const __m256 d = _mm256_set1_ps(half_at(blk));
 #pragma GCC unroll 8
       for (int m = 0; m < M; ++m) {
         const int64_t j = m * runs + b;

@@ -32,8 +32,8 @@ inline void dot_k4(const uint8_t* row, int64_t ld, int64_t runs, const Rows& x, 
       alignas(32) int32_t pair[8];   // run s's scale in both int16 halves of a 32-bit word
       _mm256_store_si256(reinterpret_cast<__m256i*>(pair), _mm256_or_si256(s32, _mm256_slli_epi32(s32, 16)));
       const __m256i m32 = _mm256_cvtepu8_epi32(_mm_cvtsi64_si128(static_cast<int64_t>(mn)));
-      const __m256 offset = _mm256_mul_ps(_mm256_set1_ps(-half(blk + 2)), _mm256_cvtepi32_ps(m32));
-      const float d = half(blk);
+      const __m256 offset = _mm256_mul_ps(_mm256_set1_ps(-half_at(blk + 2)), _mm256_cvtepi32_ps(m32));
+      const float d = half_at(blk);
       __m256i isum[M][2];
 #pragma GCC unroll 8
       for (int m = 0; m < M; ++m) isum[m][0] = isum[m][1] = _mm256_setzero_si256();
@@ -82,7 +82,7 @@ inline void dot_k6(const uint8_t* row, int64_t ld, int64_t runs, const Rows& x, 
         pairs[h] = _mm256_or_si256(_mm256_and_si256(v, _mm256_set1_epi32(0xFFFF)), _mm256_slli_epi32(v, 16));
       }
       const __m256i sc16 = _mm256_cvtepi8_epi16(sc);
-      const float d = half(blk + 208);
+      const float d = half_at(blk + 208);
       __m256i isum[M][2];
 #pragma GCC unroll 8
       for (int m = 0; m < M; ++m) isum[m][0] = isum[m][1] = _mm256_setzero_si256();

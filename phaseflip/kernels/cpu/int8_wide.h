@@ -19,31 +19,31 @@
 namespace int8wide {
 
 using blocks::QK;
-using int8dot::fives, int8dot::half, int8dot::load32, int8dot::low4, int8dot::nibbles, int8dot::shift_right;
+using blocks::half_at, int8dot::fives, int8dot::load32, int8dot::low4, int8dot::nibbles, int8dot::shift_right;
 constexpr int NR = 16;   // weight rows a group: one lane of a 512-bit vector each
 constexpr int MR = 8;    // rows of x a register tile
 
 // Run s of a block as unsigned bytes u, with w = a * u + c
 inline __m256i run(blocks::Q4_0, const uint8_t* b, int, float& a, float& c) {
-  a = half(b), c = -8.f * a;
+  a = half_at(b), c = -8.f * a;
   return nibbles(b + 2);
 }
 inline __m256i run(blocks::Q4_1, const uint8_t* b, int, float& a, float& c) {
-  a = half(b), c = half(b + 2);
+  a = half_at(b), c = half_at(b + 2);
   return nibbles(b + 4);
 }
 inline __m256i run(blocks::Q5_0, const uint8_t* b, int, float& a, float& c) {
-  a = half(b), c = -16.f * a;
+  a = half_at(b), c = -16.f * a;
   return fives(b + 6, blocks::u32_at(b + 2));
 }
 inline __m256i run(blocks::Q5_1, const uint8_t* b, int, float& a, float& c) {
-  a = half(b), c = half(b + 2);
+  a = half_at(b), c = half_at(b + 2);
   return fives(b + 8, blocks::u32_at(b + 4));
 }
 inline __m256i run(blocks::Q4_K, const uint8_t* b, int s, float& a, float& c) {
   int sc, mn;
   blocks::scale_min_k4(b + 4, s, sc, mn);
-  a = half(b) * sc, c = -half(b + 2) * mn;
+  a = half_at(b) * sc, c = -half_at(b + 2) * mn;
   const __m256i q = load32(b + 16 + (s / 2) * 32);
   return low4(s & 1 ? _mm256_srli_epi16(q, 4) : q);
 }
@@ -51,7 +51,7 @@ inline __m256i run(blocks::Q4_K, const uint8_t* b, int s, float& a, float& c) {
 // Q6_K's run s as signed bytes w (q - 32), and the scale of each int32 lane of a product (values 0-15, 16-31)
 inline __m256i run(blocks::Q6_K, const uint8_t* b, int s, __m256& scale) {
   const blocks::Q6_K::Sub u = blocks::Q6_K::sub(b, s);
-  const float d = half(b + 208);
+  const float d = half_at(b + 208);
   scale = _mm256_set_m128(_mm_set1_ps(d * u.sc[1]), _mm_set1_ps(d * u.sc[0]));
   const __m256i lo = low4(shift_right(load32(u.low), u.low_shift));
   const __m256i hi = _mm256_and_si256(shift_right(load32(u.high), u.high_shift), _mm256_set1_epi8(3));
@@ -66,7 +66,7 @@ constexpr int scale_run = std::is_same_v<B, blocks::Q6_K> ? 16 : QK;
 template <typename B>
 inline __m256i unsigned_run(const uint8_t* blk, int s, float a[2], float c[2]) {
   if constexpr (std::is_same_v<B, blocks::Q8_0>) {
-    a[0] = a[1] = half(blk), c[0] = c[1] = -128.f * a[0];
+    a[0] = a[1] = half_at(blk), c[0] = c[1] = -128.f * a[0];
     return _mm256_xor_si256(load32(blk + 2), _mm256_set1_epi8(static_cast<char>(0x80)));
   } else if constexpr (std::is_same_v<B, blocks::Q6_K>) {
     __m256 scale;

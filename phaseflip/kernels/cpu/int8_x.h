@@ -12,13 +12,8 @@
 
 namespace int8dot {
 
+using blocks::half_at;
 using blocks::QK;
-
-inline float half(const uint8_t* p) {
-  uint16_t h;
-  __builtin_memcpy(&h, p, 2);
-  return _cvtsh_ss(h);
-}
 
 // Rows of x [M, K] (dense float32) quantized per `group` values (32, or 256 for the K formats; K a multiple
 // of it): q int8, the group's scale max|x| / 127 as d of each of its runs of 32, s = d * sum(q) per run,
