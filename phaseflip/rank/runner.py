@@ -22,7 +22,7 @@ from phaseflip.graphs.compile import DirectStep
 from phaseflip.graphs.registry import GraphRegistry
 from phaseflip.graphs.saved_steps import SavedSteps
 from phaseflip.kernels.cpu import quant
-from phaseflip.kernels.cpu.linear import GEMV_ROWS
+from phaseflip.kernels.cpu.linear import GEMV_ROWS, SMALL_BATCH
 from phaseflip.rank.comm import NoComm, RankComm
 from phaseflip.rank.compile_choice import CompileChoice
 from phaseflip.rank.forward import StepState, compute_logits, final_softcap, forward
@@ -202,18 +202,23 @@ class LayoutRunner:
         """A compiled prefill of `tokens` tokens (its bucket's views filled) over a prefix of the token
         rows rather than all of them, where a saved form serves it (CompileChoice.prefill_at_own_rows;
         None: replay the bucket). The sequences stay padded to the bucket's (the rows its graph was
-        bound at). At least 2 token rows (1 would be a specialisation nothing bound at boot serves), and
-        never as many as the sequence rows: forward takes that as one token a sequence, a decode, and
-        runs the fused decode layers. A step that stops at a layer no saved form serves has written
-        only K/V the bucket's replay writes again."""
-        seqs = step.views["seq_lens"].shape[0]
-        rows = max(tokens, 2) + (max(tokens, 2) == seqs)
-        if rows >= step.views["input_ids"].shape[0]:
-            return None
-        views = {name: view[:rows] if name in TOKEN_ROWS else view for name, view in step.views.items()}
-        hidden = self.compile.prefill_at_own_rows(views)
-        step.replays += hidden is not None
-        return hidden
+        bound at). At least 2 token rows (1 would be a specialisation nothing bound at boot serves); where
+        a few rows are not served (up to linear.SMALL_BATCH rows the products may take other forms than
+        the graph traced at its bucket: its guards say whether), SMALL_BATCH + 1. Never as many as the
+        sequence rows: forward takes that as one token a sequence, a decode, and runs the fused decode
+        layers. A step that stops at a layer no saved form serves has written only K/V that the next try
+        writes again."""
+        seqs, bucket = step.views["seq_lens"].shape[0], step.views["input_ids"].shape[0]
+        for rows in dict.fromkeys((max(tokens, 2), max(tokens, SMALL_BATCH + 1))):
+            rows += rows == seqs
+            if rows >= bucket:
+                return None
+            views = {name: view[:rows] if name in TOKEN_ROWS else view for name, view in step.views.items()}
+            hidden = self.compile.prefill_at_own_rows(views)
+            if hidden is not None:
+                step.replays += 1
+                return hidden
+        return None
 
     def _decode_chunk(self, batch: StepBatch) -> int | None:
         """The largest decode bucket where a decode batch exceeds it and that bucket's step is of a
