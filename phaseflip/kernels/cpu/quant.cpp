@@ -4,8 +4,8 @@
 // time is (it reads every weight). bfloat16 x, where the CPU has AVX512-VNNI (qrow::int8_x), is quantized to
 // int8 per block of the format's values (32, or 256 for the K formats) at every row count (llama.cpp's
 // approach) and multiplied by integer dot products: up to FEW_ROWS rows of x, each weight row's blocks read
-// once for all of them (int8.h); more, sixteen weight rows at a time unpacked into L1 for an integer
-// register tile (int8_wide.h). float32 x is never rounded (its products are those of the decoded weights),
+// once for all of them (int8.h; a few such passes up to few_rows_limit rows); more, sixteen weight rows at
+// a time unpacked into L1 for an integer register tile (int8_wide.h). float32 x is never rounded (its products are those of the decoded weights),
 // nor is x on another CPU: up to FEW_ROWS rows each block is decoded in registers and multiplied with every
 // row as it is (qrow.h's fused_dot); more, x is packed into panels as for the float32 kernel's wide form and
 // a few weight rows at a time are decoded into an L1 buffer for its register tile (`tiled`). Without
@@ -20,6 +20,7 @@
 #include <torch/library.h>
 #include <algorithm>
 #include <cstring>
+#include <type_traits>
 #include <utility>
 #include <vector>
 #include "blocks.h"
@@ -175,12 +176,27 @@ void int8_wide(const at::Tensor& x, const uint8_t* wp, int64_t ldw, int64_t N, X
 }
 #endif
 
-// fn(m0, rows) for each pass of at most PASS_ROWS of x's M rows, the passes as equal as they come
+// fn(m0, rows) for each pass of at most `most` of x's M rows, the passes as equal as they come
 template <typename Fn>
-void in_passes(int64_t M, const Fn& fn) {
-  const int64_t count = (M + PASS_ROWS - 1) / PASS_ROWS, step = (M + count - 1) / count;
+void in_passes(int64_t M, int64_t most, const Fn& fn) {
+  const int64_t count = (M + most - 1) / most, step = (M + count - 1) / count;
   for (int64_t m0 = 0; m0 < M; m0 += step) fn(m0, std::min(step, M - m0));
 }
+
+#ifdef PF_INT8_DOT
+// Rows of x up to which the few-rows dots, in passes of at most FEW_ROWS rows that each read the weights
+// again, beat the wide product: its unpacking of every group of weight rows costs a fixed share (on a
+// [8192, 2048] matrix in L3, 2 Zen 4 threads: ~2.3 ms at 9 rows against 1.1-1.6 for two passes of the
+// dots), which more rows pay back only past 16 rows for the 32-value formats, 24 for Q4_K, 48 for Q6_K
+// (docs/performance.md). A pass's dots compute from the blocks at a fraction of the memory's rate, so
+// reading the weights again from DRAM costs no more than from L3.
+template <typename B>
+constexpr int64_t few_rows_limit() {
+  if constexpr (std::is_same_v<B, blocks::Q6_K>) return 48;
+  if constexpr (std::is_same_v<B, blocks::Q4_K>) return 24;
+  return 16;
+}
+#endif
 
 template <typename B, typename X>
 void run(const at::Tensor& x, const at::Tensor& w, at::Tensor& y) {
@@ -189,8 +205,11 @@ void run(const at::Tensor& x, const at::Tensor& w, at::Tensor& y) {
   X* yp = y.data_ptr<X>();
 #ifdef PF_INT8_DOT
   if constexpr (qrow::int8_x<X>) {
-    if (M <= FEW_ROWS) return int8_rows<B, X>(x, wp, ldw, N, yp);
-    return in_passes(M, [&](int64_t m0, int64_t rows) {
+    if (M <= few_rows_limit<B>())
+      return in_passes(M, FEW_ROWS, [&](int64_t m0, int64_t rows) {
+        int8_rows<B, X>(x.narrow(0, m0, rows), wp, ldw, N, yp + m0 * N);
+      });
+    return in_passes(M, PASS_ROWS, [&](int64_t m0, int64_t rows) {
       int8_wide<B, X>(x.narrow(0, m0, rows), wp, ldw, N, yp + m0 * N, N);
     });
   }
@@ -198,7 +217,7 @@ void run(const at::Tensor& x, const at::Tensor& w, at::Tensor& y) {
 #ifdef PF_LANES
   if (M > FEW_ROWS) {
     const at::Tensor xf = x.scalar_type() == at::kFloat ? x : x.to(at::kFloat);
-    return in_passes(M, [&](int64_t m0, int64_t rows) {
+    return in_passes(M, PASS_ROWS, [&](int64_t m0, int64_t rows) {
       tiled_rows<B, X>(xf.narrow(0, m0, rows), wp, ldw, N, yp + m0 * N, N);
     });
   }
