@@ -7,7 +7,8 @@ The output rank (the last one in both layouts) samples; where it holds the whole
 step ends in the sampled ids (LM head and sampler inside the recorded step, one read of the ids by the
 host; step_sampling.py). Replays the smallest captured bucket that fits (a compiled CPU prefill over
 its own token rows, its graph being dynamic in them); a decode batch above every bucket replays the
-largest CUDA graph chunk by chunk; any other uncaptured size runs eagerly and is counted. Which backend each bucket records (compiled or eager, measured) is compile_choice.py's part.
+largest CUDA graph chunk by chunk; any other uncaptured size runs eagerly and is counted. Which backend
+each bucket records (compiled or eager, measured) is compile_choice.py's part.
 """
 from __future__ import annotations
 
@@ -34,7 +35,7 @@ from phaseflip.rank.prompt_logprobs import prompt_logprobs
 from phaseflip.rank.sampler import Sampler
 from phaseflip.rank.weights import RankWeights, Split
 from phaseflip.rank.shard import RankShard
-from phaseflip.rank.step_inputs import TOKEN_BUFFERS, bucket_rows, decode_rows, phase_buckets, prepare_inputs
+from phaseflip.rank.step_inputs import TOKEN_ROWS, bucket_rows, decode_rows, phase_buckets, prepare_inputs
 from phaseflip.rank.step_sampling import cat_outputs, sampling_variants, variant_for
 
 
@@ -78,9 +79,6 @@ class LayoutPart:
     output_rank: int              # the layout spec's: where logits are sampled
     weights: RankWeights
     kv: KVView
-
-
-TOKEN_ROWS = (*TOKEN_BUFFERS, "hidden_in")   # the buffers with a row per token
 
 
 class LayoutRunner:

@@ -160,7 +160,8 @@ def test_one_layer_compiles_once_for_every_layer_and_nothing_compiles_after_boot
     # every prompt alone; rows up to linear.SMALL_BATCH may take other product forms than the graph
     # compiled at 64 rows (its guards say whether): those run at SMALL_BATCH + 1
     assert runs_alone == len(alone) and all(r <= SMALL_BATCH for r in own_rows["unserved"]), own_rows
-    assert f"steps run over their own token rows, not the bucket's: {own_rows['runs']}" in "\n".join(boot_table(m))
+    shown = "\n".join(boot_table(m))
+    assert f"steps run over their own token rows, not the bucket's: {own_rows['runs']}" in shown
     assert buffers.staged and buffers.uploads == sum(s["replays"] for s in m["steps"]), "one copy per replay"
     assert stats["chunked_runs"].get("pp:decode", 0) > 0, stats["chunked_runs"]
     assert "pp:decode" not in stats["eager_fallbacks"], stats["eager_fallbacks"]

@@ -29,7 +29,8 @@ inline void dot_k4(const uint8_t* row, int64_t ld, int64_t runs, const Rows& x, 
       uint64_t sc, mn;
       k4_bytes(blk, sc, mn);
       const __m256i s32 = _mm256_cvtepu8_epi32(_mm_cvtsi64_si128(static_cast<int64_t>(sc)));
-      const __m256i pair = _mm256_or_si256(s32, _mm256_slli_epi32(s32, 16));   // run s's scale in both int16 halves of word s
+      // run s's scale in both int16 halves of word s
+      const __m256i pair = _mm256_or_si256(s32, _mm256_slli_epi32(s32, 16));
       const __m256i m32 = _mm256_cvtepu8_epi32(_mm_cvtsi64_si128(static_cast<int64_t>(mn)));
       const __m256 offset = _mm256_mul_ps(_mm256_set1_ps(-half_at(blk + 2)), _mm256_cvtepi32_ps(m32));
       const float d = half_at(blk);

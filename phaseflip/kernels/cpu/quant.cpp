@@ -5,8 +5,8 @@
 // int8 per block of the format's values (32, or 256 for the K formats) at every row count (llama.cpp's
 // approach) and multiplied by integer dot products: up to FEW_ROWS rows of x, each weight row's blocks read
 // once for all of them (int8.h; a few such passes up to few_rows_limit rows); more, sixteen weight rows at
-// a time unpacked into L1 for an integer register tile (int8_wide.h). float32 x is never rounded (its products are those of the decoded weights),
-// nor is x on another CPU: up to FEW_ROWS rows each block is decoded in registers and multiplied with every
+// a time unpacked into L1 for an integer register tile (int8_wide.h). float32 x is never rounded (its
+// products are those of the decoded weights), nor is x on another CPU: up to FEW_ROWS rows each block is decoded in registers and multiplied with every
 // row as it is (qrow.h's fused_dot); more, x is packed into panels as for the float32 kernel's wide form and
 // a few weight rows at a time are decoded into an L1 buffer for its register tile (`tiled`). Without
 // vectors, each weight row is decoded into float32 and dotted with every row of x. Also rows of W decoded to
