@@ -126,13 +126,15 @@ def forward(state: StepState, meta: dict[str, torch.Tensor], layer_fn=decoder_la
     input_ids [T], positions [T] and the attention metadata of kernels/attention.py; on a later PP stage
     hidden_in [T, H], which it takes instead of embedding input_ids. Returns [T, H]: final-normed on the
     stage that holds the head, the raw residual stream otherwise. layer_fn: decoder_layer itself, or a
-    compiled version of it."""
+    compiled version of it. The fused decode layers stand in for decoder_layer only: a step that compiled
+    its layer (a compiled prefill, whose views pad the sequences, so that its tokens may number its
+    sequences without being one each) runs that."""
     w, cfg, shard, kv, comm = state.weights, state.cfg, state.shard, state.kv, state.comm
     residual = embed(w, cfg, shard, meta["input_ids"], comm) if shard.has_embed else meta["hidden_in"]  # [T, H]
     cos_sin = state.rope_table[meta["positions"]]                    # [T, D]
     local = cos_sin if state.local_rope_table is None else state.local_rope_table[meta["positions"]]
     delta = None  # the last block's output, not yet added to the residual stream (fused add + norm)
-    if w.layers and fused_layer.serves(residual, w.layers[0].qkv_proj.dtype, shard.tp_size, kv.tensor,
+    if layer_fn is decoder_layer and w.layers and fused_layer.serves(residual, w.layers[0].qkv_proj.dtype, shard.tp_size, kv.tensor,
                                        meta["block_tables"], w.plain):
         # one token a sequence, every layer (and the final norm where the head is here), one call
         out, residual = fused_layer.decoder_layers(w, cfg.rms_norm_eps, cfg.head_dim ** -0.5, residual, meta,

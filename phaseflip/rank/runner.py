@@ -202,13 +202,10 @@ class LayoutRunner:
         None: replay the bucket). The sequences stay padded to the bucket's (the rows its graph was
         bound at). At least 2 token rows (1 would be a specialisation nothing bound at boot serves); where
         a few rows are not served (up to linear.SMALL_BATCH rows the products may take other forms than
-        the graph traced at its bucket: its guards say whether), SMALL_BATCH + 1. Never as many as the
-        sequence rows: forward takes that as one token a sequence, a decode, and runs the fused decode
-        layers. A step that stops at a layer no saved form serves has written only K/V that the next try
-        writes again."""
-        seqs, bucket = step.views["seq_lens"].shape[0], step.views["input_ids"].shape[0]
+        the graph traced at its bucket: its guards say whether), SMALL_BATCH + 1. A step that stops at a
+        layer no saved form serves has written only K/V that the next try writes again."""
+        bucket = step.views["input_ids"].shape[0]
         for rows in dict.fromkeys((max(tokens, 2), max(tokens, SMALL_BATCH + 1))):
-            rows += rows == seqs
             if rows >= bucket:
                 return None
             views = {name: view[:rows] if name in TOKEN_ROWS else view for name, view in step.views.items()}

@@ -128,9 +128,9 @@ def test_one_layer_compiles_once_for_every_layer_and_nothing_compiles_after_boot
         graphs_at_boot = counters["stats"]["unique_graphs"]
         greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
         outs = llm.generate(prompts, greedy, use_tqdm=False)
-        # each prompt alone: the compiled prefill over its own token rows (2 for one token; 9 for the
-        # 8-token prompt, which at 8 would pass for a decode of 8 sequences and run the fused decode
-        # layers, here forced to serve what they can), not its bucket's 64 or 128
+        # each prompt alone: the compiled prefill over its own token rows (2 for one token), not its
+        # bucket's 64 or 128; the 8-token prompt's 8 rows, as many as the 8 sequence rows, must not pass
+        # for a decode of 8 sequences and run the fused decode layers (here forced to serve what they can)
         prefill = llm.ranks.runtime.runners["pp"].compile.report["prefill"]
         runs_before = prefill.get("own_rows", {}).get("runs", 0)
         with monkeypatch.context() as forced:
