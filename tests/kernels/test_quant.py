@@ -54,11 +54,28 @@ def test_matches_gguf_dequantize_then_f_linear(op, name, dtype, rows):
     assert blocks.shape == (102, fmt.row_bytes(768)) and blocks.dtype == torch.uint8
     x = torch.randn(rows, 768, generator=torch.Generator().manual_seed(rows)).to(dtype)
     got = quant.quant_linear(x, blocks, fmt)
-    # bf16 x with integer products (AVX512-VNNI): the kernel multiplies x rounded to int8 per block
+    # bf16 x with integer products (AVX2, VNNI where present): the kernel multiplies x rounded to int8 per block
     want = F.linear(quant.quantize_rows_int8(x, fmt) if quant.int8_x(fmt, dtype) else x.float(), w)
     assert got.dtype == dtype and got.shape == (rows, 102)
     tol = 1e-4 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(got.float(), want, rtol=tol, atol=tol * want.abs().max().item())
+
+
+@pytest.mark.parametrize("name", sorted(quant.FORMATS))
+def test_bf16_x_is_int8_at_every_row_count(op, name):
+    """Where int8_x holds, every form (the few-rows dots, their passes, the wide product) multiplies x rounded
+    to int8 per block exactly as quantize_rows_int8 rounds it: y is F.linear of that x rounded to bf16, but
+    where the float32 sums' order tips a value to the next bf16 step (x as it is differs in ~70% of them)."""
+    fmt = quant.block_format(name)
+    if not quant.int8_x(fmt, torch.bfloat16):
+        pytest.skip("this CPU's kernels multiply bf16 x as it is (no AVX2 integer dots)")
+    blocks, w = _blocks(fmt, 40, 768, seed=7)
+    for rows in (1, 8, 9, 25, 33, 49, 300):
+        x = (torch.randn(rows, 768, generator=torch.Generator().manual_seed(rows)) * 3).to(torch.bfloat16)
+        want = F.linear(quant.quantize_rows_int8(x, fmt), w)
+        got = quant.quant_linear(x, blocks, fmt)
+        assert (got != want.bfloat16()).float().mean() <= 0.01, f"{rows} rows"
+        torch.testing.assert_close(got.float(), want, rtol=2 ** -7, atol=1e-6 * want.abs().max().item())
 
 
 @pytest.mark.parametrize("name", ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"])

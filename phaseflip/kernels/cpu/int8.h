@@ -1,15 +1,15 @@
 // Products of GGUF blocks (blocks.h) with a few rows of activations quantized to int8 per block of the
 // weights' format, 32 or 256 values (llama.cpp's approach, public knowledge: its Q8_0 and Q8_K; int8_x.h's
-// Rows): AVX512-VNNI's vpdpbusd multiplies 32 unsigned bytes by 32 signed ones and sums them four at a time
-// into 8 int32 lanes (256-bit vectors: single-pumped on Zen 4), which the scales turn into float32. With
-// x's scale dx and q = round(x / dx), a run of 32 weights w = a * u + c (u unsigned) has the dot
+// Rows): unsigned bytes times signed ones summed into 8 int32 lanes (int8_x.h's dpbusd: AVX512-VNNI's
+// vpdpbusd, four at a time, where present; else AVX2's vpmaddubsw and vpmaddwd), which the scales turn into
+// float32. With x's scale dx and q = round(x / dx), a run of 32 weights w = a * u + c (u unsigned) has the dot
 // a * dx * sum(u * q) + c * dx * sum(q):
 // - Q4_0, Q4_1, Q5_0, Q5_1 (int8_groups.h) sum 8 blocks' integer sums into the lanes of one vector that
 //   their scales (d * dx) turn into float32 at once, an integer offset c / a in the integer sum;
 // - Q8_0's signed w as |w| times x with w's signs, a block at a time (dot_q80);
 // - Q4_K and Q6_K (int8_k.h): runs share dx (one per 256 values), their products add up in int32 across
 //   the block with the runs' scales, one float conversion a block.
-// Included by qrow.h, quant.cpp and int8_wide.h; compiled where the CPU has AVX512-VNNI, -VL and -BW
+// Included by qrow.h, quant.cpp and int8_wide.h; compiled where the CPU has AVX2, FMA and F16C
 // (PF_INT8_DOT), else quant.cpp keeps its float32 paths.
 #pragma once
 #include "int8_groups.h"
@@ -34,7 +34,7 @@ inline void dot_q80(const uint8_t* row, int64_t ld, int64_t runs, const Rows& x,
 #pragma GCC unroll 8
       for (int m = 0; m < M; ++m) {
         const int64_t j = m * runs + b;
-        const __m256i sum = _mm256_dpbusd_epi32(_mm256_setzero_si256(), magnitude, _mm256_sign_epi8(x.run(j), w));
+        const __m256i sum = dpbusd(_mm256_setzero_si256(), magnitude, _mm256_sign_epi8(x.run(j), w));
         acc[r][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_mul_ps(d, _mm256_set1_ps(x.d[j])), acc[r][m]);
       }
     }

@@ -8,6 +8,11 @@
 
 namespace int8dot {
 
+// all ones in lanes 0 to n - 1 (n <= 8), zeros above: a mask for AVX2's masked loads and gathers
+inline __m256i first(int n) {
+  return _mm256_cmpgt_epi32(_mm256_set1_epi32(n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+
 // Lane i: the sum of s[i]'s lanes, lanes 0-3 shifted left by `low` bits first
 template <int low>
 inline __m256i sum8(const __m256i (&s)[8]) {
@@ -56,28 +61,36 @@ inline __m256 halves8(const uint8_t* p, int n) {
   }
 #endif
   const __m256i at = _mm256_mullo_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_epi32(stride));
-  const __m256i words =
-      _mm256_mmask_i32gather_epi32(_mm256_setzero_si256(), static_cast<__mmask8>((1u << n) - 1), at, p + 2 * f, 1);
-  return _mm256_cvtph_ps(_mm256_cvtepi32_epi16(words));
+  const __m256i words = _mm256_mask_i32gather_epi32(_mm256_setzero_si256(), reinterpret_cast<const int*>(p + 2 * f),
+                                                    at, first(n), 1);
+  // each word's low 16 bits: bytes 0-1, 4-5, 8-9, 12-13 of each half, then the halves' low 8 bytes together
+  const __m256i low16 = _mm256_shuffle_epi8(
+      words, _mm256_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, -1, -1, -1, -1, -1, -1, -1, -1, 0, 1, 4, 5, 8, 9, 12, 13, -1,
+                              -1, -1, -1, -1, -1, -1, -1));
+  return _mm256_cvtph_ps(_mm256_castsi256_si128(_mm256_permute4x64_epi64(low16, 0b1000)));
 }
 
 // The values of x for 8 runs from p (one a run), 0 past the first n (a masked load reads nothing past them)
 template <bool whole, typename T>
 inline auto runs8(const T* p, int n) {
-  const __mmask8 in = static_cast<__mmask8>((1u << n) - 1);
   if constexpr (std::is_same_v<T, float>)
-    return whole ? _mm256_loadu_ps(p) : _mm256_maskz_loadu_ps(in, p);
+    return whole ? _mm256_loadu_ps(p) : _mm256_maskload_ps(p, first(n));
   else
-    return whole ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)) : _mm256_maskz_loadu_epi32(in, p);
+    return whole ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))
+                 : _mm256_maskload_epi32(reinterpret_cast<const int*>(p), first(n));
 }
 
-// What a 4- or 5-bit format gives the grouped dot: the shift of its lanes 0-3 (4: Q4's high nibbles are read
-// unshifted, 16 times their value), its integer offset (w = d * (u - offset)) or an fp16 m (w = d * u + m)
-// at byte 2
+// What a 4- or 5-bit format gives the grouped dot: the shift of its lanes 0-3 (4: with VNNI, Q4's high
+// nibbles are read unshifted, 16 times their value; AVX2's int16 pairs cannot hold 2 * 240 * 127), its
+// integer offset (w = d * (u - offset)) or an fp16 m (w = d * u + m) at byte 2
 template <typename B>
 struct Group {
   static constexpr bool q4 = std::is_same_v<B, blocks::Q4_0> || std::is_same_v<B, blocks::Q4_1>;
+#ifdef PF_INT8_VNNI
   static constexpr int low = q4 ? 4 : 0;
+#else
+  static constexpr int low = 0;
+#endif
   static constexpr int offset = std::is_same_v<B, blocks::Q4_0> ? 8 : std::is_same_v<B, blocks::Q5_0> ? 16 : 0;
   static constexpr bool m = std::is_same_v<B, blocks::Q4_1> || std::is_same_v<B, blocks::Q5_1>;
 };
@@ -90,8 +103,8 @@ inline __m256i unsigned_bytes(const uint8_t* b) {
   const auto both = [&](const uint8_t* q) {
     return _mm256_and_si256(halves, _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q))));
   };
-  if constexpr (std::is_same_v<B, blocks::Q4_0>) return both(b + 2);
-  if constexpr (std::is_same_v<B, blocks::Q4_1>) return both(b + 4);
+  if constexpr (std::is_same_v<B, blocks::Q4_0>) return Group<B>::low ? both(b + 2) : nibbles(b + 2);
+  if constexpr (std::is_same_v<B, blocks::Q4_1>) return Group<B>::low ? both(b + 4) : nibbles(b + 4);
   if constexpr (std::is_same_v<B, blocks::Q5_0>) return fives(b + 6, blocks::u32_at(b + 2));
   if constexpr (std::is_same_v<B, blocks::Q5_1>) return fives(b + 8, blocks::u32_at(b + 4));
 }
@@ -123,7 +136,7 @@ inline void group(const uint8_t* row, int64_t ld, int64_t runs, int64_t b, int n
       __m256i sums[8];
 #pragma GCC unroll 8
       for (int i = 0; i < 8; ++i)
-        sums[i] = i < n ? _mm256_dpbusd_epi32(_mm256_setzero_si256(), u[i], x.run(j + i)) : _mm256_setzero_si256();
+        sums[i] = i < n ? dpbusd(_mm256_setzero_si256(), u[i], x.run(j + i)) : _mm256_setzero_si256();
       __m256i total = sum8<G::low>(sums);
       if constexpr (G::offset != 0)   // a power of two
         total = _mm256_sub_epi32(total, _mm256_slli_epi32(runs8<whole>(x.sum.data() + j, n),

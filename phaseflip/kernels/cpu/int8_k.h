@@ -43,7 +43,7 @@ inline void dot_k4(const uint8_t* row, int64_t ld, int64_t runs, const Rows& x, 
         const __m256i u = low4(s & 1 ? _mm256_srli_epi16(q, 4) : q);
 #pragma GCC unroll 8
         for (int m = 0; m < M; ++m)
-          isum[m][s & 1] = _mm256_dpwssd_epi32(isum[m][s & 1], _mm256_maddubs_epi16(u, x.run(m * runs + b * 8 + s)),
+          isum[m][s & 1] = dpwssd(isum[m][s & 1], _mm256_maddubs_epi16(u, x.run(m * runs + b * 8 + s)),
                                                _mm256_permutevar8x32_epi32(pair, _mm256_set1_epi32(s)));
       }
 #pragma GCC unroll 8
@@ -100,7 +100,7 @@ inline void dot_k6(const uint8_t* row, int64_t ld, int64_t runs, const Rows& x, 
 #pragma GCC unroll 8
         for (int m = 0; m < M; ++m)
           isum[m][s & 1] =
-              _mm256_dpwssd_epi32(isum[m][s & 1], _mm256_maddubs_epi16(u, x.run(m * runs + b * 8 + s)), scale);
+              dpwssd(isum[m][s & 1], _mm256_maddubs_epi16(u, x.run(m * runs + b * 8 + s)), scale);
       }
 #pragma GCC unroll 8
       for (int m = 0; m < M; ++m) {

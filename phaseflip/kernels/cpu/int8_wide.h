@@ -10,7 +10,7 @@
 // per pass of x over a group, so the arena keeps the file's blocks.
 #pragma once
 #include "int8.h"
-#ifdef PF_INT8_DOT
+#ifdef PF_INT8_VNNI
 #include <algorithm>
 #include <cstring>
 #include <type_traits>

@@ -1,10 +1,16 @@
 // Activations for int8.h's products: rows of x quantized to int8 per block of the weights' format (Rows),
-// and the vector pieces every form of the products shares (a block's nibbles, lane totals). Included by
-// int8.h, compiled where it is (PF_INT8_DOT).
+// and the vector pieces every form of the products shares (a block's nibbles, the integer dots, lane
+// totals). Included by int8.h, compiled where it is (PF_INT8_DOT: AVX2, FMA and F16C, every x86-64 of the
+// last decade); PF_INT8_VNNI where AVX512-VNNI's vpdpbusd sums u8 x s8 products four at a time into int32,
+// else AVX2's vpmaddubsw sums them in pairs into int16, which saturates past 32767 (each format keeps its u
+// small enough: int8_groups.h's Group::low), and vpmaddwd adds the pairs into int32.
 #pragma once
 #include "blocks.h"
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__) && defined(__AVX512BW__) && defined(__F16C__)
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #define PF_INT8_DOT 1
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__) && defined(__AVX512BW__)
+#define PF_INT8_VNNI 1
+#endif
 #include <immintrin.h>
 #include <cstdint>
 #include <type_traits>
@@ -14,6 +20,35 @@ namespace int8dot {
 
 using blocks::half_at;
 using blocks::QK;
+
+inline int32_t lane_sum(__m256i v) {
+  const __m128i h = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  const __m128i q2 = _mm_add_epi32(h, _mm_unpackhi_epi64(h, h));
+  return _mm_cvtsi128_si32(_mm_add_epi32(q2, _mm_shuffle_epi32(q2, 1)));
+}
+
+// max |x[i]| over n (a multiple of 16) values
+inline float abs_max(const float* x, int64_t n) {
+  const __m256 sign = _mm256_set1_ps(-0.f);
+  __m256 top = _mm256_setzero_ps();
+  for (int64_t v = 0; v < n; v += 8) top = _mm256_max_ps(top, _mm256_andnot_ps(sign, _mm256_loadu_ps(x + v)));
+  const __m128 h = _mm_max_ps(_mm256_castps256_ps128(top), _mm256_extractf128_ps(top, 1));
+  const __m128 q2 = _mm_max_ps(h, _mm_movehl_ps(h, h));
+  return _mm_cvtss_f32(_mm_max_ss(q2, _mm_movehdup_ps(q2)));
+}
+
+// 32 values of x times inv rounded to int8 (|x| * inv <= 127) into q; half[h]: the sum of values 16h-16h+15
+inline void quantize_run(const float* x, float inv, int8_t* q, int32_t (&half)[2]) {
+  const __m256 scale = _mm256_set1_ps(inv);
+  __m256i v[4];
+  for (int i = 0; i < 4; ++i) v[i] = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x + 8 * i), scale));
+  half[0] = lane_sum(_mm256_add_epi32(v[0], v[1]));
+  half[1] = lane_sum(_mm256_add_epi32(v[2], v[3]));
+  // the packs work within 128-bit halves: their dwords hold values 0-3, 8-11, 16-19, 24-27, 4-7, 12-15, ...
+  const __m256i words = _mm256_packs_epi16(_mm256_packs_epi32(v[0], v[1]), _mm256_packs_epi32(v[2], v[3]));
+  const __m256i order = _mm256_permutevar8x32_epi32(words, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), order);
+}
 
 // Rows of x [M, K] (dense float32) quantized per `group` values (32, or 256 for the K formats; K a multiple
 // of it): q int8, the group's scale max|x| / 127 as d of each of its runs of 32, s = d * sum(q) per run,
@@ -34,23 +69,18 @@ struct Rows {
     s.resize(runs);
     (per == 1 ? sum.resize(runs) : sum16.resize(2 * runs));
     for (int64_t g = 0; g < runs; g += per) {
-      __m512 top = _mm512_setzero_ps();
-      for (int64_t v = g * QK; v < (g + per) * QK; v += 16)
-        top = _mm512_max_ps(top, _mm512_abs_ps(_mm512_loadu_ps(x + v)));
-      const float amax = _mm512_reduce_max_ps(top);
-      const __m512 inv = _mm512_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
+      const float amax = abs_max(x + g * QK, per * QK);
+      const float inv = amax > 0.f ? 127.f / amax : 0.f;
       for (int64_t i = g; i < g + per; ++i) {
-        const __m512 a = _mm512_loadu_ps(x + i * QK), b = _mm512_loadu_ps(x + i * QK + 16);
-        const __m512i qa = _mm512_cvtps_epi32(_mm512_mul_ps(a, inv)), qb = _mm512_cvtps_epi32(_mm512_mul_ps(b, inv));
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(q.data() + i * QK), _mm512_cvtsepi32_epi8(qa));
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(q.data() + i * QK + 16), _mm512_cvtsepi32_epi8(qb));
+        int32_t half[2];
+        quantize_run(x + i * QK, inv, q.data() + i * QK, half);
         d[i] = amax / 127.f;
         if (per == 1) {
-          sum[i] = _mm512_reduce_add_epi32(_mm512_add_epi32(qa, qb));
+          sum[i] = half[0] + half[1];
           s[i] = d[i] * static_cast<float>(sum[i]);
         } else {
-          sum16[2 * i] = static_cast<int16_t>(_mm512_reduce_add_epi32(qa));
-          sum16[2 * i + 1] = static_cast<int16_t>(_mm512_reduce_add_epi32(qb));
+          sum16[2 * i] = static_cast<int16_t>(half[0]);
+          sum16[2 * i + 1] = static_cast<int16_t>(half[1]);
           s[i] = d[i] * static_cast<float>(sum16[2 * i] + sum16[2 * i + 1]);
         }
       }
@@ -68,13 +98,43 @@ inline __m256i shift_right(__m256i v, int n) { return _mm256_srl_epi16(v, _mm_cv
 // load into both halves of the vector, the high one's 16-bit lanes shifted by 4, then a mask)
 inline __m256i nibbles(const uint8_t* q) {
   const __m256i both = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q)));
-  const __m256i shift = _mm256_set_epi64x(0x0004000400040004, 0x0004000400040004, 0, 0);
-  return low4(_mm256_srlv_epi16(both, shift));
+  return low4(_mm256_srlv_epi64(both, _mm256_set_epi64x(4, 4, 0, 0)));
+}
+
+// 0x10 in byte j where bit j of `bits` is set, else 0
+inline __m256i bit4(uint32_t bits) {
+#ifdef PF_INT8_VNNI
+  return _mm256_and_si256(_mm256_movm_epi8(bits), _mm256_set1_epi8(0x10));
+#else
+  // byte j of the 32 bits into byte j of the vector, then each byte's own bit kept and compared
+  const __m256i spread = _mm256_shuffle_epi8(_mm256_set1_epi32(static_cast<int>(bits)),
+                                             _mm256_setr_epi64x(0, 0x0101010101010101LL, 0x0202020202020202LL,
+                                                                0x0303030303030303LL));
+  const __m256i bit = _mm256_set1_epi64x(static_cast<int64_t>(0x8040201008040201ULL));
+  return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit), _mm256_set1_epi8(0x10));
+#endif
 }
 
 // Q5's values: nibbles plus bit 4 from the 32 fifth bits (bit j: value j's)
-inline __m256i fives(const uint8_t* q, uint32_t bits) {
-  return _mm256_or_si256(nibbles(q), _mm256_and_si256(_mm256_movm_epi8(bits), _mm256_set1_epi8(0x10)));
+inline __m256i fives(const uint8_t* q, uint32_t bits) { return _mm256_or_si256(nibbles(q), bit4(bits)); }
+
+// acc + the sums of u[i] * s[i] (u8 x s8) four at a time in 8 int32 lanes. Without VNNI each pair's sum must
+// fit int16 (vpmaddubsw saturates): |u| * 127 * 2 <= 32767, u <= 128
+inline __m256i dpbusd(__m256i acc, __m256i u, __m256i s) {
+#ifdef PF_INT8_VNNI
+  return _mm256_dpbusd_epi32(acc, u, s);
+#else
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
+#endif
+}
+
+// acc + the sums of a[i] * b[i] (s16 x s16) in pairs in 8 int32 lanes
+inline __m256i dpwssd(__m256i acc, __m256i a, __m256i b) {
+#ifdef PF_INT8_VNNI
+  return _mm256_dpwssd_epi32(acc, a, b);
+#else
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(a, b));
+#endif
 }
 
 inline float total(__m256 v) {

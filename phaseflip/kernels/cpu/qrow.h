@@ -2,7 +2,7 @@
 // (`decode_row`), decoded in registers and multiplied with up to a few rows of float32 x as it is
 // (`fused_dot`), and one row of x as a one-token product reads it (`Input`, `dots`): bfloat16 x quantized to
 // int8 per block of the weights' format (32 or 256 values) for integer products where the CPU has
-// AVX512-VNNI (`int8_x`, int8.h), float32 x as it is. quant.cpp's products and the fused one-token decoder
+// AVX2 (`int8_x`, int8.h), float32 x as it is. quant.cpp's products and the fused one-token decoder
 // layers (layer.cpp) share these, so a token's product has one answer whichever of them runs it.
 #pragma once
 #include <cstdint>

@@ -91,8 +91,9 @@ def quant_rows(blocks: torch.Tensor, ids: torch.Tensor, fmt: BlockFormat) -> tor
 def int8_x(fmt: BlockFormat, dtype: torch.dtype) -> bool:
     """Whether the kernels, as built for this CPU, quantize x of `dtype` to int8 per block of fmt's values
     (32, or 256 for the K formats: quantize_rows_int8) for integer products with fmt's blocks, at every row
-    count: bfloat16 x where the CPU has AVX512-VNNI (llama.cpp's numerics; kernels/cpu/qrow.h, int8.h,
-    int8_wide.h); float32 x never (the decoded weights' products)."""
+    count: bfloat16 x where the CPU has AVX2 (llama.cpp's numerics; kernels/cpu/qrow.h, int8.h, and for many
+    rows int8_wide.h with AVX512-VNNI, else the float32 tile on x so rounded); float32 x never (the decoded
+    weights' products)."""
     return bool(_kernels().cpu_quant_int8_x(fmt.type_id, dtype))
 
 
@@ -111,7 +112,9 @@ def quantize_rows_int8(x: torch.Tensor, fmt: BlockFormat) -> torch.Tensor:
     values rounded to multiples of max|block| / 127 (float32)."""
     blocks = x.float().reshape(x.shape[0], -1, fmt.block_values)
     amax = blocks.abs().amax(-1, keepdim=True)
-    inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    # 127 / amax as one float32 division, as the kernel takes it (a Python number over a tensor is its
+    # reciprocal times the number: two roundings, which move a value at k + 0.5 to the other side)
+    inv = torch.where(amax > 0, torch.full_like(amax, 127.0) / amax, torch.zeros_like(amax))
     return (torch.round(blocks * inv).clamp(-127, 127) * (amax / 127.0)).reshape(x.shape)
 
 
