@@ -1,16 +1,17 @@
-// Products of GGUF blocks with many rows of x quantized to int8 (int8.h's Rows, d and s per run): the
-// integer form of quant.cpp's wide products, on AVX512-VNNI. Sixteen weight rows at a time are unpacked
-// into this thread's buffer (`Group`) as unsigned bytes u with w = a * u + c per run (Q8_0's signed
-// bytes shifted by 128, Q6_K's by 32, whose a and c change every 16 values), laid out so that one 64-byte
-// load holds 4 consecutive values of each of the 16 rows: vpdpbusd against 4 bytes of one row of x
-// broadcast to every lane sums them into each weight row's own lane, so a register tile of 8 rows of x
-// by 16 weight rows needs no horizontal sums. Each run's int32 sums then become float32 through the
-// run's scales: a (per weight row) times x's scale dx, plus c times x's dx * sum(q) (`offsets`).
-// llama.cpp's repacked GEMMs use this interleave (public knowledge); here the repack lives in L1, once
-// per pass of x over a group, so the arena keeps the file's blocks.
+// Products of GGUF blocks with many rows of x quantized to int8 (int8.h's Rows, d and s per run): the integer
+// form of quant.cpp's wide products. NR weight rows at a time (16 with AVX512-VNNI, 8 with AVX2) are unpacked
+// into this thread's buffer (`Group`) as unsigned bytes u with w = a * u + c per run (Q8_0's signed bytes
+// shifted by 128, Q6_K's by 32, whose a and c change every 16 values), laid out so that one vector load holds
+// 4 consecutive values of each of the NR rows: u8 x s8 products against 4 bytes of one row of x broadcast to
+// every lane (vpdpbusd; AVX2's vpmaddubsw and vpmaddwd, whose int16 pairs hold 2 * u * 127 only for u <= 128:
+// Q8_0's bytes stay signed there, `signed_bytes`) sum them into each weight row's own lane, so a register
+// tile of MR rows of x by NR weight rows needs no horizontal sums. Each run's int32 sums then become float32
+// through the run's scales: a (per weight row) times x's scale dx, plus c times x's dx * sum(q) (`offsets`).
+// llama.cpp's repacked GEMMs use this interleave (public knowledge); here the repack lives in L1, once per
+// pass of x over a group, so the arena keeps the file's blocks.
 #pragma once
 #include "int8.h"
-#ifdef PF_INT8_VNNI
+#ifdef PF_INT8_DOT
 #include <algorithm>
 #include <cstring>
 #include <type_traits>
@@ -20,8 +21,48 @@ namespace int8wide {
 
 using blocks::QK;
 using blocks::half_at, int8dot::fives, int8dot::load32, int8dot::low4, int8dot::nibbles, int8dot::shift_right;
-constexpr int NR = 16;   // weight rows a group: one lane of a 512-bit vector each
-constexpr int MR = 8;    // rows of x a register tile
+#ifdef PF_INT8_VNNI
+constexpr int NR = 16;   // weight rows a group: one lane of a vector each
+constexpr int MR = 8;    // rows of x a register tile: 2 * MR + 2 of the 32 vector registers
+using vi = __m512i;
+using vf = __m512;
+inline vi zero_i() { return _mm512_setzero_si512(); }
+inline vf zero_f() { return _mm512_setzero_ps(); }
+inline vi load_i(const uint8_t* p) { return _mm512_loadu_si512(p); }
+inline vf load_f(const float* p) { return _mm512_loadu_ps(p); }
+inline vf set_f(float v) { return _mm512_set1_ps(v); }
+inline vi set_i(int32_t v) { return _mm512_set1_epi32(v); }
+inline vi dot4(vi acc, vi u, vi x) { return _mm512_dpbusd_epi32(acc, u, x); }
+inline vf fmadd(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
+inline vf mul(vf a, vf b) { return _mm512_mul_ps(a, b); }
+inline vf to_float(vi v) { return _mm512_cvtepi32_ps(v); }
+inline void store_f(float* p, vf v) { _mm512_storeu_ps(p, v); }
+#else
+constexpr int NR = 8;
+constexpr int MR = 6;    // 2 * MR + 3 of the 16
+using vi = __m256i;
+using vf = __m256;
+inline vi zero_i() { return _mm256_setzero_si256(); }
+inline vf zero_f() { return _mm256_setzero_ps(); }
+inline vi load_i(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+inline vf load_f(const float* p) { return _mm256_loadu_ps(p); }
+inline vf set_f(float v) { return _mm256_set1_ps(v); }
+inline vi set_i(int32_t v) { return _mm256_set1_epi32(v); }
+inline vi dot4(vi acc, vi u, vi x) { return int8dot::dpbusd(acc, u, x); }
+inline vf fmadd(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
+inline vf mul(vf a, vf b) { return _mm256_mul_ps(a, b); }
+inline vf to_float(vi v) { return _mm256_cvtepi32_ps(v); }
+inline void store_f(float* p, vf v) { _mm256_storeu_ps(p, v); }
+#endif
+
+// Whether the group holds format B's bytes signed, as they are (w = a * q): Q8_0 without VNNI, whose u
+// (q + 128) would overflow vpmaddubsw's int16 pairs; the tile takes |q| times x with q's signs
+template <typename B>
+#ifdef PF_INT8_VNNI
+constexpr bool signed_bytes = false;
+#else
+constexpr bool signed_bytes = std::is_same_v<B, blocks::Q8_0>;
+#endif
 
 // Run s of a block as unsigned bytes u, with w = a * u + c
 inline __m256i run(blocks::Q4_0, const uint8_t* b, int, float& a, float& c) {
@@ -62,10 +103,14 @@ inline __m256i run(blocks::Q6_K, const uint8_t* b, int s, __m256& scale) {
 template <typename B>
 constexpr int scale_run = std::is_same_v<B, blocks::Q6_K> ? 16 : QK;
 
-// Run s of block blk as unsigned bytes in value order, with w = a[h] * u + c[h] for its halves h
+// Run s of block blk as unsigned bytes in value order, with w = a[h] * u + c[h] for its halves h (signed
+// bytes q where signed_bytes: w = a * q, c = 0)
 template <typename B>
 inline __m256i unsigned_run(const uint8_t* blk, int s, float a[2], float c[2]) {
-  if constexpr (std::is_same_v<B, blocks::Q8_0>) {
+  if constexpr (signed_bytes<B>) {
+    a[0] = a[1] = half_at(blk), c[0] = c[1] = 0.f;
+    return load32(blk + 2);
+  } else if constexpr (std::is_same_v<B, blocks::Q8_0>) {
     a[0] = a[1] = half_at(blk), c[0] = c[1] = -128.f * a[0];
     return _mm256_xor_si256(load32(blk + 2), _mm256_set1_epi8(static_cast<char>(0x80)));
   } else if constexpr (std::is_same_v<B, blocks::Q6_K>) {
@@ -131,55 +176,70 @@ inline int32_t dword(const int8_t* p) {
   return v;
 }
 
+// sum[m] + x's 4 bytes at xq[m * K] (broadcast) times the group's 4 values of each weight row, w: unsigned
+// bytes, or signed ones (Signed) taken as |w| times x with w's signs
+template <bool Signed, int MT>
+inline void step(vi (&sum)[MT], vi w, const int8_t* xq, int64_t K) {
+#ifndef PF_INT8_VNNI
+  if constexpr (Signed) {
+    const vi magnitude = _mm256_sign_epi8(w, w);
+#pragma GCC unroll 8
+    for (int m = 0; m < MT; ++m) sum[m] = dot4(sum[m], magnitude, _mm256_sign_epi8(set_i(dword(xq + m * K)), w));
+    return;
+  }
+#endif
+#pragma GCC unroll 8
+  for (int m = 0; m < MT; ++m) sum[m] = dot4(sum[m], w, set_i(dword(xq + m * K)));
+}
+
 // out[m][0..NR) = rows m0 .. m0 + MT of x times the group's NR weight rows (float32, out NR apart)
-template <int R, int MT>
+template <int R, bool Signed, int MT>
 inline void tile(const Group& g, const int8dot::Rows& x, const std::vector<float>& xs, int64_t m0, int64_t K,
                  float* out) {
   constexpr int per = QK / R, steps = R / 4;
   const int64_t runs = K / QK;
-  __m512 acc[MT];
+  vf acc[MT];
 #pragma GCC unroll 8
-  for (int m = 0; m < MT; ++m) acc[m] = _mm512_setzero_ps();
+  for (int m = 0; m < MT; ++m) acc[m] = zero_f();
   const int8_t* xq = x.q.data() + m0 * K;
   for (int64_t j = 0; j < runs; ++j) {
 #pragma GCC unroll 2
     for (int h = 0; h < per; ++h) {
-      __m512i sum[MT];
+      vi sum[MT];
 #pragma GCC unroll 8
-      for (int m = 0; m < MT; ++m) sum[m] = _mm512_setzero_si512();
+      for (int m = 0; m < MT; ++m) sum[m] = zero_i();
 #pragma GCC unroll 8
-      for (int k = h * steps; k < (h + 1) * steps; ++k) {
-        const __m512i w = _mm512_loadu_si512(g.u.data() + (j * 8 + k) * NR * 4);
-#pragma GCC unroll 8
-        for (int m = 0; m < MT; ++m)
-          sum[m] = _mm512_dpbusd_epi32(sum[m], w, _mm512_set1_epi32(dword(xq + m * K + j * QK + k * 4)));
-      }
+      for (int k = h * steps; k < (h + 1) * steps; ++k)
+        step<Signed>(sum, load_i(g.u.data() + (j * 8 + k) * NR * 4), xq + j * QK + k * 4, K);
       const int64_t r = j * per + h;
-      const __m512 av = _mm512_loadu_ps(g.a.data() + r * NR), cv = _mm512_loadu_ps(g.c.data() + r * NR);
+      const vf av = load_f(g.a.data() + r * NR), cv = load_f(g.c.data() + r * NR);
 #pragma GCC unroll 8
       for (int m = 0; m < MT; ++m) {
-        const __m512 scale = _mm512_mul_ps(av, _mm512_set1_ps(x.d[(m0 + m) * runs + j]));
-        acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum[m]), scale, acc[m]);
-        acc[m] = _mm512_fmadd_ps(cv, _mm512_set1_ps(xs[(m0 + m) * (K / R) + r]), acc[m]);
+        acc[m] = fmadd(to_float(sum[m]), mul(av, set_f(x.d[(m0 + m) * runs + j])), acc[m]);
+        acc[m] = fmadd(cv, set_f(xs[(m0 + m) * (K / R) + r]), acc[m]);
       }
     }
   }
 #pragma GCC unroll 8
-  for (int m = 0; m < MT; ++m) _mm512_storeu_ps(out + m * NR, acc[m]);
+  for (int m = 0; m < MT; ++m) store_f(out + m * NR, acc[m]);
 }
 
-template <int R>
+template <int R, bool Signed>
 inline void tile_rows(const Group& g, const int8dot::Rows& x, const std::vector<float>& xs, int64_t m0, int64_t mt,
                       int64_t K, float* out) {
   switch (mt) {
-    case 1: return tile<R, 1>(g, x, xs, m0, K, out);
-    case 2: return tile<R, 2>(g, x, xs, m0, K, out);
-    case 3: return tile<R, 3>(g, x, xs, m0, K, out);
-    case 4: return tile<R, 4>(g, x, xs, m0, K, out);
-    case 5: return tile<R, 5>(g, x, xs, m0, K, out);
-    case 6: return tile<R, 6>(g, x, xs, m0, K, out);
-    case 7: return tile<R, 7>(g, x, xs, m0, K, out);
-    default: return tile<R, 8>(g, x, xs, m0, K, out);
+    case 1: return tile<R, Signed, 1>(g, x, xs, m0, K, out);
+    case 2: return tile<R, Signed, 2>(g, x, xs, m0, K, out);
+    case 3: return tile<R, Signed, 3>(g, x, xs, m0, K, out);
+    case 4: return tile<R, Signed, 4>(g, x, xs, m0, K, out);
+    case 5: return tile<R, Signed, 5>(g, x, xs, m0, K, out);
+    case 6: return tile<R, Signed, 6>(g, x, xs, m0, K, out);
+#ifdef PF_INT8_VNNI
+    case 7: return tile<R, Signed, 7>(g, x, xs, m0, K, out);
+    default: return tile<R, Signed, 8>(g, x, xs, m0, K, out);
+#else
+    default: return tile<R, Signed, 6>(g, x, xs, m0, K, out);
+#endif
   }
 }
 

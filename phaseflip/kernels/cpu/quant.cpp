@@ -1,19 +1,18 @@
-// Products x @ W^T with W in a GGUF block format, as the file holds it: each weight row a run of blocks,
-// each block scales and small integers (the formats: blocks.h). x [M, K] float32 or bfloat16 (the output is
-// x's dtype), float32 sums. The weight is read once a product, at its quantized size: what a decode step's
-// time is (it reads every weight). bfloat16 x, where the CPU has AVX2 (qrow::int8_x), is quantized to int8
-// per block of the format's values (32, or 256 for the K formats) at every row count (llama.cpp's approach)
-// and multiplied by integer dot products: up to FEW_ROWS rows of x, each weight row's blocks read once for
-// all of them (int8.h; a few such passes up to few_rows_limit rows); more, with AVX512-VNNI sixteen weight
-// rows at a time unpacked into L1 for an integer register tile (int8_wide.h), without it the float32 tile
-// below on x so rounded (`rounded`). float32 x is never rounded (its products are those of the decoded
-// weights), nor is x on a CPU without AVX2: up to FEW_ROWS rows each block is decoded in registers and
-// multiplied with every row as it is (qrow.h's fused_dot); more, x is packed into panels as for the float32
-// kernel's wide form and a few weight rows at a time are decoded into an L1 buffer for its register tile
-// (`tiled`). Without vectors, each weight row is decoded into float32 and dotted with every row of x. Also rows of W decoded to
-// float32 by index (`quant_rows`: a quantized embedding's lookup). Vectors of AVX-512 or AVX2 (simd.h),
-// plain loops on a CPU with neither. Built with the other kernels by phaseflip/kernels/cpu/library.py; rows
-// split over torch's threads (parallel.h's ranges).
+// Products x @ W^T with W in a GGUF block format, as the file holds it: each weight row a run of blocks, each
+// block scales and small integers (the formats: blocks.h). x [M, K] float32 or bfloat16 (the output is x's
+// dtype), float32 sums. The weight is read once a product, at its quantized size: what a decode step's time
+// is (it reads every weight). bfloat16 x, where the CPU has AVX2 (qrow::int8_x), is quantized to int8 per
+// block of the format's values (32, or 256 for the K formats) at every row count (llama.cpp's approach) and
+// multiplied by integer dot products: up to FEW_ROWS rows of x, each weight row's blocks read once for all of
+// them (int8.h; a few such passes up to few_rows_limit rows); more, 16 (VNNI) or 8 (AVX2) weight rows at a
+// time unpacked into L1 for an integer register tile (int8_wide.h). float32 x is never rounded (its products
+// are those of the decoded weights), nor is x on a CPU without AVX2: up to FEW_ROWS rows each block is
+// decoded in registers and multiplied with every row as it is (qrow.h's fused_dot); more, x is packed into
+// panels as for the float32 kernel's wide form and a few weight rows at a time are decoded into an L1 buffer
+// for its register tile (`tiled`). Without vectors, each weight row is decoded into float32 and dotted with
+// every row of x. Also rows of W decoded to float32 by index (`quant_rows`: a quantized embedding's lookup).
+// Vectors of AVX-512 or AVX2 (simd.h), plain loops on a CPU with neither. Built with the other kernels by
+// phaseflip/kernels/cpu/library.py; rows split over torch's threads (parallel.h's ranges).
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <c10/util/BFloat16.h>
@@ -148,9 +147,6 @@ void int8_rows(const at::Tensor& x, const uint8_t* wp, int64_t ldw, int64_t N, X
   });
 }
 
-#endif
-
-#ifdef PF_INT8_VNNI
 // More than FEW_ROWS rows of x (one pass): x quantized to int8 per block of B's values, and each group of
 // int8wide::NR weight rows unpacked once into this thread's buffer for the integer register tile
 // (int8_wide.h), which meets every row of x
@@ -171,31 +167,12 @@ void int8_wide(const at::Tensor& x, const uint8_t* wp, int64_t ldw, int64_t N, X
       g.fill<B>(wp + n * ldw, ldw, here, K);
       for (int64_t m = 0; m < M; m += MR) {
         const int64_t mt = std::min<int64_t>(MR, M - m);
-        int8wide::tile_rows<R>(g, qx, xs, m, mt, K, part);
+        int8wide::tile_rows<R, int8wide::signed_bytes<B>>(g, qx, xs, m, mt, K, part);
         for (int64_t r = 0; r < mt; ++r)
           for (int64_t c = 0; c < here; ++c) yp[(m + r) * ldy + n + c] = static_cast<X>(part[r * NR + c]);
       }
     }
   });
-}
-#endif
-
-#if defined(PF_INT8_DOT) && !defined(PF_INT8_VNNI)
-// x [M, K] in float32 as the int8 dots see it (each block of B's values rounded to multiples of its int8
-// scale: Rows::quantize): without VNNI the wide products multiply this on the float32 tile, so that bfloat16
-// x is int8 at every row count, as int8_x says
-template <typename B, typename X>
-at::Tensor rounded(const at::Tensor& x) {
-  const int64_t M = x.size(0), K = x.size(1);
-  std::vector<float> buf;
-  int8dot::Rows qx;
-  qx.quantize(dot::dense_rows<float, X>(x, buf), M, K, B::values_per);
-  at::Tensor out = at::empty({M, K}, x.options().dtype(at::kFloat));
-  float* o = out.data_ptr<float>();
-  par::ranges(M * K / QK, 256, [&](int64_t r0, int64_t r1) {
-    for (int64_t i = r0 * QK; i < r1 * QK; ++i) o[i] = qx.d[i / QK] * static_cast<float>(qx.q[i]);
-  });
-  return out;
 }
 #endif
 
@@ -208,23 +185,17 @@ void in_passes(int64_t M, int64_t most, const Fn& fn) {
 
 #ifdef PF_INT8_DOT
 // Rows of x up to which the few-rows dots, in passes of at most FEW_ROWS rows that each read the weights
-// again, beat the wide product. With VNNI its unpacking of every group of weight rows costs a fixed share (on
-// a [8192, 2048] matrix in L3, 2 Zen 4 threads: ~2.3 ms at 9 rows against 1.1-1.6 for two passes of the
-// dots), which more rows pay back only past 16 rows for the 32-value formats, 24 for Q4_K, 48 for Q6_K;
-// AVX2's wide product is the float32 tile, which the passes beat up to 24, 32 and 48 rows (2 Zen 3
-// threads, docs/performance.md). A pass's dots compute from the blocks at a fraction of the memory's rate,
-// so reading the weights again from DRAM costs no more than from L3.
+// again, beat the wide product: its unpacking of every group of weight rows costs a fixed share (on a
+// [8192, 2048] matrix in L3, 2 Zen 4 threads: ~2.3 ms at 9 rows against 1.1-1.6 for two passes of the
+// dots), which more rows pay back only past 16 rows for the 32-value formats, 24 for Q4_K, 48 for Q6_K
+// (docs/performance.md; AVX2's tile on 2 Zen 3 threads crosses them at about the same rows). A pass's dots
+// compute from the blocks at a fraction of the memory's rate, so reading the weights again from DRAM costs
+// no more than from L3.
 template <typename B>
 constexpr int64_t few_rows_limit() {
-#ifdef PF_INT8_VNNI
   if constexpr (std::is_same_v<B, blocks::Q6_K>) return 48;
   if constexpr (std::is_same_v<B, blocks::Q4_K>) return 24;
   return 16;
-#else
-  if constexpr (std::is_same_v<B, blocks::Q6_K>) return 48;
-  if constexpr (std::is_same_v<B, blocks::Q4_K>) return 32;
-  return 24;
-#endif
 }
 #endif
 
@@ -239,16 +210,9 @@ void run(const at::Tensor& x, const at::Tensor& w, at::Tensor& y) {
       return in_passes(M, FEW_ROWS, [&](int64_t m0, int64_t rows) {
         int8_rows<B, X>(x.narrow(0, m0, rows), wp, ldw, N, yp + m0 * N);
       });
-#ifdef PF_INT8_VNNI
     return in_passes(M, PASS_ROWS, [&](int64_t m0, int64_t rows) {
       int8_wide<B, X>(x.narrow(0, m0, rows), wp, ldw, N, yp + m0 * N, N);
     });
-#else
-    const at::Tensor xr = rounded<B, X>(x);
-    return in_passes(M, PASS_ROWS, [&](int64_t m0, int64_t rows) {
-      tiled_rows<B, X>(xr.narrow(0, m0, rows), wp, ldw, N, yp + m0 * N, N);
-    });
-#endif
   }
 #endif
 #ifdef PF_LANES

@@ -91,9 +91,8 @@ def quant_rows(blocks: torch.Tensor, ids: torch.Tensor, fmt: BlockFormat) -> tor
 def int8_x(fmt: BlockFormat, dtype: torch.dtype) -> bool:
     """Whether the kernels, as built for this CPU, quantize x of `dtype` to int8 per block of fmt's values
     (32, or 256 for the K formats: quantize_rows_int8) for integer products with fmt's blocks, at every row
-    count: bfloat16 x where the CPU has AVX2 (llama.cpp's numerics; kernels/cpu/qrow.h, int8.h, and for many
-    rows int8_wide.h with AVX512-VNNI, else the float32 tile on x so rounded); float32 x never (the decoded
-    weights' products)."""
+    count: bfloat16 x where the CPU has AVX2 (llama.cpp's numerics; kernels/cpu/qrow.h, int8.h, int8_wide.h;
+    AVX512-VNNI's dot where present); float32 x never (the decoded weights' products)."""
     return bool(_kernels().cpu_quant_int8_x(fmt.type_id, dtype))
 
 
