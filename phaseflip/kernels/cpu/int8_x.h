@@ -21,6 +21,7 @@ namespace int8dot {
 using blocks::half_at;
 using blocks::QK;
 
+// the sum of v's 8 int32 lanes
 inline int32_t lane_sum(__m256i v) {
   const __m128i h = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
   const __m128i q2 = _mm_add_epi32(h, _mm_unpackhi_epi64(h, h));
@@ -29,12 +30,12 @@ inline int32_t lane_sum(__m256i v) {
 
 // max |x[i]| over n (a multiple of 16) values
 inline float abs_max(const float* x, int64_t n) {
-  const __m256 sign = _mm256_set1_ps(-0.f);
-  __m256 top = _mm256_setzero_ps();
-  for (int64_t v = 0; v < n; v += 8) top = _mm256_max_ps(top, _mm256_andnot_ps(sign, _mm256_loadu_ps(x + v)));
-  const __m128 h = _mm_max_ps(_mm256_castps256_ps128(top), _mm256_extractf128_ps(top, 1));
-  const __m128 q2 = _mm_max_ps(h, _mm_movehl_ps(h, h));
-  return _mm_cvtss_f32(_mm_max_ss(q2, _mm_movehdup_ps(q2)));
+  pf::vf top = pf::zero();
+  for (int64_t v = 0; v < n; v += pf::LANES) {
+    const pf::vf a = pf::load(x + v);
+    top = pf::max(top, pf::max(a, pf::sub(pf::zero(), a)));
+  }
+  return pf::max_lane(top);
 }
 
 // 32 values of x times inv rounded to int8 (|x| * inv <= 127) into q; half[h]: the sum of values 16h-16h+15
