@@ -3,7 +3,8 @@
 // totals). Included by int8.h, compiled where it is (PF_INT8_DOT: AVX2, FMA and F16C, every x86-64 of the
 // last decade); PF_INT8_VNNI where AVX512-VNNI's vpdpbusd sums u8 x s8 products four at a time into int32,
 // else AVX2's vpmaddubsw sums them in pairs into int16, which saturates past 32767 (each format keeps its u
-// small enough: int8_groups.h's Group::low), and vpmaddwd adds the pairs into int32.
+// small enough: int8_groups.h's Group::low, int8_wide.h's signed_bytes), and vpmaddwd adds the pairs into
+// int32.
 #pragma once
 #include "blocks.h"
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
