@@ -5,7 +5,8 @@
 // float32. With x's scale dx and q = round(x / dx), a run of 32 weights w = a * u + c (u unsigned) has the dot
 // a * dx * sum(u * q) + c * dx * sum(q):
 // - Q4_0, Q4_1, Q5_0, Q5_1 (int8_groups.h) sum 8 blocks' integer sums into the lanes of one vector that
-//   their scales (d * dx) turn into float32 at once, an integer offset c / a in the integer sum;
+//   their scales (d * dx) turn into float32 at once, an integer offset c / a in the integer sum; on AVX2, up
+//   to 6 rows of x, a block at a time (dot_blocks);
 // - Q8_0's signed w as |w| times x with w's signs, a block at a time (dot_q80);
 // - Q4_K and Q6_K (int8_k.h): runs share dx (one per 256 values), their products add up in int32 across
 //   the block with the runs' scales, one float conversion a block.
@@ -53,6 +54,8 @@ inline void dot(const uint8_t* row, int64_t ld, int64_t runs, const Rows& x, flo
     dot_k6<M, R>(row, ld, runs, x, out);
   else if constexpr (std::is_same_v<B, blocks::Q8_0>)
     dot_q80<M, R>(row, ld, runs, x, out);
+  else if constexpr (BLOCK_AT_A_TIME && M <= 6)
+    dot_blocks<B, M, R>(row, ld, runs, x, out);
   else
     dot_groups<B, M, R>(row, ld, runs, x, out);
 }

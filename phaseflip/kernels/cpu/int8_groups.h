@@ -161,5 +161,48 @@ inline void dot_groups(const uint8_t* row, int64_t ld, int64_t runs, const Rows&
   totals(acc, out);
 }
 
+// Whether the 4- and 5-bit formats' dot takes a block at a time (dot_blocks) for a few rows of x: on AVX2,
+// where the grouped form's 8 sums and horizontal adds spill out of the 16 vector registers and its scales
+// take a gather (measured on a Zen 3, [8192, 2048], 2 threads: 20-30% less time at 1-6 rows of x, 15-30%
+// more at 8; docs/performance.md); with VNNI the grouped form (its scales by byte permutes where there is
+// VBMI)
+#ifdef PF_INT8_VNNI
+constexpr bool BLOCK_AT_A_TIME = false;
+#else
+constexpr bool BLOCK_AT_A_TIME = true;
+#endif
+
+// The dot of a 4- or 5-bit format's rows (as int8.h's dot), a block at a time: each block's u8 x s8 products
+// summed in 8 int32 lanes (dpbusd), converted and scaled by d * dx; the
+// offset or m term c * dx * sum(q) (x.s) as one scalar FMA a block, c = -offset * d or m
+template <typename B, int M, int R>
+inline void dot_blocks(const uint8_t* row, int64_t ld, int64_t runs, const Rows& x, float* out) {
+  using G = Group<B>;
+  static_assert(G::low == 0, "the block's u as its values");
+  __m256 acc[R][M] = {};
+  float extra[R][M] = {};
+  for (int64_t b = 0; b < runs; ++b) {
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) {
+      const uint8_t* blk = row + r * ld + b * B::bytes;
+      const __m256i u = unsigned_bytes<B>(blk);
+      const float d = half_at(blk);
+      const float c = G::m ? half_at(blk + 2) : -G::offset * d;
+#pragma GCC unroll 8
+      for (int m = 0; m < M; ++m) {
+        const int64_t j = m * runs + b;
+        const __m256i sum = dpbusd(_mm256_setzero_si256(), u, x.run(j));
+        acc[r][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_set1_ps(d * x.d[j]), acc[r][m]);
+        extra[r][m] += c * x.s[j];
+      }
+    }
+  }
+  totals(acc, out);
+#pragma GCC unroll 4
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 8
+    for (int m = 0; m < M; ++m) out[r * M + m] += extra[r][m];
+}
+
 }  // namespace int8dot
 #endif
