@@ -120,11 +120,15 @@ inline __m256i bit4(uint32_t bits) {
 // Q5's values: nibbles plus bit 4 from the 32 fifth bits (bit j: value j's)
 inline __m256i fives(const uint8_t* q, uint32_t bits) { return _mm256_or_si256(nibbles(q), bit4(bits)); }
 
-// acc + the sums of u[i] * s[i] (u8 x s8) four at a time in 8 int32 lanes. Without VNNI each pair's sum must
-// fit int16 (vpmaddubsw saturates): |u| * 127 * 2 <= 32767, u <= 128
+// acc + the sums of u[i] * s[i] (u8 x s8) four at a time in 8 int32 lanes: vpdpbusd where the CPU has
+// AVX512-VNNI, or AVX-VNNI (its VEX form, Intel's client cores without AVX-512: the same sums, so the AVX2
+// code around it keeps its limits); else each pair's sum must fit int16 (vpmaddubsw saturates): |u| * 127 *
+// 2 <= 32767, u <= 128
 inline __m256i dpbusd(__m256i acc, __m256i u, __m256i s) {
 #ifdef PF_INT8_VNNI
   return _mm256_dpbusd_epi32(acc, u, s);
+#elif defined(__AVXVNNI__)
+  return _mm256_dpbusd_avx_epi32(acc, u, s);
 #else
   return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
 #endif
@@ -134,6 +138,8 @@ inline __m256i dpbusd(__m256i acc, __m256i u, __m256i s) {
 inline __m256i dpwssd(__m256i acc, __m256i a, __m256i b) {
 #ifdef PF_INT8_VNNI
   return _mm256_dpwssd_epi32(acc, a, b);
+#elif defined(__AVXVNNI__)
+  return _mm256_dpwssd_avx_epi32(acc, a, b);
 #else
   return _mm256_add_epi32(acc, _mm256_madd_epi16(a, b));
 #endif
