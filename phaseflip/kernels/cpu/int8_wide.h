@@ -4,7 +4,8 @@
 // shifted by 128, Q6_K's by 32, whose a and c change every 16 values), laid out so that one vector load holds
 // 4 consecutive values of each of the NR rows: u8 x s8 products against 4 bytes of one row of x broadcast to
 // every lane (vpdpbusd; AVX2's vpmaddubsw and vpmaddwd, whose int16 pairs hold 2 * u * 127 only for u <= 128:
-// Q8_0's bytes stay signed there, `signed_bytes`) sum them into each weight row's own lane, so a register
+// Q8_0's bytes stay signed there, `signed_bytes`; the 4- to 6-bit formats' pairs add up in int16 over a few
+// steps before vpmaddwd widens them, `fold`) sum them into each weight row's own lane, so a register
 // tile of MR rows of x by NR weight rows needs no horizontal sums. Each run's int32 sums then become float32
 // through the run's scales: a (per weight row) times x's scale dx, plus c times x's dx * sum(q) (`offsets`).
 // llama.cpp's repacked GEMMs use this interleave (public knowledge); here the repack lives in L1, once per
@@ -103,6 +104,23 @@ inline __m256i run(blocks::Q6_K, const uint8_t* b, int s, __m256& scale) {
 template <typename B>
 constexpr int scale_run = std::is_same_v<B, blocks::Q6_K> ? 16 : QK;
 
+// Steps of 4 values whose vpmaddubsw pair sums (at most 2 * 127 * u, u the format's largest unsigned byte)
+// one int16 sum holds before vpmaddwd widens it to int32, on AVX2 (a power of two, at most a scale run's
+// steps): Q4's 15 all 8 steps of a run, Q5's 31 four, Q6_K's 63 two, Q8_0 (q + 128, or signed) one. Where
+// a dot4 is one instruction (AVX512-VNNI, AVX-VNNI) every step takes it.
+template <typename B>
+constexpr int fold = [] {
+#if defined(PF_INT8_VNNI) || defined(__AVXVNNI__)
+  return 1;
+#else
+  constexpr int largest = std::is_same_v<B, blocks::Q8_0> ? 128 : std::is_same_v<B, blocks::Q6_K> ? 63
+                          : (std::is_same_v<B, blocks::Q5_0> || std::is_same_v<B, blocks::Q5_1>) ? 31 : 15;
+  int steps = 1;
+  while (2 * steps * 2 * 127 * largest <= 32767 && 2 * steps <= scale_run<B> / 4) steps *= 2;
+  return steps;
+#endif
+}();
+
 // Run s of block blk as unsigned bytes in value order, with w = a[h] * u + c[h] for its halves h (signed
 // bytes q where signed_bytes: w = a * q, c = 0)
 template <typename B>
@@ -192,8 +210,24 @@ inline void step(vi (&sum)[MT], vi w, const int8_t* xq, int64_t K) {
   for (int m = 0; m < MT; ++m) sum[m] = dot4(sum[m], w, set_i(dword(xq + m * K)));
 }
 
+#if !defined(PF_INT8_VNNI) && !defined(__AVXVNNI__)
+// sum[m] + F steps (step's products, unsigned bytes w at `w`, NR * 4 bytes apart; x's 4 bytes a step): their
+// vpmaddubsw pairs added in int16 (fold: they fit), then widened once by vpmaddwd
+template <int F, int MT>
+inline void steps16(vi (&sum)[MT], const uint8_t* w, const int8_t* xq, int64_t K) {
+#pragma GCC unroll 8
+  for (int m = 0; m < MT; ++m) {
+    vi pairs = _mm256_maddubs_epi16(load_i(w), set_i(dword(xq + m * K)));
+#pragma GCC unroll 8
+    for (int f = 1; f < F; ++f)
+      pairs = _mm256_add_epi16(pairs, _mm256_maddubs_epi16(load_i(w + f * NR * 4), set_i(dword(xq + m * K + f * 4))));
+    sum[m] = _mm256_add_epi32(sum[m], _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+  }
+}
+#endif
+
 // out[m][0..NR) = rows m0 .. m0 + MT of x times the group's NR weight rows (float32, out NR apart)
-template <int R, bool Signed, int MT>
+template <int R, bool Signed, int F, int MT>
 inline void tile(const Group& g, const int8dot::Rows& x, const std::vector<float>& xs, int64_t m0, int64_t K,
                  float* out) {
   constexpr int per = QK / R, steps = R / 4;
@@ -208,6 +242,13 @@ inline void tile(const Group& g, const int8dot::Rows& x, const std::vector<float
       vi sum[MT];
 #pragma GCC unroll 8
       for (int m = 0; m < MT; ++m) sum[m] = zero_i();
+#if !defined(PF_INT8_VNNI) && !defined(__AVXVNNI__)
+      if constexpr (F > 1 && !Signed) {
+#pragma GCC unroll 8
+        for (int k = h * steps; k < (h + 1) * steps; k += F)
+          steps16<F>(sum, g.u.data() + (j * 8 + k) * NR * 4, xq + j * QK + k * 4, K);
+      } else
+#endif
 #pragma GCC unroll 8
       for (int k = h * steps; k < (h + 1) * steps; ++k)
         step<Signed>(sum, load_i(g.u.data() + (j * 8 + k) * NR * 4), xq + j * QK + k * 4, K);
@@ -224,21 +265,21 @@ inline void tile(const Group& g, const int8dot::Rows& x, const std::vector<float
   for (int m = 0; m < MT; ++m) store_f(out + m * NR, acc[m]);
 }
 
-template <int R, bool Signed>
+template <int R, bool Signed, int F>
 inline void tile_rows(const Group& g, const int8dot::Rows& x, const std::vector<float>& xs, int64_t m0, int64_t mt,
                       int64_t K, float* out) {
   switch (mt) {
-    case 1: return tile<R, Signed, 1>(g, x, xs, m0, K, out);
-    case 2: return tile<R, Signed, 2>(g, x, xs, m0, K, out);
-    case 3: return tile<R, Signed, 3>(g, x, xs, m0, K, out);
-    case 4: return tile<R, Signed, 4>(g, x, xs, m0, K, out);
-    case 5: return tile<R, Signed, 5>(g, x, xs, m0, K, out);
-    case 6: return tile<R, Signed, 6>(g, x, xs, m0, K, out);
+    case 1: return tile<R, Signed, F, 1>(g, x, xs, m0, K, out);
+    case 2: return tile<R, Signed, F, 2>(g, x, xs, m0, K, out);
+    case 3: return tile<R, Signed, F, 3>(g, x, xs, m0, K, out);
+    case 4: return tile<R, Signed, F, 4>(g, x, xs, m0, K, out);
+    case 5: return tile<R, Signed, F, 5>(g, x, xs, m0, K, out);
+    case 6: return tile<R, Signed, F, 6>(g, x, xs, m0, K, out);
 #ifdef PF_INT8_VNNI
-    case 7: return tile<R, Signed, 7>(g, x, xs, m0, K, out);
-    default: return tile<R, Signed, 8>(g, x, xs, m0, K, out);
+    case 7: return tile<R, Signed, F, 7>(g, x, xs, m0, K, out);
+    default: return tile<R, Signed, F, 8>(g, x, xs, m0, K, out);
 #else
-    default: return tile<R, Signed, 6>(g, x, xs, m0, K, out);
+    default: return tile<R, Signed, F, 6>(g, x, xs, m0, K, out);
 #endif
   }
 }

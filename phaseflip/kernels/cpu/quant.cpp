@@ -167,7 +167,7 @@ void int8_wide(const at::Tensor& x, const uint8_t* wp, int64_t ldw, int64_t N, X
       g.fill<B>(wp + n * ldw, ldw, here, K);
       for (int64_t m = 0; m < M; m += MR) {
         const int64_t mt = std::min<int64_t>(MR, M - m);
-        int8wide::tile_rows<R, int8wide::signed_bytes<B>>(g, qx, xs, m, mt, K, part);
+        int8wide::tile_rows<R, int8wide::signed_bytes<B>, int8wide::fold<B>>(g, qx, xs, m, mt, K, part);
         for (int64_t r = 0; r < mt; ++r)
           for (int64_t c = 0; c < here; ++c) yp[(m + r) * ldy + n + c] = static_cast<X>(part[r * NR + c]);
       }
