@@ -163,9 +163,8 @@ inline void dot_groups(const uint8_t* row, int64_t ld, int64_t runs, const Rows&
 
 // Whether the 4- and 5-bit formats' dot takes a block at a time (dot_blocks) for a few rows of x: on AVX2,
 // where the grouped form's 8 sums and horizontal adds spill out of the 16 vector registers and its scales
-// take a gather (measured on a Zen 3, [8192, 2048], 2 threads: 20-30% less time at 1-6 rows of x, 15-30%
-// more at 8; docs/performance.md); with VNNI the grouped form (its scales by byte permutes where there is
-// VBMI)
+// take a gather (faster up to 6 rows of x, slower at 8: docs/performance.md); with VNNI the grouped form
+// (its scales by byte permutes where there is VBMI)
 #ifdef PF_INT8_VNNI
 constexpr bool BLOCK_AT_A_TIME = false;
 #else
