@@ -110,7 +110,7 @@ constexpr int scale_run = std::is_same_v<B, blocks::Q6_K> ? 16 : QK;
 // a dot4 is one instruction (AVX512-VNNI, AVX-VNNI) every step takes it.
 template <typename B>
 constexpr int fold = [] {
-#if defined(PF_INT8_VNNI) || defined(__AVXVNNI__)
+#ifndef PF_INT8_PAIRS
   return 1;
 #else
   constexpr int largest = std::is_same_v<B, blocks::Q8_0> ? 128 : std::is_same_v<B, blocks::Q6_K> ? 63
@@ -210,7 +210,7 @@ inline void step(vi (&sum)[MT], vi w, const int8_t* xq, int64_t K) {
   for (int m = 0; m < MT; ++m) sum[m] = dot4(sum[m], w, set_i(dword(xq + m * K)));
 }
 
-#if !defined(PF_INT8_VNNI) && !defined(__AVXVNNI__)
+#ifdef PF_INT8_PAIRS
 // sum[m] + F steps (step's products, unsigned bytes w at `w`, NR * 4 bytes apart; x's 4 bytes a step): their
 // vpmaddubsw pairs added in int16 (fold: they fit), then widened once by vpmaddwd
 template <int F, int MT>
@@ -242,7 +242,7 @@ inline void tile(const Group& g, const int8dot::Rows& x, const std::vector<float
       vi sum[MT];
 #pragma GCC unroll 8
       for (int m = 0; m < MT; ++m) sum[m] = zero_i();
-#if !defined(PF_INT8_VNNI) && !defined(__AVXVNNI__)
+#ifdef PF_INT8_PAIRS
       if constexpr (F > 1 && !Signed) {
 #pragma GCC unroll 8
         for (int k = h * steps; k < (h + 1) * steps; k += F)

@@ -12,6 +12,9 @@
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__) && defined(__AVX512BW__)
 #define PF_INT8_VNNI 1
 #endif
+#if !defined(PF_INT8_VNNI) && !defined(__AVXVNNI__)
+#define PF_INT8_PAIRS 1   // no vpdpbusd: a u8 x s8 dot is vpmaddubsw's int16 pairs, then vpmaddwd
+#endif
 #include <immintrin.h>
 #include <cstdint>
 #include <type_traits>
