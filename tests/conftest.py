@@ -1,8 +1,11 @@
 """Session-wide fixtures: tiny random checkpoints built once per test session (see tests/models.py); the
 private cache; the CPU kernels built for the tests that call them (`cpu_kernels`: at the first such
-test, not at collection, when the private cache is set), or those tests skipped where they cannot build."""
+test, not at collection, when the private cache is set), or those tests skipped where they cannot build;
+the subprocess-bound work started at the session's start to run beside the others (tests/background.py)."""
 from __future__ import annotations
 
+import importlib.util
+import json
 import os
 import platform
 import shutil
@@ -12,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from phaseflip.graphs.compile import cache_dirs
+from tests import background
 from tests.models import make_tiny_model, make_tokenizer
 
 
@@ -119,13 +123,33 @@ def default_model_dir() -> Path:
 
 
 @pytest.fixture(scope="session")
-def smollm_reference(default_model_dir):
-    """(model_dir, 8 prompts' token ids, HF greedy reference of 32 tokens each), computed once."""
-    from phaseflip.engine.checkpoint.tokenizer import load_tokenizer
-    from tests.models import SMOLLM_TEXTS, hf_generate_greedy
-    tok = load_tokenizer(default_model_dir)
-    prompts = [tok.encode(t) for t in SMOLLM_TEXTS]
-    return default_model_dir, prompts, hf_generate_greedy(default_model_dir, prompts, 32)
+def smollm_reference(default_model_dir, _background_jobs):
+    """(model_dir, 8 prompts' token ids, HF greedy reference of 32 tokens each), computed once, in the
+    background (tests/hf_reference.py)."""
+    done = _background_jobs["smollm_reference"].result(timeout_s=600)
+    assert done.returncode == 0, f"HF's reference failed (exit {done.returncode}):\n{done.stderr[-4000:]}"
+    out = json.loads(done.stdout)
+    return default_model_dir, out["prompts"], [tuple(r) for r in out["reference"]]
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _background_jobs(request, tmp_path_factory, _private_cache, _eager_by_default):
+    """fixture name -> background.Job: the subprocess-bound work of the tests this session selected,
+    started now (in the session's environment: its private cache, eager engines) and collected by the
+    fixture of that name (tests/background.py says why)."""
+    used = {name for item in request.session.items for name in item.fixturenames}
+    jobs: dict[str, background.Job] = {}
+    if "smollm_reference" in used:
+        jobs["smollm_reference"] = background.hf_reference(request.getfixturevalue("default_model_dir"), 32)
+    if "kernel_results" in used and importlib.util.find_spec("triton") is not None:
+        names = sorted({item.callspec.params["name"] for item in request.session.items
+                        if item.originalname == "test_kernel_matches_reference"})
+        jobs["kernel_results"] = background.kernel_selfcheck(names)
+    if "gpu_check_dry_run" in used:
+        jobs["gpu_check_dry_run"] = background.gpu_check_dry_run(tmp_path_factory.mktemp("gpu-check-dry-run"))
+    yield jobs
+    for job in jobs.values():
+        job.kill()
 
 
 def pytest_addoption(parser):

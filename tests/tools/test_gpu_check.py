@@ -2,11 +2,7 @@
 and a failing or late section is recorded without stopping the others."""
 import argparse
 import json
-import os
-import subprocess
-import sys
 import time
-from pathlib import Path
 
 import pytest
 
@@ -14,17 +10,19 @@ from phaseflip.tools import gpu_check, gpu_sections_compile
 from phaseflip.tools.gpu_context import DRY, GRACE_S, Context
 from phaseflip.tools.gpu_sections_engine import engine_kwargs
 
-ROOT = Path(__file__).resolve().parents[2]
 SECTIONS = ("environment", "kernels", "bandwidth", "capture", "replay_vs_eager", "park_restore", "restore",
             "decode_throughput", "decode_step", "fp32_parity", "hf_decode", "quantized_decode", "decode_8b",
             "compile_boot", "kv_sizing")
 
 
-def test_dry_run_writes_every_section(tmp_path):
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
-    env.pop("TRITON_INTERPRET", None)   # the script sets it itself in a dry run
-    proc = subprocess.run([sys.executable, "-m", "phaseflip.tools.gpu_check", "--dry-run", "--out", str(tmp_path)],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=180)
+@pytest.fixture(scope="session")
+def gpu_check_dry_run(_background_jobs):
+    """`python -m phaseflip.tools.gpu_check --dry-run`, run beside the suite (tests/background.py)."""
+    return _background_jobs["gpu_check_dry_run"]
+
+
+def test_dry_run_writes_every_section(gpu_check_dry_run):
+    proc, tmp_path = gpu_check_dry_run.result(timeout_s=180), gpu_check_dry_run.out_dir
     report = json.loads((tmp_path / "gpu_check.json").read_text())
     s = report["sections"]
     assert tuple(s) == SECTIONS == tuple(f.__name__ for f in gpu_check.SECTIONS)
