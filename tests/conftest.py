@@ -135,8 +135,8 @@ def smollm_reference(default_model_dir, _background_jobs):
 @pytest.fixture(autouse=True, scope="session")
 def _background_jobs(request, tmp_path_factory, _private_cache, _eager_by_default):
     """fixture name -> background.Job: the subprocess-bound work of the tests this session selected,
-    started now (in the session's environment: its private cache, eager engines) and collected by the
-    fixture of that name (tests/background.py says why)."""
+    run from now on, one after the other (in the session's environment: its private cache, eager
+    engines), and collected by the fixture of that name (tests/background.py says why)."""
     used = {name for item in request.session.items for name in item.fixturenames}
     jobs: dict[str, background.Job] = {}
     if "smollm_reference" in used:
@@ -147,6 +147,7 @@ def _background_jobs(request, tmp_path_factory, _private_cache, _eager_by_defaul
         jobs["kernel_results"] = background.kernel_selfcheck(names)
     if "gpu_check_dry_run" in used:
         jobs["gpu_check_dry_run"] = background.gpu_check_dry_run(tmp_path_factory.mktemp("gpu-check-dry-run"))
+    background.run_in_order(list(jobs.values()))   # the order their tests come in
     yield jobs
     for job in jobs.values():
         job.kill()

@@ -14,6 +14,7 @@ import pytest
 from phaseflip import LLM, SamplingParams
 from phaseflip.engine.ranks import template as rank_template
 from phaseflip.engine.ranks.group import EngineDeadError
+from tests import background
 from tests.reliability.support import alive, wait_gone
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
@@ -162,9 +163,11 @@ def test_no_process_of_the_engine_outlives_shutdown_by_10_s(model, monkeypatch):
     import psutil
     monkeypatch.delenv("PHASEFLIP_RANK_TEMPLATE_IDLE_S")
     monkeypatch.setenv("TORCH_PHASEFLIP_TEST_MARK", "default-idle")   # a template started now, with the default
-    before = {p.pid for p in psutil.Process().children(recursive=True)}
+    def children() -> set[int]:   # the suite's background jobs are not the engine's
+        return {p.pid for p in psutil.Process().children(recursive=True)} - background.pids()
+    before = children()
     with boot(model) as llm:
-        started = {p.pid for p in psutil.Process().children(recursive=True)} - before
+        started = children() - before
         assert set(llm.ranks.pids) <= started and any(is_template(pid) for pid in started)
     assert wait_gone(sorted(started), 10.0) == [], "a process of the engine outlived shutdown() by 10 s"
 
