@@ -43,7 +43,7 @@ def _blocks(fmt: quant.BlockFormat, n: int, k: int, seed: int):
 
 @pytest.mark.parametrize("name", sorted(quant.FORMATS))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-# few-rows forms up to 8 rows, bf16's in passes of up to 8 to 16 rows (24 for Q4_K, 48 for Q6_K), wide past
+# few-rows forms up to 8 rows, bf16's in passes up to 8-24 rows (48 for Q6_K with VNNI), wide past
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 9, 17, 24, 33, 48, 64, 300])
 def test_matches_gguf_dequantize_then_f_linear(op, name, dtype, rows):
     fmt = quant.block_format(name)

@@ -185,17 +185,24 @@ void in_passes(int64_t M, int64_t most, const Fn& fn) {
 
 #ifdef PF_INT8_DOT
 // Rows of x up to which the few-rows dots, in passes of at most FEW_ROWS rows that each read the weights
-// again, beat the wide product: its unpacking of every group of weight rows costs a fixed share (on a
-// [8192, 2048] matrix in L3, 2 Zen 4 threads: ~2.3 ms at 9 rows against 1.1-1.6 for two passes of the
-// dots), which more rows pay back only past 16 rows for the 32-value formats, 24 for Q4_K, 48 for Q6_K
-// (docs/performance.md; AVX2's tile on 2 Zen 3 threads crosses them at about the same rows). A pass's dots
-// compute from the blocks at a fraction of the memory's rate, so reading the weights again from DRAM costs
-// no more than from L3.
+// again, beat the wide product, whose unpacking of every group of weight rows costs a fixed share that
+// more rows pay back (docs/performance.md). With AVX512-VNNI (measured on a Zen 4): past 16 rows for the
+// 32-value formats, 24 for Q4_K, 48 for Q6_K. AVX2's tile (measured on a Zen 3) pays back sooner: past
+// FEW_ROWS for Q4_0 and Q4_1, 12 for Q8_0, 24 for the K formats; Q5's limit was not measured there. A
+// pass's dots compute from the blocks at a fraction of the memory's rate, so reading the weights again
+// from DRAM costs no more than from L3.
 template <typename B>
 constexpr int64_t few_rows_limit() {
+#ifdef PF_INT8_VNNI
   if constexpr (std::is_same_v<B, blocks::Q6_K>) return 48;
   if constexpr (std::is_same_v<B, blocks::Q4_K>) return 24;
   return 16;
+#else
+  if constexpr (std::is_same_v<B, blocks::Q6_K> || std::is_same_v<B, blocks::Q4_K>) return 24;
+  if constexpr (std::is_same_v<B, blocks::Q8_0>) return 12;
+  if constexpr (std::is_same_v<B, blocks::Q4_0> || std::is_same_v<B, blocks::Q4_1>) return FEW_ROWS;
+  return 16;
+#endif
 }
 #endif
 
