@@ -96,15 +96,13 @@ def pids() -> set[int]:
     return found
 
 
-def run_in_order(jobs: list[Job]) -> threading.Thread:
+def run_in_order(jobs: list[Job]) -> None:
     """Starts each job when the one before it has ended, on a daemon thread."""
     def run():
         for job in jobs:
             job.start()
             job.wait()
-    thread = threading.Thread(target=run, name="suite-background-jobs", daemon=True)
-    thread.start()
-    return thread
+    threading.Thread(target=run, name="suite-background-jobs", daemon=True).start()
 
 
 def python(*args: str, env: dict[str, str] | None = None, out_dir: Path | None = None) -> Job:
