@@ -12,6 +12,7 @@
 // pass of x over a group, so the arena keeps the file's blocks.
 #pragma once
 #include "int8.h"
+#include "simd.h"
 #ifdef PF_INT8_DOT
 #include <algorithm>
 #include <cstring>
@@ -144,24 +145,9 @@ inline __m256i unsigned_run(const uint8_t* blk, int s, float a[2], float c[2]) {
   }
 }
 
-// 8 rows' runs of 8 dwords (v[r]'s dword k: values 4k..4k+3 of row r) as 8 steps (v[k]: dword k of rows 0..7)
-inline void transpose8(__m256i (&v)[8]) {
-  __m256i t[8], q[8];
-#pragma GCC unroll 4
-  for (int i = 0; i < 8; i += 2)
-    t[i] = _mm256_unpacklo_epi32(v[i], v[i + 1]), t[i + 1] = _mm256_unpackhi_epi32(v[i], v[i + 1]);
-#pragma GCC unroll 2
-  for (int i = 0; i < 8; i += 4) {
-    q[i] = _mm256_unpacklo_epi64(t[i], t[i + 2]), q[i + 1] = _mm256_unpackhi_epi64(t[i], t[i + 2]);
-    q[i + 2] = _mm256_unpacklo_epi64(t[i + 1], t[i + 3]), q[i + 3] = _mm256_unpackhi_epi64(t[i + 1], t[i + 3]);
-  }
-#pragma GCC unroll 4
-  for (int k = 0; k < 4; ++k)
-    v[k] = _mm256_permute2x128_si256(q[k], q[k + 4], 0x20), v[k + 4] = _mm256_permute2x128_si256(q[k], q[k + 4], 0x31);
-}
-
 // Up to NR weight rows, unpacked: bytes [run][8 steps of 4 values][NR rows][4], and a and c [scale run][NR]
-// (rows past `count` zero). A run of 8 rows at a time: decoded into registers, transposed, 8 stores.
+// (rows past `count` zero). A run of 8 rows at a time: decoded into registers, transposed (8 x 8 dwords),
+// stored a step a vector.
 struct Group {
   std::vector<uint8_t> u;
   std::vector<float> a, c;
@@ -174,20 +160,21 @@ struct Group {
     if (count < NR) std::fill(a.begin(), a.end(), 0.f), std::fill(c.begin(), c.end(), 0.f);
     for (int64_t j = 0; j < runs; ++j) {
       for (int r8 = 0; r8 < NR; r8 += 8) {
-        __m256i v[8];
+        __m256 v[8];   // the runs' bytes
         for (int i = 0; i < 8; ++i) {
           const int64_t r = r8 + i;
           if (r >= count) {
-            v[i] = _mm256_setzero_si256();
+            v[i] = _mm256_setzero_ps();
             continue;
           }
           float ra[2], rc[2];
-          v[i] = unsigned_run<B>(rows + r * ldw + j / subs * B::bytes, static_cast<int>(j % subs), ra, rc);
+          v[i] = _mm256_castsi256_ps(
+              unsigned_run<B>(rows + r * ldw + j / subs * B::bytes, static_cast<int>(j % subs), ra, rc));
           for (int h = 0; h < per; ++h) a[(j * per + h) * NR + r] = ra[h], c[(j * per + h) * NR + r] = rc[h];
         }
-        transpose8(v);
+        pf::transpose8x8(v);
         for (int k = 0; k < 8; ++k)
-          _mm256_storeu_si256(reinterpret_cast<__m256i*>(u.data() + ((j * 8 + k) * NR + r8) * 4), v[k]);
+          _mm256_storeu_ps(reinterpret_cast<float*>(u.data() + ((j * 8 + k) * NR + r8) * 4), v[k]);
       }
     }
   }

@@ -24,6 +24,26 @@ namespace pf {
 
 constexpr int64_t LANES = PF_LANES;
 
+// 8 vectors of 8 32-bit lanes transposed in place: r[k]'s lane i becomes r[i]'s lane k (bit patterns kept:
+// the integer kernels pass bytes through it)
+inline void transpose8x8(__m256 (&r)[8]) {
+  __m256 t[8], u[8];
+  for (int i = 0; i < 8; i += 2) {
+    t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);       // r_i[0] r_i+1[0] r_i[1] r_i+1[1] | [4] [5]
+    t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);   // [2] [3] | [6] [7]
+  }
+  for (int i = 0; i < 8; i += 4) {
+    u[i] = _mm256_shuffle_ps(t[i], t[i + 2], _MM_SHUFFLE(1, 0, 1, 0));       // 4 rows' [0] | [4]
+    u[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], _MM_SHUFFLE(3, 2, 3, 2));   // [1] | [5]
+    u[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(1, 0, 1, 0));   // [2] | [6]
+    u[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(3, 2, 3, 2));   // [3] | [7]
+  }
+  for (int j = 0; j < 4; ++j) {
+    r[j] = _mm256_permute2f128_ps(u[j], u[j + 4], 0x20);
+    r[j + 4] = _mm256_permute2f128_ps(u[j], u[j + 4], 0x31);
+  }
+}
+
 // 8 values as float32 in a 256-bit vector, which both instruction sets have (bfloat16 widened)
 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
 inline __m256 load8(const c10::BFloat16* p) {

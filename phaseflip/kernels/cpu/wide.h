@@ -30,22 +30,10 @@ constexpr int wide_nr(int mb) {
 // 8 rows (s0 apart) x 8 columns of x as float32, transposed: dst[k * ld + 0..7] = column k's 8 values
 template <typename W>
 inline void transpose8(const W* x, int64_t s0, float* dst, int64_t ld) {
-  __m256 r[8], t[8], u[8];
+  __m256 r[8];
   for (int i = 0; i < 8; ++i) r[i] = pf::load8(x + i * s0);
-  for (int i = 0; i < 8; i += 2) {
-    t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);       // r_i[0] r_i+1[0] r_i[1] r_i+1[1] | [4] [5]
-    t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);   // [2] [3] | [6] [7]
-  }
-  for (int i = 0; i < 8; i += 4) {
-    u[i] = _mm256_shuffle_ps(t[i], t[i + 2], _MM_SHUFFLE(1, 0, 1, 0));       // 4 rows' [0] | [4]
-    u[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], _MM_SHUFFLE(3, 2, 3, 2));   // [1] | [5]
-    u[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(1, 0, 1, 0));   // [2] | [6]
-    u[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(3, 2, 3, 2));   // [3] | [7]
-  }
-  for (int j = 0; j < 4; ++j) {
-    _mm256_storeu_ps(dst + j * ld, _mm256_permute2f128_ps(u[j], u[j + 4], 0x20));
-    _mm256_storeu_ps(dst + (j + 4) * ld, _mm256_permute2f128_ps(u[j], u[j + 4], 0x31));
-  }
+  pf::transpose8x8(r);
+  for (int k = 0; k < 8; ++k) _mm256_storeu_ps(dst + k * ld, r[k]);
 }
 
 // Rows m_from .. M - 1 of x [M, K] (strides s0, s1) into the panels `run` reads: 8 x 8 blocks
