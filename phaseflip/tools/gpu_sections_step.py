@@ -61,7 +61,7 @@ def _per_step(short: dict, long: dict, key: str):
     return None if key == "wall_ms" and per <= 0 else per   # noise outweighed the steps: not a measure
 
 
-def _best_of(runs: list[dict]) -> dict:
+def _best_of(runs) -> dict:
     """The counts of the first run (every run counts the same), the least wall time."""
     return {**runs[0], "wall_ms": min(r["wall_ms"] for r in runs)}
 
@@ -72,8 +72,7 @@ def _compare(llm, prompt: list[int], cuda: bool, sampled: bool) -> dict:
     _one_run(llm, prompt, LONG, cuda, sampled)                      # warm: every size these runs use
     pairs = [(_one_run(llm, prompt, SHORT, cuda, sampled), _one_run(llm, prompt, LONG, cuda, sampled))
              for _ in range(REPEATS)]
-    short_runs, long_runs = zip(*pairs)
-    short, long = _best_of(list(short_runs)), _best_of(list(long_runs))
+    short, long = (_best_of(runs) for runs in zip(*pairs))
     per = {key: _per_step(short, long, key) for key in ("syncs", "kernels", "kernel_ms", "wall_ms", "uploads")}
     busy = None if per["kernel_ms"] is None or per["wall_ms"] is None else per["kernel_ms"] / per["wall_ms"]
     out = {"decode_steps_compared": long["steps"] - short["steps"], "syncs_per_step": per["syncs"],

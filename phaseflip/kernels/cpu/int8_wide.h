@@ -14,7 +14,6 @@
 #include "int8.h"
 #include "simd.h"
 #ifdef PF_INT8_DOT
-#include <algorithm>
 #include <cstring>
 #include <type_traits>
 #include <vector>
@@ -157,19 +156,15 @@ struct Group {
     constexpr int R = scale_run<B>, per = QK / R, subs = B::values_per / QK;
     const int64_t runs = K / QK;
     u.resize(runs * 8 * NR * 4), a.resize(runs * per * NR), c.resize(runs * per * NR);
-    if (count < NR) std::fill(a.begin(), a.end(), 0.f), std::fill(c.begin(), c.end(), 0.f);
     for (int64_t j = 0; j < runs; ++j) {
       for (int r8 = 0; r8 < NR; r8 += 8) {
         __m256 v[8];   // the runs' bytes
         for (int i = 0; i < 8; ++i) {
           const int64_t r = r8 + i;
-          if (r >= count) {
-            v[i] = _mm256_setzero_ps();
-            continue;
-          }
-          float ra[2], rc[2];
-          v[i] = _mm256_castsi256_ps(
-              unsigned_run<B>(rows + r * ldw + j / subs * B::bytes, static_cast<int>(j % subs), ra, rc));
+          float ra[2] = {0.f, 0.f}, rc[2] = {0.f, 0.f};
+          v[i] = r < count ? _mm256_castsi256_ps(unsigned_run<B>(rows + r * ldw + j / subs * B::bytes,
+                                                                 static_cast<int>(j % subs), ra, rc))
+                           : _mm256_setzero_ps();
           for (int h = 0; h < per; ++h) a[(j * per + h) * NR + r] = ra[h], c[(j * per + h) * NR + r] = rc[h];
         }
         pf::transpose8x8(v);
