@@ -1,22 +1,26 @@
 """Subprocess jobs the suite starts at its beginning and collects where a test needs them.
 
-Owns `Job`, `run_in_order` and the jobs whose work is a process of its own: HF's greedy reference of
-SmolLM2, the Triton kernels' self-check (through Triton's interpreter on the CPU) and the GPU check's
-dry run. Run in turn they cost the suite ~80 s on 2 cores while it keeps one core busy most of the
-time; run one after the other beside the suite, in the order its tests need them, at the lowest
-priority (nice 19), they take the core the suite leaves idle and give it back whenever the suite's own
-threads want it. A test that needs a job not yet started starts it at once. A job is made only when a
-test of the session uses its fixture; one still running when the session ends is killed.
+Owns `Job`, `run_in_order` and the registry of jobs (`register`, `start`): work whose time is a process
+of its own (HF's greedy reference of SmolLM2, the Triton kernels' self-check through Triton's
+interpreter, the GPU check's dry run, boots under torchrun, `phaseflip bench`, a child pytest...). Run in
+turn they cost the suite minutes on 2 cores while it keeps about one core busy; run one after the other
+beside the suite, in the order its tests need them, at the lowest priority (nice 19), they take the core
+the suite leaves idle and give it back whenever the suite's own threads want it. A test that needs a job
+not yet started starts it at once. Each job is registered under the name of the fixture that collects it,
+beside its test (a module or conftest imported at collection); it is made only when a test of the session
+uses that fixture, and one still running when the session ends is killed.
 """
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import tempfile
 import threading
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Callable
 
 ROOT = Path(__file__).resolve().parents[1]
 _STARTED: list[subprocess.Popen] = []   # every job's process, for `pids`
@@ -33,8 +37,9 @@ class Job:
     """One subprocess at nice 19, started by `start` (once: later calls do nothing), its output in
     temporary files (a pipe could fill while nobody reads); `out_dir`: where it writes its files."""
 
-    def __init__(self, argv: list[str], env: dict[str, str] | None = None, out_dir: Path | None = None):
-        self.argv, self.out_dir = argv, out_dir
+    def __init__(self, argv: list[str], env: dict[str, str] | None = None, out_dir: Path | None = None,
+                 sigint_ignored: bool = False):
+        self.argv, self.out_dir, self.sigint_ignored = argv, out_dir, sigint_ignored
         self._env = dict(os.environ if env is None else env)
         self._env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), self._env.get("PYTHONPATH")]))
         self._out, self._err = tempfile.TemporaryFile(), tempfile.TemporaryFile()
@@ -48,8 +53,13 @@ class Job:
             if self._proc is None and not self._killed:
                 self._proc = subprocess.Popen(self.argv, cwd=ROOT, env=self._env, stdout=self._out,
                                               stderr=self._err, stdin=subprocess.DEVNULL,
-                                              preexec_fn=lambda: os.nice(19))
+                                              preexec_fn=self._lowest_priority)
                 _STARTED.append(self._proc)
+
+    def _lowest_priority(self) -> None:
+        os.nice(19)
+        if self.sigint_ignored:
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
 
     def wait(self) -> None:
         """Until the job's process has ended (at once when it was never started)."""
@@ -105,28 +115,50 @@ def run_in_order(jobs: list[Job]) -> None:
     threading.Thread(target=run, name="suite-background-jobs", daemon=True).start()
 
 
-def python(*args: str, env: dict[str, str] | None = None, out_dir: Path | None = None) -> Job:
-    return Job([sys.executable, *args], env, out_dir)
+def python(*args: str, env: dict[str, str] | None = None, out_dir: Path | None = None,
+           sigint_ignored: bool = False) -> Job:
+    return Job([sys.executable, *args], env, out_dir, sigint_ignored)
 
 
-def kernel_selfcheck(names: list[str]) -> Job:
-    """phaseflip/kernels/selfcheck.py's cases; TRITON_INTERPRET set in that process only, without CUDA
-    (it must be set before triton is first imported)."""
-    import torch
-    env = dict(os.environ)
-    if not torch.cuda.is_available():
-        env["TRITON_INTERPRET"] = "1"
-    return python("-m", "phaseflip.kernels.selfcheck", *names, env=env)
+@dataclass(frozen=True)
+class Session:
+    """What a job's maker may use: the session's selected tests, its fixtures, its temp dirs."""
+    items: list
+    fixture: Callable[[str], Any]        # request.getfixturevalue of a session-scoped fixture
+    mktemp: Callable[[str], Path]        # tmp_path_factory.mktemp
 
 
-def gpu_check_dry_run(out_dir: Path) -> Job:
-    """Its time budget (300 s in a dry run) is wall time: here the job may be starved for minutes by
-    the suite's own threads, so it gets 900."""
-    env = dict(os.environ)
-    env.pop("TRITON_INTERPRET", None)   # the script sets it itself in a dry run
-    return python("-m", "phaseflip.tools.gpu_check", "--dry-run", "--budget-s", "900", "--out", str(out_dir),
-                  env=env, out_dir=out_dir)
+Maker = Callable[[Session], "Job | tuple[Job, ...] | None"]
+_MAKERS: dict[str, Maker] = {}
 
 
-def hf_reference(model_dir: Path, new_tokens: int) -> Job:
-    return python("-m", "tests.hf_reference", str(model_dir), str(new_tokens))
+def register(fixture_name: str) -> Callable[[Maker], Maker]:
+    """Decorator: `maker(session)` makes the job(s) that the fixture `fixture_name` collects (None: none
+    can run here; that fixture then says why)."""
+    def add(maker: Maker) -> Maker:
+        assert fixture_name not in _MAKERS, f"two jobs for fixture {fixture_name!r}"
+        _MAKERS[fixture_name] = maker
+        return maker
+    return add
+
+
+def start(session: Session) -> dict[str, Job | tuple[Job, ...]]:
+    """fixture name -> its job(s), for each registered fixture a selected test uses, run one after the
+    other in the order of the first test that uses each."""
+    first: dict[str, int] = {}
+    for index, item in enumerate(session.items):
+        for name in item.fixturenames:
+            first.setdefault(name, index)
+    jobs = {}
+    for name in sorted(first.keys() & _MAKERS.keys(), key=first.get):
+        made = _MAKERS[name](session)
+        if made is not None:
+            jobs[name] = made
+    run_in_order([job for made in jobs.values() for job in (made if isinstance(made, tuple) else (made,))])
+    return jobs
+
+
+def kill(jobs: dict[str, Job | tuple[Job, ...]]) -> None:
+    for made in jobs.values():
+        for job in made if isinstance(made, tuple) else (made,):
+            job.kill()

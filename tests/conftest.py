@@ -4,7 +4,6 @@ test, not at collection, when the private cache is set), or those tests skipped 
 the subprocess-bound work started at the session's start to run beside the others (tests/background.py)."""
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import platform
@@ -132,25 +131,21 @@ def smollm_reference(default_model_dir, _background_jobs):
     return default_model_dir, out["prompts"], [tuple(r) for r in out["reference"]]
 
 
+@background.register("smollm_reference")
+def _hf_reference_of_smollm(session: background.Session) -> background.Job:
+    return background.python("-m", "tests.hf_reference", str(session.fixture("default_model_dir")), "32")
+
+
 @pytest.fixture(autouse=True, scope="session")
 def _background_jobs(request, tmp_path_factory, _private_cache, _eager_by_default):
-    """fixture name -> background.Job: the subprocess-bound work of the tests this session selected,
-    run from now on, one after the other (in the session's environment: its private cache, eager
-    engines), and collected by the fixture of that name (tests/background.py says why)."""
-    used = {name for item in request.session.items for name in item.fixturenames}
-    jobs: dict[str, background.Job] = {}
-    if "smollm_reference" in used:
-        jobs["smollm_reference"] = background.hf_reference(request.getfixturevalue("default_model_dir"), 32)
-    if "kernel_results" in used and importlib.util.find_spec("triton") is not None:
-        names = sorted({item.callspec.params["name"] for item in request.session.items
-                        if item.originalname == "test_kernel_matches_reference"})
-        jobs["kernel_results"] = background.kernel_selfcheck(names)
-    if "gpu_check_dry_run" in used:
-        jobs["gpu_check_dry_run"] = background.gpu_check_dry_run(tmp_path_factory.mktemp("gpu-check-dry-run"))
-    background.run_in_order(list(jobs.values()))   # the order their tests come in
+    """fixture name -> background.Job (or a tuple of them): the subprocess-bound work of the tests this
+    session selected (registered with background.register), run from now on, one after the other (in
+    the session's environment: its private cache, eager engines), and collected by the fixture of that
+    name (tests/background.py says why)."""
+    jobs = background.start(background.Session(request.session.items, request.getfixturevalue,
+                                               tmp_path_factory.mktemp))
     yield jobs
-    for job in jobs.values():
-        job.kill()
+    background.kill(jobs)
 
 
 def pytest_addoption(parser):

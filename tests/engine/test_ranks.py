@@ -14,6 +14,7 @@ import pytest
 from phaseflip import LLM, SamplingParams
 from phaseflip.engine.ranks.group import EngineDeadError, RankError
 from phaseflip.rank.messages import ArmFault
+from tests import background
 from tests.reliability.support import alive, wait_gone
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
@@ -87,23 +88,33 @@ def test_ranks_exit_when_the_controller_is_killed(model, tmp_path, built_in):
     assert wait_gone(pids, 10.0) == [], "rank processes or their template outlived their controller"
 
 
-def test_torchrun_runs_the_same_boot(model, tmp_path):
-    prompts = tmp_path / "p.jsonl"
+@background.register("torchrun_and_spawn_boots")
+def _torchrun_and_spawn_boots(session: background.Session) -> tuple[background.Job, ...]:
+    """`phaseflip boot` of the tiny llama on 2 ranks under torchrun, then spawned by the CLI itself."""
+    out = session.mktemp("torchrun")
+    prompts = out / "p.jsonl"
     prompts.write_text('{"prompt": "the quick brown fox"}\n{"prompt": "hello world, this is"}\n')
+    args = ["boot", "--model", str(session.fixture("tiny_model_dir")("llama")), "--prompts", str(prompts),
+            "--max-tokens", "8", "--layouts", "pp,tp", "--flip-every-steps", "2"]
+    return (background.python("-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "phaseflip.tools.cli",
+                               *args, "--output", str(out / "torchrun.jsonl"), out_dir=out),
+            background.python("-m", "phaseflip.tools.cli", *args, "--world-size", "2",
+                              "--output", str(out / "spawn.jsonl"), out_dir=out))
+
+
+@pytest.fixture(scope="session")
+def torchrun_and_spawn_boots(_background_jobs):
+    return _background_jobs["torchrun_and_spawn_boots"]
+
+
+def test_torchrun_runs_the_same_boot(torchrun_and_spawn_boots):
     outs = {}
-    for mode in ("torchrun", "spawn"):
-        out = tmp_path / f"{mode}.jsonl"
-        args = ["boot", "--model", model, "--prompts", str(prompts), "--max-tokens", "8",
-                "--output", str(out), "--layouts", "pp,tp", "--flip-every-steps", "2"]
-        if mode == "torchrun":
-            cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-                   "-m", "phaseflip.tools.cli", *args]
-        else:
-            cmd = [sys.executable, "-m", "phaseflip.tools.cli", *args, "--world-size", "2"]
-        r = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
+    for mode, job in zip(("torchrun", "spawn"), torchrun_and_spawn_boots):
+        r = job.result(timeout_s=600)
         assert r.returncode == 0, r.stderr[-3000:]
         assert "flip pp->tp" in r.stdout and "== summary ==" in r.stdout
-        outs[mode] = [json.loads(line)["token_ids"] for line in out.read_text().splitlines()]
+        lines = (job.out_dir / f"{mode}.jsonl").read_text().splitlines()
+        outs[mode] = [json.loads(line)["token_ids"] for line in lines]
     assert outs["torchrun"] == outs["spawn"]
 
 

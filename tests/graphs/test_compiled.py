@@ -7,7 +7,6 @@ import dataclasses
 import functools
 import json
 import os
-import subprocess
 import sys
 
 import pytest
@@ -25,6 +24,7 @@ from phaseflip.rank.messages import Phase
 from phaseflip.rank.runner import LayoutRunner
 from phaseflip.rank.step_inputs import phase_buckets
 from phaseflip.tools.inspect_cmd import boot_table
+from tests import background
 from tests.engine.test_parity import parity_prompts
 from tests.models import compare_greedy, hf_greedy
 
@@ -41,18 +41,32 @@ def _boot(d, compile_mode, tmp_path, monkeypatch, decode_buckets=(1, 2, 4)):
                decode_buckets=decode_buckets, prefill_buckets=(64, 128))
 
 
-def test_compile_caches_go_below_the_phaseflip_cache_in_a_fresh_process(tmp_path):
+@background.register("fresh_process_cache_dirs")
+def _fresh_process_cache_dirs(session: background.Session) -> tuple[background.Job, background.Job]:
     """As at a boot: torch._dynamo imported first (in torch 2.13 the import writes inductor's default
-    dir into TORCHINDUCTOR_CACHE_DIR), then use_cache_dir; a directory the user names stays theirs."""
+    dir into TORCHINDUCTOR_CACHE_DIR), then use_cache_dir; without, then with a directory the user names."""
     script = ("import sys, torch._dynamo\n"
               "from phaseflip.graphs.compile import use_cache_dir\n"
               "print(use_cache_dir(sys.argv[1])['TORCHINDUCTOR_CACHE_DIR'])")
+    root = session.mktemp("fresh-process-cache")
     env = {k: v for k, v in os.environ.items() if k not in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")}
-    run = functools.partial(subprocess.run, [sys.executable, "-c", script, str(tmp_path)], capture_output=True,
-                            text=True, check=True)
-    assert run(env=env).stdout.strip() == str(tmp_path / "inductor")
-    mine = str(tmp_path / "mine")
-    assert run(env={**env, "TORCHINDUCTOR_CACHE_DIR": mine}).stdout.strip() == mine
+    return (background.python("-c", script, str(root), env=env, out_dir=root),
+            background.python("-c", script, str(root), env={**env, "TORCHINDUCTOR_CACHE_DIR": str(root / "mine")},
+                              out_dir=root))
+
+
+@pytest.fixture(scope="session")
+def fresh_process_cache_dirs(_background_jobs):
+    return _background_jobs["fresh_process_cache_dirs"]
+
+
+def test_compile_caches_go_below_the_phaseflip_cache_in_a_fresh_process(fresh_process_cache_dirs):
+    """A directory the user names stays theirs."""
+    unset, named = (job.result(timeout_s=600) for job in fresh_process_cache_dirs)
+    root = fresh_process_cache_dirs[0].out_dir
+    assert unset.returncode == 0 and named.returncode == 0, unset.stderr[-2000:] + named.stderr[-2000:]
+    assert unset.stdout.strip() == str(root / "inductor")
+    assert named.stdout.strip() == str(root / "mine")
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="inductor probes vector ISAs on Linux and Windows only")

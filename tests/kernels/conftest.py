@@ -5,9 +5,28 @@ then), so it is set in that subprocess only: no other test sees it, and an earli
 this process cannot spoil it."""
 from __future__ import annotations
 
+import importlib.util
 import json
+import os
 
 import pytest
+
+from tests import background
+
+
+@background.register("kernel_results")
+def _kernel_selfcheck(session: background.Session) -> background.Job | None:
+    """phaseflip/kernels/selfcheck.py's cases of the selected tests; TRITON_INTERPRET set in that process
+    only, without CUDA. None without triton (the fixture says so)."""
+    if importlib.util.find_spec("triton") is None:
+        return None
+    import torch
+    names = sorted({item.callspec.params["name"] for item in session.items
+                    if item.originalname == "test_kernel_matches_reference"})
+    env = dict(os.environ)
+    if not torch.cuda.is_available():
+        env["TRITON_INTERPRET"] = "1"
+    return background.python("-m", "phaseflip.kernels.selfcheck", *names, env=env)
 
 
 @pytest.fixture(scope="session")

@@ -11,17 +11,14 @@ import subprocess
 import sys
 import threading
 import time
-from pathlib import Path
 
 import pytest
 
 from phaseflip import LLM
 from phaseflip.engine.ranks.group import EngineDeadError
+from tests import background
 from tests.reliability.support import ENGINE, deadline, greedy, python_sigint
 from tests.reliability.test_interrupts import NEW, PROMPTS, assert_usable
-
-ROOT = Path(__file__).resolve().parents[2]
-
 
 class Boom(BaseException):
     """What a signal handler other than SIGINT's may raise (a timeout's, a test harness's)."""
@@ -109,15 +106,23 @@ def test_any_signal_handlers_exception_leaves_no_stale_reply(model, reference):
     assert len(outcomes) == 6 and True in outcomes, outcomes
 
 
-def test_the_signal_tests_pass_when_launched_with_sigint_ignored(tmp_path):
+@background.register("pytest_with_sigint_ignored")
+def _pytest_with_sigint_ignored(session: background.Session) -> background.Job:
+    """A child pytest started with SIGINT ignored, running the two tests that send real SIGINTs."""
+    chosen = "in_process_flip or command_is_being_sent"
+    return background.python("-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", chosen,
+                             "tests/reliability/test_interrupts.py", sigint_ignored=True)
+
+
+@pytest.fixture(scope="session")
+def pytest_with_sigint_ignored(_background_jobs):
+    return _background_jobs["pytest_with_sigint_ignored"]
+
+
+def test_the_signal_tests_pass_when_launched_with_sigint_ignored(pytest_with_sigint_ignored):
     """`make test &` from a script starts pytest with SIGINT ignored; the tests that send real SIGINTs
     must install Python's handler themselves (two of them, in a child pytest started that way)."""
-    chosen = "in_process_flip or command_is_being_sent"
-    proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", chosen,
-         "tests/reliability/test_interrupts.py"],
-        cwd=ROOT, capture_output=True, text=True, timeout=300,
-        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+    proc = pytest_with_sigint_ignored.result(timeout_s=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
     assert "2 passed" in proc.stdout, proc.stdout[-2000:]
 

@@ -1,4 +1,5 @@
-"""The `phaseflip` command line, in-process through click's CliRunner: help, generate, boot.
+"""The `phaseflip` command line, in-process through click's CliRunner: help, generate, boot; a small
+`phaseflip bench` in a process of its own beside the suite (tests/background.py).
 
 Every test runs on a tiny random model except the one acceptance test of `phaseflip boot` with no
 arguments, which runs the demo batch on the embedded default SmolLM2-135M-Instruct.
@@ -10,6 +11,7 @@ from click.testing import CliRunner
 
 from phaseflip import LLM, SamplingParams
 from phaseflip.tools.cli import DEMO_PROMPTS, main
+from tests import background
 
 SUMMARY_LINES = ("== summary ==", "boot: load", "capture", "captured steps:", "requests:",
                  "output tok/s", "total tok/s")
@@ -153,12 +155,26 @@ def test_boot_without_arguments_runs_the_demo_on_smollm2(default_model_dir):
 
 
 # -- bench ---------------------------------------------------------------------------------------
-def test_bench_compares_with_hf_on_the_same_tokens(tiny):
+@background.register("bench_json")
+def _bench_json(session: background.Session) -> background.Job:
+    """A small `phaseflip bench --json` of the tiny llama, in a process of its own."""
+    tiny = str(session.fixture("tiny_model_dir")("llama"))
+    return background.python("-m", "phaseflip.tools.cli", "bench", "--model", tiny, "--num-prompts", "3",
+                             "--prompt-len", "8,40", "--output-len", "4,12", "--single-len", "16,6",
+                             "--prefix-len", "40", "--json")
+
+
+@pytest.fixture(scope="session")
+def bench_json(_background_jobs):
+    return _background_jobs["bench_json"]
+
+
+def test_bench_compares_with_hf_on_the_same_tokens(bench_json):
     """A small `phaseflip bench --json` on the tiny model: both engines run the same token ids, their
     greedy fp32 outputs agree, and every ratio is a measured number (flips: two ranks, both layouts)."""
-    out = _ok(_invoke("bench", "--model", tiny, "--num-prompts", 3, "--prompt-len", "8,40",
-                      "--output-len", "4,12", "--single-len", "16,6", "--prefix-len", "40", "--json"))
-    report = json.loads(out)
+    done = bench_json.result(timeout_s=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(done.stdout)
     off, single = report["compare"]["offline"], report["compare"]["single"]
     assert off["requests"] == 3 and off["equal_to_hf"] == 3
     assert off["engine_tok_s"] > 0 and off["hf_tok_s"] > 0 and off["ratio"] > 0

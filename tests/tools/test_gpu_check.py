@@ -2,6 +2,7 @@
 and a failing or late section is recorded without stopping the others."""
 import argparse
 import json
+import os
 import time
 
 import pytest
@@ -9,10 +10,22 @@ import pytest
 from phaseflip.tools import gpu_check, gpu_sections_compile
 from phaseflip.tools.gpu_context import DRY, GRACE_S, Context
 from phaseflip.tools.gpu_sections_engine import engine_kwargs
+from tests import background
 
 SECTIONS = ("environment", "kernels", "bandwidth", "capture", "replay_vs_eager", "park_restore", "restore",
             "decode_throughput", "decode_step", "fp32_parity", "hf_decode", "quantized_decode", "decode_8b",
             "compile_boot", "kv_sizing")
+
+
+@background.register("gpu_check_dry_run")
+def _dry_run(session: background.Session) -> background.Job:
+    """Its time budget (300 s in a dry run) is wall time: beside the suite the job may be starved for
+    minutes by the suite's own threads, so it gets 900."""
+    out_dir = session.mktemp("gpu-check-dry-run")
+    env = dict(os.environ)
+    env.pop("TRITON_INTERPRET", None)   # the script sets it itself in a dry run
+    return background.python("-m", "phaseflip.tools.gpu_check", "--dry-run", "--budget-s", "900",
+                             "--out", str(out_dir), env=env, out_dir=out_dir)
 
 
 @pytest.fixture(scope="session")
