@@ -14,6 +14,7 @@ import torch
 
 from phaseflip.engine.llm import LLM
 from phaseflip.engine.sampling_params import SamplingParams
+from phaseflip.tools import bench_single
 from phaseflip.tools.bench_workload import Workload
 
 FLIP_PARTS = ("read", "exchange", "refill", "write", "cutover")
@@ -40,10 +41,7 @@ def single_stream(llm: LLM, work: Workload, repeats: int = 3) -> dict:
         t0 = time.perf_counter()
         llm.generate(prompt, _greedy(k), use_tqdm=False)
         return time.perf_counter() - t0
-    ttft = statistics.median(timed(1) for _ in range(repeats))
-    full = statistics.median(timed(n) for _ in range(repeats))
-    return {"ttft_ms": ttft * 1e3, "ms_per_token": (full - ttft) / (n - 1) * 1e3,
-            "tokens_per_s": (n - 1) / (full - ttft)}
+    return bench_single.single_stream(timed, n, repeats)
 
 
 def run_single_rank(model: str | None, threads: int, offline_work: Workload | None,

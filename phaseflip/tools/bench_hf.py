@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import time
 
 import torch
+
+from phaseflip.tools import bench_single
 
 
 def _load(model_dir: str):
@@ -53,10 +54,7 @@ def single_stream(model, prompt: list[int], max_tokens: int, pad_id: int, repeat
         t0 = time.perf_counter()
         _generate(model, [prompt], n, pad_id)
         return time.perf_counter() - t0
-    ttft = statistics.median(timed(1) for _ in range(repeats))
-    full = statistics.median(timed(max_tokens) for _ in range(repeats))
-    return {"ttft_ms": ttft * 1e3, "ms_per_token": (full - ttft) / (max_tokens - 1) * 1e3,
-            "tokens_per_s": (max_tokens - 1) / (full - ttft)}
+    return bench_single.single_stream(timed, max_tokens, repeats)
 
 
 def main() -> None:
