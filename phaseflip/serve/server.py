@@ -19,6 +19,7 @@ import uvicorn
 
 from phaseflip.engine.async_llm import AsyncLLM
 from phaseflip.engine.checkpoint.default_model import DEFAULT_MODEL_NAME
+from phaseflip.engine.ranks import listener
 from phaseflip.serve.app import build_app
 from phaseflip.serve.generation import Served
 from phaseflip.serve.metrics import ServingMetrics
@@ -117,7 +118,9 @@ def serve(engine_options: dict, config: ServeConfig) -> int:
 
 def _exit_now(code: int) -> None:
     """End the process without unwinding the interpreter: a boot thread still in torch's C++ (a build, a
-    rendezvous, inductor's workers) would otherwise meet the teardown and abort it."""
+    rendezvous, inductor's workers) would otherwise meet the teardown and abort it. The boot's listener
+    directory is removed first (nothing else would)."""
+    listener.remove_open_dirs()
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()

@@ -88,10 +88,12 @@ def test_sigterm_during_16_streams_ends_them_in_time_and_leaves_no_process(start
     assert wait_gone(procs, 10.0) == [], "processes outlived the server by 10 s"
 
 
-def test_sigterm_while_booting_exits_cleanly_and_leaves_no_process(start_server, model):
+def test_sigterm_while_booting_exits_cleanly_and_leaves_no_process(start_server, model, tmp_path):
     """A signal before the engine is up: /health answered 503 (booting), the server exits 0 promptly without
-    waiting for the boot (nor aborting in its teardown), and its ranks die with it."""
-    server = start_server("--model", model, "--served-model-name", "tiny", *ENGINE, ready=False)
+    waiting for the boot (nor aborting in its teardown), its ranks die with it, and the directory of the
+    socket they connect back to is gone."""
+    server = start_server("--model", model, "--served-model-name", "tiny", *ENGINE, ready=False,
+                          env={"TMPDIR": str(tmp_path)})
     end = time.monotonic() + 60
     while time.monotonic() < end:
         try:
@@ -107,6 +109,7 @@ def test_sigterm_while_booting_exits_cleanly_and_leaves_no_process(start_server,
     assert time.monotonic() - t0 < 10, server.output()
     assert "failed to boot" not in server.output()
     assert wait_gone(procs, 10.0) == [], "processes outlived the server by 10 s"
+    assert list(tmp_path.glob("phaseflip-ranks-*")) == [], "the ranks' socket directory outlived the server"
 
 
 def test_a_dead_rank_ends_the_streams_with_an_error_and_the_server_exits_non_zero(start_server, model):

@@ -6,7 +6,8 @@ directory (mkdtemp: mode 0700) where the platform reports a peer's credentials (
 `Acceptor` accepts in a thread (Listener.accept takes no timeout); a connection that fails the key's
 handshake is logged and dropped, and accepting goes on. `admit` serves a connection only when its
 peer is a process the controller started (by pid, where the socket says it) and it names a rank not
-yet connected; anything else is closed and logged.
+yet connected; anything else is closed and logged. `remove_open_dirs`: the directories of listeners still
+open, removed by a process that ends without unwinding while a boot is under way.
 """
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ from phaseflip.engine.ranks.process import AUTHKEY_ENV
 log = logging.getLogger("phaseflip")
 
 NAME_WAIT_S = 5.0   # how long a connection that passed the handshake has to name its rank
+_OPEN_DIRS: set[str] = set()   # the socket directories of the listeners not yet closed
 
 
 class RankListener:
@@ -34,6 +36,7 @@ class RankListener:
         self._dir: str | None = None
         if hasattr(socket, "SO_PEERCRED"):
             self._dir = tempfile.mkdtemp(prefix="phaseflip-ranks-")
+            _OPEN_DIRS.add(self._dir)
             self.listener = mp.connection.Listener(os.path.join(self._dir, "control"), "AF_UNIX",
                                                    authkey=self.authkey)
             self.control = self.listener.address
@@ -51,12 +54,21 @@ class RankListener:
         self.listener.close()
         if self._dir is not None:
             shutil.rmtree(self._dir, ignore_errors=True)
+            _OPEN_DIRS.discard(self._dir)
 
     def __enter__(self) -> "RankListener":
         return self
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def remove_open_dirs() -> None:
+    """For a process about to end by os._exit while a boot is under way: its listener's directory would
+    outlive it in the temp dir."""
+    for path in list(_OPEN_DIRS):
+        shutil.rmtree(path, ignore_errors=True)
+        _OPEN_DIRS.discard(path)
 
 
 def peer_pid(conn) -> int | None:
