@@ -96,8 +96,9 @@ def _torchrun_and_spawn_boots(session: background.Session) -> tuple[background.J
     prompts.write_text('{"prompt": "the quick brown fox"}\n{"prompt": "hello world, this is"}\n')
     args = ["boot", "--model", str(session.fixture("tiny_model_dir")("llama")), "--prompts", str(prompts),
             "--max-tokens", "8", "--layouts", "pp,tp", "--flip-every-steps", "2"]
+    elastic = {**os.environ, "TMPDIR": str(out)}   # torchrun's agent leaves a torchelastic_* dir in the temp dir
     return (background.python("-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "phaseflip.tools.cli",
-                               *args, "--output", str(out / "torchrun.jsonl"), out_dir=out),
+                               *args, "--output", str(out / "torchrun.jsonl"), env=elastic, out_dir=out),
             background.python("-m", "phaseflip.tools.cli", *args, "--world-size", "2",
                               "--output", str(out / "spawn.jsonl"), out_dir=out))
 
