@@ -52,11 +52,14 @@ class TextStream:
         self.sent_tokens = 0
         self.prefix_offset = 0    # the window starts one emitted piece back
         self.read_offset = 0      # tokens decoded into self.text
+        self.ended = False        # the piece with the finish reason was given
 
     def next_piece(self) -> CompletionOutput | None:
-        """What is new since the last piece: tokens, text, logprobs, and the finish reason at the end;
-        None when nothing is (a step that only held text back still sends its tokens)."""
+        """What is new since the last piece: tokens, text, logprobs, and the finish reason at the end
+        (once); None when nothing is (a step that only held text back still sends its tokens)."""
         seq = self.seq
+        if self.ended:
+            return None
         ids = seq.output_token_ids
         if seq.is_finished:
             text = final_text(seq, self.tokenizer)[self.sent_chars:]
@@ -69,6 +72,7 @@ class TextStream:
         logprobs = seq.logprobs[self.sent_tokens:] if seq.logprobs is not None else None
         self.sent_chars += len(text)
         self.sent_tokens = len(ids)
+        self.ended = seq.is_finished
         return CompletionOutput(index=self.index, text=text, token_ids=list(new_ids),
                                 finish_reason=seq.finish_reason if seq.is_finished else None,
                                 stop_reason=seq.stop_reason, logprobs=logprobs)

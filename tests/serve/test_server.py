@@ -190,6 +190,23 @@ def test_n_samples_share_the_prompt_and_equal_the_offline_samples(server, offlin
     assert out.usage.prompt_tokens == len(want.prompt_token_ids)      # the prompt counted once
 
 
+def test_n_streamed_samples_each_end_once_with_the_unstreamed_text(server):
+    """Samples that stop at different steps: each index's finish_reason comes in one chunk, not again at
+    every later step of its siblings; each index's pieces join to the unstreamed text."""
+    body = dict(model="tiny", prompt="Once upon a time there was a small village by the sea where", n=3,
+                temperature=1.0, seed=7, max_tokens=24, stop=["e"])
+    whole = server.client().completions.create(**body)
+    texts, finishes = ["", "", ""], [[], [], []]
+    for chunk in server.client().completions.create(**body, stream=True):
+        for c in chunk.choices:
+            texts[c.index] += c.text
+            if c.finish_reason is not None:
+                finishes[c.index].append(c.finish_reason)
+    assert texts == [c.text for c in whole.choices]
+    assert finishes == [[c.finish_reason] for c in whole.choices]
+    assert len({len(c.text) for c in whole.choices}) > 1, "the samples were meant to end at different steps"
+
+
 def test_logit_bias_and_penalties_reach_the_sampler(server, offline):
     client = server.client()
     plain = offline.generate("1, 2, 3,", greedy(16), use_tqdm=False)[0].outputs[0]
