@@ -94,9 +94,16 @@ class AsyncLLM:
         return self.llm.tokenizer
 
     def prepare(self, prompts, sampling_params=None) -> list[PreparedPrompt]:
-        """Prompts checked and tokenized (LLM.prepare's rules): a bad one raises, naming it."""
+        """Prompts checked and tokenized (LLM.prepare's rules): a bad one raises, naming it; so does a
+        request of more sequences than the waiting queue can ever hold (a retry could never succeed)."""
         self._check_open()
-        return self.llm.prepare(prompts, sampling_params)
+        prepared = self.llm.prepare(prompts, sampling_params)
+        num_seqs = sum(p.params.n for p in prepared)
+        if num_seqs > self.max_waiting:
+            n = sorted({p.params.n for p in prepared})
+            raise ValueError(f"n={n[0] if len(n) == 1 else n} over {len(prepared)} prompt(s) is {num_seqs} "
+                             f"sequences: more than the waiting queue ever holds (max_waiting={self.max_waiting})")
+        return prepared
 
     def add(self, prepared: list[PreparedPrompt], request_id: str) -> list[RequestStream]:
         """Queue these prompts (all or none) as requests `request_id-i` and return their streams."""

@@ -83,7 +83,7 @@ async def complete(served: Served, body: CompletionRequest, request: Request):
     served.check_model(body.model)
     prepared = served.prepare(body.prompts(), body, "prompt")
     view = CompletionView(f"cmpl-{uuid.uuid4().hex}", served.name, prepared, body.n, served.engine.tokenizer,
-                          body.echo)
+                          body.echo, body.echo_only)
     return await _answer(served, view, prepared, body, request)
 
 

@@ -119,10 +119,16 @@ class CompletionRequest(_Sampling):
             return [p]
         return list(p)
 
+    @property
+    def echo_only(self) -> bool:
+        """echo with max_tokens=0: the prompt alone comes back (with its logprobs when asked: how scorers
+        such as lm-eval's loglikelihood use the API). The engine then generates one token nobody sees."""
+        return self.echo and self.max_tokens == 0
+
     def sampling_params(self, defaults: GenerationDefaults | None = None) -> SamplingParams:
         """echo with logprobs: the echoed prompt's tokens carry theirs too (the prompt's logprobs)."""
-        return self._params(self.max_tokens, self.logprobs, self.logprobs if self.echo else None, defaults,
-                            ("max_tokens",))
+        return self._params(1 if self.echo_only else self.max_tokens, self.logprobs,
+                            self.logprobs if self.echo else None, defaults, ("max_tokens",))
 
 
 class ContentPart(Strict):

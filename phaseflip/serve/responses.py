@@ -8,6 +8,7 @@ generated token of every sample (the stop token included, as vLLM counts it).
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 
 from pydantic import BaseModel
@@ -165,13 +166,21 @@ class _View:
 
 
 class CompletionView(_View):
-    def __init__(self, request_id, model, prepared, n, tokenizer, echo: bool):
+    def __init__(self, request_id, model, prepared, n, tokenizer, echo: bool, echo_only: bool = False):
+        """echo_only (echo with max_tokens=0): the one token the engine generated is neither shown nor counted."""
         super().__init__(request_id, model, prepared, n, tokenizer)
-        self.echo = echo
+        self.echo, self.echo_only = echo or echo_only, echo_only
         self._echoed: set[int] = set()
         self._offsets: dict[int, int] = {}
 
+    def count(self, pieces: list[CompletionOutput]) -> None:
+        if not self.echo_only:
+            super().count(pieces)
+
     def choice(self, prompt_index: int, piece: CompletionOutput) -> CompletionChoice:
+        if self.echo_only:
+            piece = dataclasses.replace(piece, text="", token_ids=[], finish_reason=piece.finish_reason and "length",
+                                        logprobs=None if piece.logprobs is None else [])
         index = self.choice_index(prompt_index, piece)
         text = piece.text
         echoed = None

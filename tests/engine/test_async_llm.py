@@ -72,8 +72,10 @@ def test_the_waiting_queue_is_bounded_and_bad_input_raises_up_front(model):
     async def run():
         engine = AsyncLLM(model, max_waiting=2, **OPTIONS)
         await engine.ready()
+        with pytest.raises(ValueError, match=r"n=3 over 1 prompt\(s\) is 3 sequences.*max_waiting=2"):
+            engine.prepare("hi", SamplingParams(n=3))   # never fits: refused, not "full, retry"
         with pytest.raises(QueueFull, match="max_waiting=2"):
-            engine.add(engine.prepare("hi", SamplingParams(n=3)), "r")
+            engine.add(engine.prepare(["hi", "there"], SamplingParams(n=1)) * 2, "r")
         with pytest.raises(ValueError, match="max_tokens"):
             engine.prepare("hi", SamplingParams(max_tokens=1000))[0]   # fits the pool, not the model
             raise ValueError("max_tokens")

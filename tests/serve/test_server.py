@@ -150,6 +150,7 @@ def test_a_dropped_stream_is_aborted_and_its_blocks_freed(server, offline):
     ({"prompt": "hi", "temperature": -1}, 400, "temperature"),
     ({"prompt": "hi", "logit_bias": {"99999": 1}}, 400, "logit_bias"),                     # outside the vocabulary
     ({"prompt": [], "max_tokens": 4}, 400, "prompt"),
+    ({"prompt": "hi", "n": 100000}, 400, "n"),                                             # can never be queued
 ])
 def test_bad_completion_requests_are_refused_naming_the_field(server, body, status, param):
     raw = body if isinstance(body, str) else json.dumps(body)
@@ -250,6 +251,18 @@ def test_echo_with_logprobs_scores_the_prompt_as_the_offline_engine_does(server,
         assert got[1:] == pytest.approx(want[1:], abs=1e-4)
     assert whole.choices[0].text == prompt + ref.outputs[0].text
     assert whole.choices[0].logprobs.top_logprobs[0] is None
+    # max_tokens=0 with echo: the prompt and its logprobs alone (how loglikelihood scorers call it)
+    only = server.client().completions.create(model="tiny", prompt=prompt, max_tokens=0, logprobs=1, echo=True)
+    assert only.choices[0].text == prompt and only.choices[0].finish_reason == "length"
+    assert only.choices[0].logprobs.token_logprobs[1:] == pytest.approx(want[1:len(ids)], abs=1e-4)
+    assert len(only.choices[0].logprobs.tokens) == len(ids)
+    assert (only.usage.prompt_tokens, only.usage.completion_tokens) == (len(ids), 0)
+    streamed = list(server.client().completions.create(model="tiny", prompt=prompt, max_tokens=0, echo=True,
+                                                       stream=True, stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].text for c in streamed if c.choices) == prompt
+    assert streamed[-1].usage.completion_tokens == 0
+    r = httpx.post(f"{server.url}/v1/completions", json={"prompt": prompt, "max_tokens": 0})   # without echo
+    assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
 
 
 def test_models_health_version_metrics(server):

@@ -88,8 +88,8 @@ def test_a_full_waiting_queue_answers_503_with_retry_after(server):
     full = [r for r in answers if r.status_code == 503]
     assert len(full) >= 4 and all(r.status_code == 200 for r in answers if r not in full)
     assert all(r.headers["Retry-After"] == "1" and "max_waiting=1" in r.json()["error"]["message"] for r in full)
-    two = httpx.post(f"{server.url}/v1/completions", json={**body, "n": 2}, headers=auth)   # can never fit
-    assert two.status_code == 503
+    two = httpx.post(f"{server.url}/v1/completions", json={**body, "n": 2}, headers=auth)   # can never fit:
+    assert two.status_code == 400 and two.json()["error"]["param"] == "n"                  # not "retry"
     server.wait_idle()
     ok = httpx.post(f"{server.url}/v1/completions", json={"prompt": "hi", "max_tokens": 2}, headers=auth)
     assert ok.status_code == 200
