@@ -15,7 +15,7 @@ import uuid
 from typing import AsyncIterator
 
 from starlette.requests import Request
-from starlette.responses import JSONResponse, StreamingResponse
+from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from phaseflip.engine.async_llm import AsyncLLM
 from phaseflip.engine.ranks.group import EngineDeadError
@@ -23,6 +23,8 @@ from phaseflip.engine.request_stream import EngineStopping, RequestStream
 from phaseflip.engine.requests import CompletionOutput
 from phaseflip.serve.protocol import ChatCompletionRequest, CompletionRequest
 from phaseflip.serve.responses import ChatView, CompletionView, ErrorInfo, ErrorResponse
+
+CLIENT_CLOSED = 499   # nginx's status for a request whose client went away before the answer
 
 
 class APIError(Exception):
@@ -110,6 +112,8 @@ async def _answer(served: Served, view, prepared, body, request: Request):
     finally:
         for s in streams:
             s.close()
+    if whole is None:   # the client went away (its requests were aborted just above): nobody reads this
+        return Response(status_code=CLIENT_CLOSED)
     return JSONResponse(view.response(whole).model_dump())
 
 
@@ -199,8 +203,7 @@ async def _collect(streams: list[RequestStream], view) -> list[list[CompletionOu
 
 
 async def _unless_disconnected(request: Request, work):
-    """Await `work` unless the client goes away first (then `work` is cancelled and this raises
-    CancelledError, which ends the request handler)."""
+    """`work`'s result, or None when the client goes away first (then `work` is cancelled)."""
     task = asyncio.ensure_future(work)
     watch = asyncio.ensure_future(_disconnect(request))
     try:
@@ -210,7 +213,7 @@ async def _unless_disconnected(request: Request, work):
         if not task.done():
             task.cancel()
     if not task.done() or task.cancelled():
-        raise asyncio.CancelledError("the client disconnected")
+        return None
     return task.result()
 
 

@@ -137,6 +137,17 @@ def test_a_dropped_stream_is_aborted_and_its_blocks_freed(server, offline):
     assert generated < 40 * len(PROMPTS) + 240                        # the dropped one stopped early
 
 
+def test_a_client_gone_before_its_unstreamed_answer_is_aborted_quietly(server):
+    before = server.wait_idle()
+    body = {"model": "tiny", "prompt": "Hi", "max_tokens": 240, "temperature": 0, "ignore_eos": True}
+    with pytest.raises(httpx.TimeoutException):
+        httpx.post(f"{server.url}/v1/completions", json=body, timeout=0.2)
+    after = server.wait_idle()
+    assert after["phaseflip_requests_aborted_total"] == before["phaseflip_requests_aborted_total"] + 1
+    assert after["phaseflip_kv_blocks_free"] == after["phaseflip_kv_blocks_total"]
+    assert "Exception in ASGI application" not in server.log_path.read_text(errors="replace")
+
+
 @pytest.mark.parametrize("body, status, param", [
     ('{"prompt": "hi", "max_tokens": 4', 400, "body"),                                   # malformed JSON
     ({"prompt": "hi", "max_tokens": "four"}, 400, "max_tokens"),                          # wrong type
