@@ -47,8 +47,13 @@ class APIError(Exception):
 
 def bad_value(error: Exception, body, default_param: str) -> APIError:
     """A ValueError/TypeError of the engine's checks as a 400. Its message names the value
-    ("max_tokens=-1 is invalid: ..."): the first of the body's fields it names is the error's param."""
+    ("max_tokens=-1 is invalid: ..."), in the engine's words: a value the request set under another
+    name (chat's top_logprobs, max_completion_tokens) is named as the request named it. The first of the
+    body's fields the message names is the error's param."""
     message = str(error)
+    head = re.match(r"(\w+)=", message)
+    if head and body.field_of(head[1]) != head[1]:
+        message = body.field_of(head[1]) + message[len(head[1]):]
     named = [(m.start(), name) for name in type(body).model_fields
              if (m := re.search(rf"\b{name}\b", message)) is not None]
     return APIError(400, message, min(named)[1] if named else default_param)

@@ -74,6 +74,10 @@ class _Sampling(Strict):
             given = defaults.fill(given, named)
         return SamplingParams(**given)
 
+    def field_of(self, engine_name: str) -> str:
+        """The field of this request that set the engine's sampling value `engine_name`."""
+        return engine_name
+
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
@@ -198,6 +202,14 @@ class ChatCompletionRequest(_Sampling):
         if v is not None and not info.data.get("logprobs"):
             raise ValueError("top_logprobs needs logprobs=true")
         return v
+
+    def field_of(self, engine_name: str) -> str:
+        """The field of this request that set the engine's sampling value `engine_name`."""
+        if engine_name == "logprobs":
+            return "top_logprobs"
+        if engine_name == "max_tokens" and self.max_completion_tokens is not None:
+            return "max_completion_tokens"
+        return engine_name
 
     def sampling_params(self, defaults: GenerationDefaults | None = None) -> SamplingParams:
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens

@@ -180,12 +180,15 @@ def test_bad_completion_requests_are_refused_naming_the_field(server, body, stat
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
      "messages.0.content"),
     ({"messages": []}, "messages"),
+    ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),     # the engine's logprobs, named as sent
+    ({"max_completion_tokens": 0}, "max_completion_tokens"),
 ])
 def test_bad_chat_requests_are_refused_naming_the_field(server, extra, param):
     body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, **extra}
     r = httpx.post(f"{server.url}/v1/chat/completions", json=body)
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"].startswith(param.split(".")[0]), r.json()
+    assert param.split(".")[0] in r.json()["error"]["message"], r.json()
     assert httpx.post(f"{server.url}/v1/chat/completions", timeout=30,
                       json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}).status_code == 200
 
