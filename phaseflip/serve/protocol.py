@@ -154,10 +154,15 @@ class ChatMessage(Strict):
     name: str | None = None
 
     def as_template_message(self) -> dict:
+        """The message as the chat template takes it: text parts joined by newlines (as vLLM joins them),
+        `name` passed on where given (templates that know it use it)."""
         content = self.content
         if isinstance(content, list):
-            content = "".join(part.text for part in content)
-        return {"role": self.role, "content": content or ""}
+            content = "\n".join(part.text or "" for part in content)
+        message = {"role": self.role, "content": content or ""}
+        if self.name is not None:
+            message["name"] = self.name
+        return message
 
 
 class ResponseFormat(Strict):

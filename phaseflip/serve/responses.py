@@ -187,7 +187,9 @@ class CompletionView(_View):
         if self.echo and index not in self._echoed:
             self._echoed.add(index)
             p = self.prepared[prompt_index]
-            text = (p.prompt if p.prompt is not None else self.tokenizer.decode(p.token_ids)) + text
+            # token ids echoed with their special tokens: the text the logprobs' tokens and offsets index
+            text = (p.prompt if p.prompt is not None
+                    else self.tokenizer.decode(p.token_ids, skip_special_tokens=False)) + text
             echoed = p.token_ids
         return CompletionChoice(index=index, text=text, logprobs=self._logprobs(index, piece, prompt_index, echoed),
                                 finish_reason=piece.finish_reason, stop_reason=piece.stop_reason)

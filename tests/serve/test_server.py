@@ -78,6 +78,12 @@ def test_token_id_prompts_and_lists_of_prompts(server, offline):
     assert [c.index for c in both.choices] == [0, 1]
     assert both.choices[1].text == "hello world" + ref[1].outputs[0].text
     assert both.usage.prompt_tokens == len(ref[0].prompt_token_ids) + len(ref[1].prompt_token_ids)
+    special = offline.get_tokenizer().bos_token_id or 0
+    echoed = server.client().completions.create(model="tiny", prompt=[[special] + ids], max_tokens=2,
+                                                temperature=0, echo=True, logprobs=1).choices[0]
+    lp = echoed.logprobs   # token ids echo with their special tokens: every offset indexes the text
+    assert len(lp.tokens) == len(ids) + 3
+    assert all(echoed.text[o:].startswith(t) for o, t in zip(lp.text_offset, lp.tokens)), (echoed.text, lp)
 
 
 def test_64_concurrent_streams_of_mixed_lengths_arrive_whole_and_in_order(server, offline):
