@@ -142,9 +142,9 @@ async def _events(view, streams: list[RequestStream], include_usage: bool) -> As
         async for i, out in _merged(streams):
             view.note_prompt(i, out)
             view.count(out.outputs)
-            shown = [p for p in out.outputs if p.text or p.finish_reason or p.logprobs]  # not a held-back step
-            if shown:
-                yield f"data: {view.chunk(i, shown).model_dump_json()}\n\n"
+            for piece in out.outputs:   # one choice a chunk, as OpenAI and vLLM send them
+                if piece.text or piece.finish_reason or piece.logprobs:   # not a held-back step
+                    yield f"data: {view.chunk(i, [piece]).model_dump_json()}\n\n"
         if include_usage:
             yield f"data: {view.usage_chunk().model_dump_json()}\n\n"
     except Exception as e:  # noqa: BLE001 — the engine failed under this request: say so in the stream
