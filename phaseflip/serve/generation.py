@@ -9,6 +9,7 @@ connection, a cancelled task, an error) closes its streams, which aborts what is
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import re
 import uuid
@@ -19,6 +20,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from phaseflip.engine.async_llm import AsyncLLM
 from phaseflip.engine.ranks.group import EngineDeadError
+from phaseflip.engine.prompts import PreparedPrompt
 from phaseflip.engine.request_stream import EngineStopping, RequestStream
 from phaseflip.engine.requests import CompletionOutput
 from phaseflip.serve.protocol import ChatCompletionRequest, CompletionRequest
@@ -76,14 +78,21 @@ class Served:
             prepared = self.engine.prepare(prompts, params)
         except (ValueError, TypeError) as e:
             raise bad_value(e, body, field) from None
-        max_len = self.engine.llm.plan.max_model_len
-        for p in prepared:
-            if params.max_tokens is not None and len(p.token_ids) + params.max_tokens > max_len:
-                raise APIError(400, f"this model's maximum context length is {max_len} tokens; the request "
-                                    f"asks for {len(p.token_ids) + params.max_tokens} ({len(p.token_ids)} "
-                                    f"in the {field}, {params.max_tokens} to generate): lower max_tokens",
-                               "max_tokens")
-        return prepared
+        return [self._within_context(p, body, field) for p in prepared]
+
+    def _within_context(self, p: PreparedPrompt, body, field: str) -> PreparedPrompt:
+        """A max_tokens the request set that passes the context is refused; one it left to a default (the
+        model's generation_config, completions' 16) is cut to what the context leaves, as vLLM does."""
+        max_len, wanted = self.engine.llm.plan.max_model_len, p.params.max_tokens
+        if wanted is None or len(p.token_ids) + wanted <= max_len:
+            return p
+        named = body.max_tokens_named()
+        if named is None:
+            cut = dataclasses.replace(p.params, max_tokens=max_len - len(p.token_ids))
+            return dataclasses.replace(p, params=cut)
+        raise APIError(400, f"this model's maximum context length is {max_len} tokens; the request asks for "
+                            f"{len(p.token_ids) + wanted} ({len(p.token_ids)} in the {field}, {wanted} to "
+                            f"generate): lower {named}", named)
 
 
 async def complete(served: Served, body: CompletionRequest, request: Request):

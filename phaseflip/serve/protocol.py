@@ -78,6 +78,10 @@ class _Sampling(Strict):
         """The field of this request that set the engine's sampling value `engine_name`."""
         return engine_name
 
+    def max_tokens_named(self) -> str | None:
+        """The field by which the request itself set how many tokens to generate (None: a default did)."""
+        return "max_tokens" if "max_tokens" in self.model_fields_set else None
+
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
@@ -215,6 +219,11 @@ class ChatCompletionRequest(_Sampling):
         if engine_name == "max_tokens" and self.max_completion_tokens is not None:
             return "max_completion_tokens"
         return engine_name
+
+    def max_tokens_named(self) -> str | None:
+        if "max_completion_tokens" in self.model_fields_set:
+            return "max_completion_tokens"
+        return super().max_tokens_named()
 
     def sampling_params(self, defaults: GenerationDefaults | None = None) -> SamplingParams:
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens

@@ -162,6 +162,18 @@ def test_a_client_gone_before_its_unstreamed_answer_is_aborted_quietly(server):
     assert "Exception in ASGI application" not in server.log_path.read_text(errors="replace")
 
 
+def test_a_default_max_tokens_is_cut_to_the_context_a_named_one_is_refused(server):
+    """250 prompt tokens of the 256: completions' default 16 becomes 6; 16 asked for is a 400."""
+    out = server.client().completions.create(model="tiny", prompt=[[5] * 250], temperature=0,
+                                             extra_body={"ignore_eos": True})
+    assert out.usage.completion_tokens == 6 and out.choices[0].finish_reason == "length"
+    r = httpx.post(f"{server.url}/v1/completions", json={"prompt": [5] * 250, "max_tokens": 16})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
+    chat = httpx.post(f"{server.url}/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi " * 50}],
+                                                                  "max_completion_tokens": 200})
+    assert chat.status_code == 400 and chat.json()["error"]["param"] == "max_completion_tokens", chat.text
+
+
 @pytest.mark.parametrize("body, status, param", [
     ('{"prompt": "hi", "max_tokens": 4', 400, "body"),                                   # malformed JSON
     ({"prompt": "hi", "max_tokens": "four"}, 400, "max_tokens"),                          # wrong type
