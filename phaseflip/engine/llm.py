@@ -194,11 +194,15 @@ class LLM:
             self.ranks.call(ForgetRequests(seq_ids))
             notices.told(seq_ids)
 
-    def chat(self, messages, sampling_params=None, use_tqdm: bool = True,
-             add_generation_prompt: bool = True) -> list[RequestOutput]:
-        """One conversation (a list of {"role", "content"} dicts) or a list of conversations."""
+    def chat(self, messages, sampling_params=None, use_tqdm: bool = True, add_generation_prompt: bool = True,
+             continue_final_message: bool = False, chat_template: str | None = None, tools=None,
+             chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
+        """One conversation (a list of {"role", "content"} dicts; content a str or OpenAI text parts) or a
+        list of conversations, rendered by the model's chat template with vLLM's options."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
-        encoded = [self.tokenizer.encode_chat(c, add_generation_prompt) for c in conversations]
+        options = dict(continue_final_message=continue_final_message, chat_template=chat_template, tools=tools,
+                       **(chat_template_kwargs or {}))
+        encoded = [self.tokenizer.encode_chat(c, add_generation_prompt, **options) for c in conversations]
         outputs = self.generate([ids for _, ids in encoded], sampling_params, use_tqdm)
         return [dataclasses.replace(o, prompt=text) for o, (text, _) in zip(outputs, encoded)]
 

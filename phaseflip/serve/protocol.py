@@ -158,11 +158,11 @@ class ChatMessage(Strict):
     name: str | None = None
 
     def as_template_message(self) -> dict:
-        """The message as the chat template takes it: text parts joined by newlines (as vLLM joins them),
-        `name` passed on where given (templates that know it use it)."""
+        """The message as the tokenizer's apply_chat_template takes it (which joins text parts by newlines,
+        as vLLM does), `name` passed on where given (templates that know it use it)."""
         content = self.content
         if isinstance(content, list):
-            content = "\n".join(part.text or "" for part in content)
+            content = [part.model_dump(exclude_none=True) for part in content]
         message = {"role": self.role, "content": content or ""}
         if self.name is not None:
             message["name"] = self.name

@@ -360,6 +360,19 @@ def test_chat_one_and_many_conversations(llm):
     assert ids(both)[1] == ids(gen(llm, [both[1].prompt_token_ids]))[0]
 
 
+def test_chat_takes_text_parts_and_vllms_template_options(llm):
+    parts = [{"role": "user", "content": [{"type": "text", "text": "Hello,"}, {"type": "text", "text": "world"}]}]
+    joined = [{"role": "user", "content": "Hello,\nworld"}]
+    assert [o.prompt for o in llm.chat(parts, GREEDY, use_tqdm=False)] == \
+        [o.prompt for o in llm.chat(joined, GREEDY, use_tqdm=False)]
+    going = joined + [{"role": "assistant", "content": "Hi! The"}]
+    out = llm.chat(going, GREEDY, use_tqdm=False, add_generation_prompt=False, continue_final_message=True)[0]
+    assert out.prompt.endswith("Hi! The")
+    custom = "{% for m in messages %}{{ greeting }} {{ m['content'] }}|{% endfor %}"
+    out = llm.chat(joined, GREEDY, use_tqdm=False, chat_template=custom, chat_template_kwargs={"greeting": "Yo"})[0]
+    assert out.prompt == "Yo Hello,\nworld|"
+
+
 def test_smollm2_chat_knows_the_capital_of_france(default_model_dir):
     with LLM(model=str(default_model_dir), dtype="float32", max_model_len=256, max_num_seqs=2) as engine:
         out = engine.chat([{"role": "user", "content": "What is the capital of France?"}],

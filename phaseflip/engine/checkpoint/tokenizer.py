@@ -2,7 +2,9 @@
 
 Owns: encode/decode with the `tokenizers` library (special tokens added exactly as HF does from
 tokenizer.json's post-processor) and chat-template rendering with a sandboxed jinja2 environment, as
-transformers does. It never imports transformers.
+transformers does. It never imports transformers, but answers the calls vLLM users make on
+`llm.get_tokenizer()` (an HF tokenizer there): `tok(text)`, `len(tok)`, `batch_decode`,
+`convert_ids_to_tokens`, the special tokens' texts and ids, `apply_chat_template(..., tokenize=...)`.
 """
 from __future__ import annotations
 
@@ -57,19 +59,68 @@ class Tokenizer:
         text = self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
         return _clean_up_tokenization(text) if self._clean_up_spaces else text
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-        if self._chat_template is None:
+    # -- HF's calls on a tokenizer ------------------------------------------------------------------
+    def __call__(self, text: str | list[str], add_special_tokens: bool = True) -> dict:
+        """{"input_ids": ids} (a list of id lists for a list of texts), as HF's tokenizer(text)."""
+        if isinstance(text, str):
+            return {"input_ids": self.encode(text, add_special_tokens)}
+        return {"input_ids": [self.encode(t, add_special_tokens) for t in text]}
+
+    def __len__(self) -> int:
+        return self.vocab_size
+
+    def batch_decode(self, sequences: list[list[int]], skip_special_tokens: bool = True) -> list[str]:
+        return [self.decode(ids, skip_special_tokens) for ids in sequences]
+
+    def convert_ids_to_tokens(self, ids: int | list[int]) -> str | list[str | None] | None:
+        if isinstance(ids, int):
+            return self._backend.id_to_token(ids)
+        return [self._backend.id_to_token(i) for i in ids]
+
+    @property
+    def eos_token(self) -> str | None:
+        return self.special_tokens.get("eos_token")
+
+    @property
+    def bos_token(self) -> str | None:
+        return self.special_tokens.get("bos_token")
+
+    @property
+    def pad_token(self) -> str | None:
+        return self.special_tokens.get("pad_token")
+
+    @property
+    def pad_token_id(self) -> int | None:
+        return self._id_of("pad_token")
+
+    # -- chat ---------------------------------------------------------------------------------------
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, *,
+                            tokenize: bool = False, continue_final_message: bool = False, tools=None,
+                            chat_template: str | None = None, **template_kwargs) -> str | list[int]:
+        """The conversation rendered by its template (or `chat_template`): text, or ids with tokenize=True
+        (HF's parameters; the text is the default here). A message's content may be a list of OpenAI
+        parts: their texts are joined by newlines, as vLLM joins them. continue_final_message: the text
+        ends with the last message's content, open for the model to go on (no end of turn)."""
+        source = chat_template if chat_template is not None else self._chat_template
+        if source is None:
             raise ValueError("this tokenizer has no chat template (neither chat_template.jinja nor "
                              "tokenizer_config.json 'chat_template'); pass a plain prompt instead")
-        messages = [{k: v for k, v in m.items() if v is not None} for m in messages]
-        return _compile_template(self._chat_template).render(
-            messages=messages, tools=None, documents=None, add_generation_prompt=add_generation_prompt,
-            **self.special_tokens)
+        if continue_final_message and add_generation_prompt:
+            raise ValueError("continue_final_message=True continues the last message: it cannot also add a "
+                             "generation prompt (pass add_generation_prompt=False)")
+        messages = [_template_message(m) for m in messages]
+        text = _compile_template(source).render(
+            messages=messages, tools=tools, documents=None, add_generation_prompt=add_generation_prompt,
+            **{**self.special_tokens, **template_kwargs})
+        if continue_final_message:
+            text = _open_final_message(text, messages[-1].get("content", ""))
+        return self.encode(text, add_special_tokens=False) if tokenize else text
 
-    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> tuple[str, list[int]]:
+    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True,
+                    **template_options) -> tuple[str, list[int]]:
         """A conversation's prompt: the rendered template and its token ids (the template writes the
-        special tokens itself, so none are added)."""
-        text = self.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+        special tokens itself, so none are added). template_options: apply_chat_template's."""
+        text = self.apply_chat_template(messages, add_generation_prompt, **template_options)
         return text, self.encode(text, add_special_tokens=False)
 
     def _id_of(self, key: str) -> int | None:
@@ -84,6 +135,28 @@ def load_tokenizer(model_dir: str | Path) -> Tokenizer:
     if gguf_model.is_gguf(model_dir):
         return Tokenizer(gguf_model.gguf_tokenizer_dir(model_dir, cache_dir()))
     return Tokenizer(model_dir)
+
+
+def _template_message(message: dict) -> dict:
+    """The message as templates take it: None fields dropped, a list of text parts joined by newlines."""
+    out = {k: v for k, v in message.items() if v is not None}
+    if isinstance(out.get("content"), list):
+        parts = out["content"]
+        kinds = sorted({p.get("type") for p in parts if p.get("type") != "text"})
+        if kinds:
+            raise ValueError(f"message content parts of type {kinds} are not served: only 'text' parts")
+        out["content"] = "\n".join(p.get("text") or "" for p in parts)
+    return out
+
+
+def _open_final_message(text: str, final: str) -> str:
+    """The rendered text cut right after the last message's content (what follows closes its turn)."""
+    final = final.strip()
+    at = text.rfind(final) if final else -1
+    if at < 0:
+        raise ValueError("continue_final_message: the template's text does not contain the last message's "
+                         "content, so there is nothing to continue")
+    return text[:at + len(final)]
 
 
 def _token_text(tok) -> str | None:
