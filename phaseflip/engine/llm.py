@@ -142,7 +142,8 @@ class LLM:
             sampling_params = self.get_default_sampling_params()
         return prepare_prompts(prompts, sampling_params, self.tokenizer, vocab_size=self.model_config.vocab_size,
                                max_model_len=self.plan.max_model_len,
-                               max_tokens_in_pool=self.core.scheduler.max_sequence_tokens())
+                               max_tokens_in_pool=self.core.scheduler.max_sequence_tokens(),
+                               eos_token_ids=self.core.eos_token_ids)
 
     def submit(self, p: PreparedPrompt, request_id: str | None = None) -> list[Sequence]:
         """Queue one prompt's params.n samples, one sequence each. They are queued together, so with

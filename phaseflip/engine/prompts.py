@@ -5,6 +5,7 @@ every up-front check, so a bad request raises (naming its index and the bad valu
 """
 from __future__ import annotations
 
+import dataclasses
 import numbers
 from dataclasses import dataclass
 
@@ -84,9 +85,12 @@ def _params_list(n: int, sampling_params) -> list[SamplingParams]:
 
 
 def prepare_prompts(prompts, sampling_params, tokenizer, *, vocab_size: int, max_model_len: int,
-                    max_tokens_in_pool: int | None) -> list[PreparedPrompt]:
+                    max_tokens_in_pool: int | None, eos_token_ids: frozenset[int] = frozenset()
+                    ) -> list[PreparedPrompt]:
     """Each prompt as token ids with its params, checked: not empty, in the vocabulary, shorter than
-    max_model_len and, where the pool bounds a sequence (max_tokens_in_pool; None: it does not), within it."""
+    max_model_len and, where the pool bounds a sequence (max_tokens_in_pool; None: it does not), within it.
+    Params with min_tokens get the ids the sampler bans before it: the EOS ids (unless ignored) and their
+    stop token ids."""
     items = _as_list(prompts)
     params = _params_list(len(items), sampling_params)
     out = []
@@ -108,5 +112,12 @@ def prepare_prompts(prompts, sampling_params, tokenizer, *, vocab_size: int, max
             raise ValueError(f"prompt {i} has {len(ids)} tokens, but the KV pool holds only "
                              f"{max_tokens_in_pool} tokens in all: it could never run; raise "
                              f"num_kv_blocks or kv_cache_memory_gib")
-        out.append(PreparedPrompt(text, ids, sp))
+        out.append(PreparedPrompt(text, ids, _with_min_tokens_ban(sp, eos_token_ids)))
     return out
+
+
+def _with_min_tokens_ban(sp: SamplingParams, eos_token_ids: frozenset[int]) -> SamplingParams:
+    if sp.min_tokens == 0 or sp.banned_before_min:
+        return sp
+    banned = set(sp.stop_token_ids) | (set() if sp.ignore_eos else set(eos_token_ids))
+    return dataclasses.replace(sp, banned_before_min=tuple(sorted(banned))) if banned else sp

@@ -8,6 +8,8 @@ Normalisation done here, once, so readers see one spelling of each option:
 - `top_k`: vLLM accepts 0 and -1 for "off"; -1 is stored as 0. `top_k_enabled` is `top_k > 0`.
 - `stop`: a str or a list of str becomes a tuple of str; `stop_token_ids` becomes a tuple of int.
 - `max_tokens=None` means "until the sequence reaches max_model_len" (as in vLLM).
+- `min_tokens` (vLLM's): no stop condition but the length ones is checked before the sequence has that
+  many tokens, and the EOS and stop token ids (`banned_before_min`, which the engine fills) are not drawn.
 - `temperature < 1e-5` is greedy (argmax), as in vLLM; top_k/top_p/min_p/seed are then unused.
 - `logit_bias`: a mapping {token_id: bias} (keys int, or str of digits as OpenAI's JSON sends them) or
   pairs; stored as a tuple of (token_id, bias) pairs sorted by id, so the params stay hashable.
@@ -53,6 +55,9 @@ class SamplingParams:
     frequency_penalty: float = 0.0   # in [-2, 2]: subtracted per time a token was generated
     repetition_penalty: float = 1.0  # > 0: prompt and generated tokens' logits / r (> 0) or * r (<= 0)
     logit_bias: dict[int, float] | tuple[tuple[int, float], ...] | None = None  # stored as sorted pairs
+    min_tokens: int = 0              # before this many tokens no EOS, stop token or stop string ends it
+    # filled by the engine where min_tokens > 0: the EOS and stop token ids, not drawn before min_tokens
+    banned_before_min: tuple[int, ...] = ()
 
     def __post_init__(self):
         self._check_sampling()
@@ -90,6 +95,10 @@ class SamplingParams:
         if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
             raise ValueError(f"max_tokens={self.max_tokens!r} is invalid: must be an int >= 1, "
                              f"or None for 'until max_model_len'")
+        if not _is_int(self.min_tokens) or self.min_tokens < 0 or \
+                (self.max_tokens is not None and self.min_tokens > self.max_tokens):
+            raise ValueError(f"min_tokens={self.min_tokens!r} is invalid: must be an int >= 0 and <= max_tokens "
+                             f"({self.max_tokens})")
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}={getattr(self, name)!r} is invalid: must be True or False")
@@ -118,8 +127,8 @@ class SamplingParams:
 
     @property
     def adjusts_logits(self) -> bool:
-        """A penalty or a bias changes the logits this request samples from."""
-        return self.counts_output_tokens or bool(self.logit_bias)
+        """A penalty, a bias or min_tokens' ban changes the logits this request samples from."""
+        return self.counts_output_tokens or bool(self.logit_bias) or bool(self.banned_before_min)
 
 
 def _normalise_stop(stop) -> tuple[str, ...]:

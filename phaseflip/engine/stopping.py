@@ -53,6 +53,8 @@ def _stop_string(seq: Sequence, tokenizer) -> StopDecision | None:
 def check_stop(seq: Sequence, tokenizer, eos_token_ids: frozenset[int], max_model_len: int) -> StopDecision | None:
     p = seq.params
     last = seq.output_token_ids[-1]
+    if seq.num_output_tokens < p.min_tokens:   # only the lengths end it before min_tokens (vLLM's rule)
+        return _length(seq, max_model_len)
     if not p.ignore_eos and last in eos_token_ids:
         return StopDecision("stop", None)
     if last in p.stop_token_ids:
@@ -61,6 +63,11 @@ def check_stop(seq: Sequence, tokenizer, eos_token_ids: frozenset[int], max_mode
         decision = _stop_string(seq, tokenizer)
         if decision is not None:
             return decision
+    return _length(seq, max_model_len)
+
+
+def _length(seq: Sequence, max_model_len: int) -> StopDecision | None:
+    p = seq.params
     if p.max_tokens is not None and seq.num_output_tokens >= p.max_tokens:
         return StopDecision("length", None)
     if seq.num_tokens >= max_model_len:

@@ -6,7 +6,8 @@ tokens as a bool [V] mask; both are made at its first sampled step, on the logit
 that never samples a sequence keeps no tensor for it. And the maths, vLLM V1's and in its order:
 logit_bias added; the repetition penalty on tokens of the prompt or the output (logit / r where it is
 > 0, logit * r otherwise); the frequency (x count) and presence (x (count > 0)) penalties subtracted,
-over the output's tokens only. It never draws a token (sampler.py does, from the adjusted logits).
+over the output's tokens only; before min_tokens, the EOS and stop token ids at -inf. It never draws a
+token (sampler.py does, from the adjusted logits).
 """
 from __future__ import annotations
 
@@ -20,10 +21,13 @@ class SeqPenalties:
         self.counts: torch.Tensor | None = None        # int32 [V]: times each token was generated
         self.prompt_mask: torch.Tensor | None = None   # bool [V]: tokens of the prompt
         self.bias: tuple[torch.Tensor, torch.Tensor] | None = None   # (ids int64 [B], values float32 [B])
+        self.generated = 0   # tokens sampled so far (min_tokens' ban holds until params.min_tokens)
 
     def adjust(self, row: torch.Tensor) -> None:
         """row: one sequence's float32 logits [V], adjusted in place."""
         p = self.params
+        if p.banned_before_min and self.generated < p.min_tokens:
+            row[torch.tensor(p.banned_before_min, dtype=torch.int64, device=row.device)] = float("-inf")
         if p.logit_bias:
             row.index_add_(0, *self._bias(row.device))
         if not p.counts_output_tokens:
@@ -41,6 +45,7 @@ class SeqPenalties:
 
     def record(self, token_id: int) -> None:
         """The sequence generated token_id (after `adjust` at the same step, which made the counts)."""
+        self.generated += 1
         if self.counts is not None:
             self.counts[token_id] += 1
 

@@ -42,6 +42,7 @@ class _Sampling(Strict):
     repetition_penalty: float = 1.0
     logit_bias: dict[str, float] | None = None
     ignore_eos: bool = False
+    min_tokens: int = 0
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     user: str | None = None
@@ -62,7 +63,7 @@ class _Sampling(Strict):
         given = dict(
             n=self.n, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
             seed=self.seed, max_tokens=max_tokens, stop=self.stop, stop_token_ids=self.stop_token_ids,
-            ignore_eos=self.ignore_eos, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+            ignore_eos=self.ignore_eos, min_tokens=self.min_tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
             presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty, repetition_penalty=self.repetition_penalty,
             logit_bias=self.logit_bias, include_stop_str_in_output=self.include_stop_str_in_output,

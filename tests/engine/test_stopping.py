@@ -39,3 +39,25 @@ def test_suffix_decode_stops_where_a_full_decode_does(default_model_dir, stop):
         expected = first_stop_step(tok, ids, params, full_decode=True)
         assert expected is not None and expected > 4 * len(stop) + stopping.TAIL_MARGIN
         assert first_stop_step(tok, ids, params, full_decode=False) == expected, (trial, stop)
+
+
+def test_before_min_tokens_only_the_lengths_end_a_sequence(default_model_dir):
+    """vLLM's rule: EOS, stop tokens and stop strings are not checked before min_tokens; max_tokens is."""
+    tok = load_tokenizer(default_model_dir)
+    ids = tok.encode("halt here, halt there, and on", add_special_tokens=False)
+    eos = frozenset({ids[1]})
+    for min_tokens in (0, 5):
+        params = SamplingParams(max_tokens=len(ids), stop=["halt"], stop_token_ids=[ids[1]], min_tokens=min_tokens)
+        seq = Sequence(seq_id=0, request_id="0", prompt_token_ids=[1], params=params)
+        steps = []
+        for step, t in enumerate(ids):
+            seq.output_token_ids.append(t)
+            if stopping.check_stop(seq, tok, eos, 10**6) is not None:
+                steps.append(step)
+        # the first token is "halt", the second EOS and a stop token: at once without min_tokens, else
+        # not before the 5th token (step 4)
+        assert (steps[0] >= 4) if min_tokens else (steps[0] <= 1), (min_tokens, steps)
+    short = SamplingParams(max_tokens=3, min_tokens=3)
+    seq = Sequence(seq_id=0, request_id="0", prompt_token_ids=[1], params=short)
+    seq.output_token_ids.extend(ids[:3])
+    assert stopping.check_stop(seq, tok, eos, 10**6).finish_reason == "length"

@@ -285,6 +285,25 @@ def test_two_ranks_flipping_every_step_give_the_one_rank_tokens(llm, model_dir):
     assert got == want
 
 
+def test_min_tokens_holds_off_the_stop_tokens_on_one_rank_and_two_flipping(llm, model_dir):
+    """The stop token greedy gives second: without min_tokens it ends the output there; with min_tokens=6
+    it is not drawn before 6 tokens (nor ends them), and two ranks flipping every step agree."""
+    prompt = [40, 41, 42]
+    plain = run(llm, [prompt])[0]
+    stop = next(t for t in plain[1:] if t != plain[0])
+    params = SamplingParams(temperature=0.0, max_tokens=NEW, stop_token_ids=[stop])
+    early = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
+    assert early[-1] == stop and len(early) < 6
+    held = SamplingParams(temperature=0.0, max_tokens=NEW, stop_token_ids=[stop], min_tokens=6)
+    (out,) = llm.generate([prompt], held, use_tqdm=False)
+    got = out.outputs[0].token_ids
+    assert len(got) >= 6 and stop not in got[:6], got
+    with LLM(model=str(model_dir), **ENGINE, world_size=2, flip_every_steps=1) as two:
+        assert two.generate([prompt], held, use_tqdm=False)[0].outputs[0].token_ids == got
+    with pytest.raises(ValueError, match=r"min_tokens=30 is invalid: must be an int >= 0 and <= max_tokens \(24\)"):
+        SamplingParams(max_tokens=NEW, min_tokens=30)
+
+
 def test_a_bias_beyond_the_vocabulary_is_refused_naming_the_request(llm):
     params = [SamplingParams(), SamplingParams(logit_bias={3: 1.0, 384: -5.0})]
     with pytest.raises(ValueError, match=r"request 1: logit_bias token id 384 is outside the vocabulary \[0, 384\)"):
