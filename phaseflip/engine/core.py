@@ -10,7 +10,7 @@ import time
 from dataclasses import dataclass
 
 from phaseflip.engine.policy.rules import StepSummary
-from phaseflip.engine.requests import Sequence
+from phaseflip.engine.requests import Sequence, ranked_logprobs
 from phaseflip.engine.scheduler import Scheduler
 from phaseflip.engine.stopping import check_stop
 from phaseflip.rank.messages import RunStep, StepBatch, StepResult
@@ -103,7 +103,7 @@ class EngineCore:
         if seq.params.logprobs is not None:
             if seq.logprobs is None:
                 seq.logprobs = []
-            seq.logprobs.append(s.top_logprobs or {s.token_id: s.logprob})
+            seq.logprobs.append(ranked_logprobs(s.top_logprobs or {s.token_id: s.logprob}, seq.params.logprobs))
 
     def _record_prompt(self, part) -> None:
         """A chunk's prompt logprobs into its sequence's (by position: a chunk computed again after a
@@ -111,7 +111,9 @@ class EngineCore:
         seq = self.seqs.get(part.seq_id)
         if seq is None or seq.prompt_logprobs is None:   # [None] * prompt tokens where asked (LLM.submit)
             return
-        seq.prompt_logprobs[part.start_pos + 1:part.start_pos + 1 + len(part.logprobs)] = part.logprobs
+        n = seq.params.prompt_logprobs
+        seq.prompt_logprobs[part.start_pos + 1:part.start_pos + 1 + len(part.logprobs)] = \
+            [ranked_logprobs(d, n) for d in part.logprobs]
 
     def abort(self, seq_ids) -> None:
         """Finish these sequences now ("abort"): their KV blocks are free for the next step, and the

@@ -1,7 +1,8 @@
 """Request state on the controller and the vLLM-shaped outputs handed back to users.
 
-Owns: Sequence (the mutable per-request state the scheduler and block allocator act on) and the frozen
-output records RequestOutput / CompletionOutput / RequestMetrics. Plain Python: no torch here.
+Owns: Sequence (the mutable per-request state the scheduler and block allocator act on), the frozen
+output records RequestOutput / CompletionOutput / RequestMetrics, and Logprob (the values of their
+logprobs dicts). Plain Python: no torch here.
 """
 from __future__ import annotations
 
@@ -78,6 +79,32 @@ class RequestMetrics:
     time_to_first_token: float | None
     token_times: tuple[float, ...]  # per output token, seconds since arrival
     num_preemptions: int
+
+
+class Logprob(float):
+    """A token's log-probability: a float, with the fields of vLLM's Logprob for code written against its
+    offline API: `logprob`, `rank` (1 for the most likely token; None where not computed: a sampled token
+    below the top-N) and `decoded_token` (None: not decoded here)."""
+    __slots__ = ("rank", "decoded_token")
+
+    def __new__(cls, value: float, rank: int | None = None, decoded_token: str | None = None):
+        self = super().__new__(cls, value)
+        self.rank, self.decoded_token = rank, decoded_token
+        return self
+
+    @property
+    def logprob(self) -> float:
+        return float(self)
+
+    def __reduce__(self):
+        return Logprob, (float(self), self.rank, self.decoded_token)
+
+
+def ranked_logprobs(top: dict[int, float], num_top: int) -> dict[int, Logprob]:
+    """A step's {token id: logprob} as the ranks send it (its num_top most likely first, highest first,
+    then the sampled or prompt token where it is below them) as Logprob values: ranks 1..num_top, None
+    for the token after them (its rank is not computed)."""
+    return {t: Logprob(v, i + 1 if i < num_top else None) for i, (t, v) in enumerate(top.items())}
 
 
 @dataclass(frozen=True)

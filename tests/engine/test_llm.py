@@ -297,7 +297,12 @@ def test_logprobs_per_token(llm, temperature):
             if temperature == 0:
                 assert top[token] == max(top.values())
         assert c.cumulative_logprob == pytest.approx(sum(d[t] for d, t in zip(c.logprobs, c.token_ids)))
+        for top in c.logprobs:   # vLLM's Logprob fields too: rank 1.. for the top 3, None below them
+            assert [v.rank for v in top.values()][:3] == [1, 2, 3] and all(v.logprob == v for v in top.values())
+            assert len(top) == 3 or list(top.values())[3].rank is None
     assert gen(llm, PROMPTS[:1])[0].outputs[0].logprobs is None
+    prompt = gen(llm, PROMPTS[:1], SamplingParams(max_tokens=1, prompt_logprobs=1))[0].prompt_logprobs
+    assert prompt[0] is None and all(list(d.values())[0].rank == 1 for d in prompt[1:])
 
 
 # -- 5. output shape --------------------------------------------------------------------------------
