@@ -89,8 +89,8 @@ def prepare_prompts(prompts, sampling_params, tokenizer, *, vocab_size: int, max
                     ) -> list[PreparedPrompt]:
     """Each prompt as token ids with its params, checked: not empty, in the vocabulary, shorter than
     max_model_len and, where the pool bounds a sequence (max_tokens_in_pool; None: it does not), within it.
-    Params with min_tokens get the ids the sampler bans before it: the EOS ids (unless ignored) and their
-    stop token ids."""
+    Params with min_tokens get the ids the sampler bans before it: the EOS ids (unless ignored) and the
+    request's stop token ids."""
     items = _as_list(prompts)
     params = _params_list(len(items), sampling_params)
     out = []

@@ -65,8 +65,10 @@ class SamplingParams:
         self._check_limits()
         object.__setattr__(self, "top_k", 0 if self.top_k == -1 else self.top_k)
         object.__setattr__(self, "stop", _normalise_stop(self.stop))
-        object.__setattr__(self, "stop_token_ids", _normalise_stop_token_ids(self.stop_token_ids))
+        object.__setattr__(self, "stop_token_ids", _normalise_token_ids("stop_token_ids", self.stop_token_ids))
         object.__setattr__(self, "logit_bias", _normalise_logit_bias(self.logit_bias))
+        object.__setattr__(self, "banned_before_min", _normalise_token_ids("banned_before_min",
+                                                                           self.banned_before_min))
 
     def _check_sampling(self) -> None:
         if not _is_int(self.n) or self.n < 1:
@@ -143,14 +145,15 @@ def _normalise_stop(stop) -> tuple[str, ...]:
     return tuple(strings)
 
 
-def _normalise_stop_token_ids(ids) -> tuple[int, ...]:
+def _normalise_token_ids(name: str, ids) -> tuple[int, ...]:
     if ids is None:
         return ()
     if not isinstance(ids, (list, tuple)):
-        raise ValueError(f"stop_token_ids={ids!r} is invalid: must be a list of int >= 0, or None")
+        raise ValueError(f"{name}={ids!r} is invalid: must be a list of int >= 0, or None")
     for t in ids:
         if not _is_int(t) or t < 0:
-            raise ValueError(f"stop token id {t!r} in stop_token_ids={ids!r} is invalid: must be an int >= 0")
+            what = "stop token id" if name == "stop_token_ids" else "token id"
+            raise ValueError(f"{what} {t!r} in {name}={ids!r} is invalid: must be an int >= 0")
     return tuple(ids)
 
 

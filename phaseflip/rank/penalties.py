@@ -22,12 +22,15 @@ class SeqPenalties:
         self.prompt_mask: torch.Tensor | None = None   # bool [V]: tokens of the prompt
         self.bias: tuple[torch.Tensor, torch.Tensor] | None = None   # (ids int64 [B], values float32 [B])
         self.generated = 0   # tokens sampled so far (min_tokens' ban holds until params.min_tokens)
+        self.banned: torch.Tensor | None = None   # int64 [B]: params.banned_before_min on the logits' device
 
     def adjust(self, row: torch.Tensor) -> None:
         """row: one sequence's float32 logits [V], adjusted in place."""
         p = self.params
         if p.banned_before_min and self.generated < p.min_tokens:
-            row[torch.tensor(p.banned_before_min, dtype=torch.int64, device=row.device)] = float("-inf")
+            if self.banned is None:
+                self.banned = torch.tensor(p.banned_before_min, dtype=torch.int64, device=row.device)
+            row[self.banned] = float("-inf")
         if p.logit_bias:
             row.index_add_(0, *self._bias(row.device))
         if not p.counts_output_tokens:
