@@ -93,6 +93,8 @@ class EngineConfig:
         require((self.policy == "latency") == (self.ttft_budget_s is not None),
                 f"ttft_budget_s={self.ttft_budget_s!r} is invalid with policy={self.policy!r}: "
                 f"policy='latency' needs a ttft_budget_s > 0, the others take none")
+        require(self.ttft_budget_s is None or self.ttft_budget_s > 0,
+                f"ttft_budget_s={self.ttft_budget_s!r} is invalid: must be > 0 (seconds)")
         require(isinstance(self.remeasure, bool),
                 f"remeasure={self.remeasure!r} is invalid: must be True or False")
         require(self.compile in (None, "auto", "on", "off"),

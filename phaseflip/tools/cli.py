@@ -171,6 +171,8 @@ def _read_prompts(path: str | None) -> list:
         return [[{"role": "user", "content": p}] for p in DEMO_PROMPTS]
     with open(path, encoding="utf-8") as f:
         lines = [ln.rstrip("\n") for ln in f if ln.strip()]
+    if not lines:
+        raise click.BadParameter(f"{path} holds no prompt (it is empty)", param_hint="--prompts")
     if not path.endswith(".jsonl"):
         return [[{"role": "user", "content": ln}] for ln in lines]
     items = []
@@ -181,13 +183,25 @@ def _read_prompts(path: str | None) -> list:
             raise click.BadParameter(f"{path} line {n} is not JSON: {e}") from e
         if not isinstance(obj, dict):
             raise click.BadParameter(f"{path} line {n}: expected a JSON object, got {type(obj).__name__}")
-        if "messages" in obj:
-            items.append(obj["messages"])
-        elif "prompt" in obj:
-            items.append(obj["prompt"])
-        else:
-            raise click.BadParameter(f"{path} line {n}: needs a 'prompt' or 'messages' field")
+        items.append(_prompt_of(obj, f"{path} line {n}"))
     return items
+
+
+def _prompt_of(obj: dict, where: str):
+    """A prompts-file line's prompt: its "messages" (a list of {role, content} objects) or its "prompt"
+    (a string, or a list of token ids)."""
+    if "messages" in obj:
+        m = obj["messages"]
+        if isinstance(m, list) and m and all(isinstance(x, dict) for x in m):
+            return m
+        raise click.BadParameter(f"{where}: 'messages' must be a non-empty list of {{role, content}} objects, "
+                                 f"got {json.dumps(m)[:60]}")
+    if "prompt" in obj:
+        p = obj["prompt"]
+        if isinstance(p, str) or (isinstance(p, list) and p and all(type(t) is int for t in p)):
+            return p
+        raise click.BadParameter(f"{where}: 'prompt' must be a string or a list of token ids, got {json.dumps(p)[:60]}")
+    raise click.BadParameter(f"{where}: needs a 'prompt' or 'messages' field")
 
 
 @main.command()

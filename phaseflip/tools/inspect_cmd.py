@@ -203,7 +203,14 @@ def inspect(manifest, as_json, svg_path, dot_path, model, world_size, layouts, d
         if not path.is_file():
             raise click.BadParameter(f"no manifest at {path}: run `phaseflip boot` first, or pass --model DIR",
                                      param_hint="MANIFEST")
-        m = json.loads(path.read_text())
+        try:
+            m = json.loads(path.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise click.BadParameter(f"{path} is not a boot manifest (one JSON object, as `phaseflip boot` "
+                                     f"writes): {e}", param_hint="MANIFEST") from None
+        if not isinstance(m, dict):
+            raise click.BadParameter(f"{path} is not a boot manifest: a JSON {type(m).__name__}, not an object",
+                                     param_hint="MANIFEST")
     if svg_path:
         from phaseflip.tools.svg import render_svg
         Path(svg_path).write_text(render_svg(m))

@@ -133,6 +133,8 @@ def test_boot_jsonl_prompts_and_messages(tiny, tmp_path):
     ('{"text": "no prompt field"}', "needs a 'prompt' or 'messages' field"),
     ("not json at all", "is not JSON"),
     ('"a prompt without its object"', "expected a JSON object, got str"),
+    ('{"prompt": 123}', "'prompt' must be a string or a list of token ids, got 123"),
+    ('{"messages": "hi"}', "'messages' must be a non-empty list of {role, content} objects"),
 ])
 def test_boot_jsonl_bad_line_is_a_clear_error(tiny, tmp_path, bad_line, message):
     prompts = tmp_path / "bad.jsonl"
@@ -140,6 +142,20 @@ def test_boot_jsonl_bad_line_is_a_clear_error(tiny, tmp_path, bad_line, message)
     result = _invoke("boot", "--model", tiny, "--prompts", prompts)
     assert result.exit_code == 2, f"{result.exit_code}: {result.exception!r}\n{result.output}"
     assert "line 2" in result.output and message in result.output
+    assert "== summary ==" not in result.output
+
+
+@pytest.mark.parametrize("name", ["empty.jsonl", "empty.txt"])
+def test_boot_refuses_an_empty_prompts_file_before_booting(tiny, tmp_path, name):
+    prompts = tmp_path / name
+    prompts.write_text("\n")
+    result = _invoke("boot", "--model", tiny, "--prompts", prompts)
+    assert result.exit_code == 2 and "holds no prompt" in result.output and "== summary ==" not in result.output
+
+
+def test_a_latency_budget_must_be_positive(tiny):
+    result = _invoke("boot", "--model", tiny, "--policy", "latency", "--ttft-budget-s", "-1", "--world-size", "2")
+    assert result.exit_code == 2 and "ttft_budget_s=-1.0 is invalid: must be > 0" in result.output, result.output
     assert "== summary ==" not in result.output
 
 

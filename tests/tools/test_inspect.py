@@ -129,3 +129,13 @@ def test_dot_draws_the_layouts_their_steps_and_the_flips(manifest, tmp_path):
 def test_missing_manifest_is_a_clear_error(tmp_path):
     result = CliRunner().invoke(main, ["inspect", str(tmp_path / "nope.json")])
     assert result.exit_code != 0 and "no manifest" in result.output
+
+
+@pytest.mark.parametrize("text", ['{"not": closed', '{"a": 1}\n{"b": 2}\n', "[1, 2]"])
+def test_a_file_that_is_not_a_manifest_is_named(tmp_path, text):
+    from click.testing import CliRunner
+    from phaseflip.tools.cli import main
+    bad = tmp_path / "bad.json"
+    bad.write_text(text)
+    result = CliRunner().invoke(main, ["inspect", str(bad)])
+    assert result.exit_code == 2 and f"{bad} is not a boot manifest" in result.output, result.output
