@@ -212,6 +212,11 @@ def test_missing_or_invalid_config_json(tiny_model_dir, tmp_path):
     _raises([str(model_dir / "config.json"), "invalid JSON"], load_model_config, model_dir)
     (model_dir / "config.json").unlink()
     _raises([str(model_dir / "config.json"), "not found"], load_model_config, model_dir)
+    _raises([str(tmp_path / "nowhere"), "no such file or directory", "a .gguf file"], load_model_config,
+            tmp_path / "nowhere")
+    (tmp_path / "prompts.jsonl").write_text("{}\n")
+    _raises([str(tmp_path / "prompts.jsonl"), "a file that is not GGUF"], load_model_config,
+            tmp_path / "prompts.jsonl")
 
 
 # ---------------------------------------------------------------------------------------------- weights

@@ -55,6 +55,12 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
     from phaseflip.engine.checkpoint import gguf_model   # it builds on this module
     if gguf_model.is_gguf(model_dir):
         return gguf_model.load_gguf_config(model_dir)
+    if not Path(model_dir).exists():
+        raise CheckpointError(f"{model_dir}: no such file or directory (a model is a directory with "
+                              f"{CONFIG_FILE}, or a .gguf file)")
+    if Path(model_dir).is_file():
+        raise CheckpointError(f"{model_dir}: a file that is not GGUF (no GGUF magic); a model is a directory "
+                              f"with {CONFIG_FILE}, or a .gguf file")
     path = Path(model_dir) / CONFIG_FILE
     raw = read_json(path)
     archs = raw.get("architectures")
