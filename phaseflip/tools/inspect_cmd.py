@@ -84,7 +84,7 @@ def boot_table(m: dict) -> list[str]:
                     continue
                 extra = ", ".join(f"{k} {v:.1f}" for k, v in c.items() if isinstance(v, float))
                 lines.append(f"    {lay} {role}: {c['choice']}" + (f" ({extra})" if extra else "")
-                             + (f" — {c['reason']}" if "reason" in c else ""))
+                             + (f" — {c['reason']}" if c.get("reason") is not None else ""))
                 lines += [f"      bucket {b}: {_timed_choice(t)}" for b, t in c.get("buckets", {}).items()]
                 if "saved_steps" in c:
                     st = c["saved_steps"]

@@ -7,7 +7,7 @@ from click.testing import CliRunner
 
 from phaseflip import LLM, SamplingParams
 from phaseflip.tools.cli import main
-from phaseflip.tools.inspect_cmd import LEDGER_TERMS
+from phaseflip.tools.inspect_cmd import LEDGER_TERMS, render_text
 
 
 @pytest.fixture(scope="module")
@@ -86,6 +86,11 @@ def test_inspect_prints_tables_json_and_svg(manifest, tmp_path):
     assert text.exit_code == 0, text.output
     for heading in ("captured steps", "memory ledger", "boot timeline", "flips (", "prefix cache: prompt tokens computed"):
         assert heading in text.output
+    m = json.loads(path.read_text())
+    m["ranks"][0]["compile"].setdefault("pp", {})["fused_layers"] = {"choice": "fused layers", "reason": None,
+                                                                     "rows": 8}
+    shown = render_text(m)
+    assert "pp fused_layers: fused layers" in shown and "— None" not in shown   # no reason: none shown
     as_json = runner.invoke(main, ["inspect", str(path), "--json"])
     assert json.loads(as_json.output)["phaseflip_manifest"] == 1
     pc = json.loads(as_json.output)["prefix_cache"]
