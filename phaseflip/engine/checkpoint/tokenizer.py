@@ -8,6 +8,7 @@ transformers does. It never imports transformers, but answers the calls vLLM use
 """
 from __future__ import annotations
 
+import functools
 import json
 from datetime import datetime
 from pathlib import Path
@@ -174,6 +175,7 @@ def _chat_template(model_dir: Path, cfg: dict) -> str | None:
     return template
 
 
+@functools.lru_cache(maxsize=16)   # a conversation's rendering reuses its template's compiled form
 def _compile_template(source: str):
     from jinja2.exceptions import TemplateError
     from jinja2.ext import loopcontrols
