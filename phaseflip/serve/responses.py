@@ -169,7 +169,7 @@ class CompletionView(_View):
     def __init__(self, request_id, model, prepared, n, tokenizer, echo: bool, echo_only: bool = False):
         """echo_only (echo with max_tokens=0): the one token the engine generated is neither shown nor counted."""
         super().__init__(request_id, model, prepared, n, tokenizer)
-        self.echo, self.echo_only = echo or echo_only, echo_only
+        self.echo, self.echo_only = echo, echo_only   # echo_only is echo's own case (CompletionRequest)
         self._echoed: set[int] = set()
         self._offsets: dict[int, int] = {}
 
