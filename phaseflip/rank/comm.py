@@ -2,8 +2,8 @@
 
 Owns: RankComm (all_reduce for TP partial sums, send/recv of hidden states between PP stages, gather
 of vocab-parallel logits, all_to_all for the KV reshard, a flag agreement for the flip, the smallest
-KV block count at boot) and the process-group set-up (gloo on CPU, NCCL on CUDA). `NoComm` is the
-group of one rank.
+KV block count at boot) and the process-group set-up (gloo on CPU, NCCL on CUDA; gloo's device threads
+under SCHED_BATCH). `NoComm` is the group of one rank.
 """
 from __future__ import annotations
 
@@ -22,8 +22,57 @@ def init_group(rank: int, world_size: int, device: str, init_method: str | None,
     the stages before it: it must exceed the longest step. A dead rank is not found by this timeout
     but by the controller, which polls its rank processes (engine/ranks/group.py)."""
     backend = "nccl" if device.startswith("cuda") else "gloo"
+    _gloo_batch_mode()   # a bad value named before the group is joined
     dist.init_process_group(backend, init_method=init_method or "env://", rank=rank,
                             world_size=world_size, timeout=datetime.timedelta(seconds=timeout_s))
+    batch_gloo_loops()
+
+
+GLOO_LOOP_THREAD = "gloo_tcp_loop"   # the name gloo's TCP transport gives its device thread
+GLOO_BATCH_ENV = "PHASEFLIP_GLOO_BATCH"   # 1 (the default): SCHED_BATCH for that thread; 0: leave it
+
+
+def batch_gloo_loops() -> int:
+    """Put this process's gloo device threads under SCHED_BATCH (same weight, no wakeup preemption),
+    unless PHASEFLIP_GLOO_BATCH=0; returns how many (0 where there are none or the platform has no
+    such policy). A bad value of the variable is named.
+
+    Why: gloo's device thread handles a socket's events only if it can take the pair's lock at once;
+    when it cannot, the event stays ready and the thread spins on epoll. Woken by a peer's bytes, a
+    normal thread preempts the collective's worker that holds that lock, then spins until the kernel
+    ends its time slice (a tick: 4 ms at HZ=250) whenever a core has both. Under SCHED_BATCH a woken
+    device thread waits for the running thread instead of preempting it. Called after each gloo group
+    is made (the device thread starts with the group)."""
+    if _gloo_batch_mode() == "0" or not hasattr(os, "SCHED_BATCH"):
+        return 0
+    count = 0
+    for tid in _threads_named(GLOO_LOOP_THREAD):
+        try:
+            os.sched_setscheduler(tid, os.SCHED_BATCH, os.sched_param(0))
+            count += 1
+        except OSError:   # the thread ended meanwhile
+            pass
+    return count
+
+
+def _gloo_batch_mode() -> str:
+    mode = os.environ.get(GLOO_BATCH_ENV, "1")
+    if mode not in ("0", "1"):
+        raise ValueError(f"{GLOO_BATCH_ENV}={mode!r}: expected 1 (gloo's device threads under SCHED_BATCH) "
+                         "or 0 (left as they start)")
+    return mode
+
+
+def _threads_named(name: str) -> list[int]:
+    tids = []
+    for tid in os.listdir("/proc/self/task") if os.path.isdir("/proc/self/task") else ():
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                if f.read().strip() == name:
+                    tids.append(int(tid))
+        except OSError:
+            pass
+    return tids
 
 
 class RankComm:

@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from phaseflip.engine.ranks.process import comm_device, load_checkpoint, set_threads
 from phaseflip.engine.ranks.group import EngineDeadError, RankError
-from phaseflip.rank.comm import RankComm, init_group
+from phaseflip.rank.comm import RankComm, batch_gloo_loops, init_group
 from phaseflip.rank.messages import RankBoot, RankFailure, Shutdown
 from phaseflip.rank.runtime import RankRuntime
 from phaseflip.rank.worker import failure, handle, serve
@@ -40,7 +40,9 @@ def _torchrun_group(world_size: int, device: str):
     rank = int(os.environ["RANK"])
     init_group(rank, world_size, device, None)
     # Control messages travel over gloo, and a worker may wait for the next command indefinitely.
-    return rank, dist.new_group(backend="gloo", timeout=datetime.timedelta(days=365))
+    group = dist.new_group(backend="gloo", timeout=datetime.timedelta(days=365))
+    batch_gloo_loops()   # the new group's device thread
+    return rank, group
 
 
 def serve_torchrun_rank(device: str = "auto") -> None:
