@@ -5,7 +5,8 @@ Owns: issue 45's speed rows, each file's workloads run interleaved (phaseflip, t
 same threads): llama-batched-bench's 200-token prompts + 100 new tokens at batch 1 and 32 (--batches: 1 alone
 for a model of 1B and up, whose batch 32 takes minutes a round; total tokens over wall seconds, phaseflip's
 the same tokens through LLM.generate), llama-bench's tg128 (decode from an
-empty cache; phaseflip's (time for 128 new tokens - time for 1) / 127 after a 1-token prompt) and pp512
+empty cache; phaseflip's (time for 128 new tokens - time for 1) / 127 after a 1-token prompt, the two
+lengths alternated, None where noise swamps the difference) and pp512
 (prompt tokens over time to first token), and the read bound of batch-1 decode: the bytes a decode token
 reads (the engine's own weight report: the blocks as stored) over the bandwidth of a 1 GiB torch.sum read
 right before and right after the tg128 step (this machine's bandwidth swings within minutes).
@@ -22,7 +23,7 @@ from pathlib import Path
 
 import click
 
-from llamacpp_peer import EXE, _log, _run, _span, _timed, llama_bench, read_gbps
+from llamacpp_peer import EXE, _fmt, _log, _median, _run, _span, _timed, llama_bench, median_ratio, pf_decode, read_gbps
 from phaseflip.engine.llm import LLM
 
 PROMPT, NEW, TG, PP = 200, 100, 128, 512
@@ -69,13 +70,11 @@ def one_round(llm: LLM, path: Path, o: dict) -> dict:
     ll = llama_batched(o["llama_batched_bench"], path, o["threads"], o["batches"])
     rows.update({f"{PROMPT}+{NEW} b{b} total": (ll[b], pf[b]) for b in o["batches"]})
     before = read_gbps(o["threads"])
-    one = prompts(1, 1, 2)
-    first = statistics.median(_timed(llm, one, 1) for _ in range(o["repeats"]))
-    full = statistics.median(_timed(llm, one, TG) for _ in range(o["repeats"]))
+    tg = pf_decode(llm, prompts(1, 1, 2)[0], o["repeats"], TG)
     tests = ["-p", PP, "-n", TG]
     bench = llama_bench(o["llama_bench"], path, tests, o["threads"], o["repeats"])
     bracket = (before, read_gbps(o["threads"]))
-    rows[f"tg{TG}"] = (bench[f"tg{TG}"], (TG - 1) / (full - first))
+    rows[f"tg{TG}"] = (bench[f"tg{TG}"], tg)
     pp = PP / statistics.median(_timed(llm, prompts(1, PP, 3), 1) for _ in range(o["repeats"]))
     rows[f"pp{PP}"] = (bench[f"pp{PP}"], pp)
     return {"rows": rows, "bracket": bracket}
@@ -85,12 +84,13 @@ def summarise(rounds: list[dict], nbytes: int) -> dict:
     rows = {}
     for name in rounds[0]["rows"]:
         ll, pf = [r["rows"][name][0] for r in rounds], [r["rows"][name][1] for r in rounds]
-        rows[name] = {"llama_cpp": ll, "phaseflip": pf, "ratio": statistics.median(p / q for p, q in zip(pf, ll))}
+        rows[name] = {"llama_cpp": ll, "phaseflip": pf, "ratio": median_ratio(pf, ll)}
     tg = f"tg{TG}"
     bound = {"decode_bytes": nbytes, "bracket_gbps": [r["bracket"] for r in rounds]}
     for i, who in enumerate(("llama_cpp", "phaseflip")):   # each round's tok/s against its own bracket's bound
-        bound[f"{who}_fraction_of_bound"] = statistics.median(
-            r["rows"][tg][i] * nbytes / (statistics.mean(r["bracket"]) * 1e9) for r in rounds)
+        bound[f"{who}_fraction_of_bound"] = _median([
+            None if r["rows"][tg][i] is None else r["rows"][tg][i] * nbytes / (statistics.mean(r["bracket"]) * 1e9)
+            for r in rounds])
     return {"rows": rows, "read_bound": bound}
 
 
@@ -98,12 +98,12 @@ def print_table(name: str, result: dict, threads: int) -> None:
     click.echo(f"== {name}: phaseflip vs llama.cpp, {threads} threads ==")
     for row, r in result["rows"].items():
         click.echo(f"{row:20} llama.cpp {_span(r['llama_cpp']):>13}  phaseflip {_span(r['phaseflip']):>13}  "
-                   f"{r['ratio']:5.2f}x")
+                   f"{_fmt(r['ratio']):>5}x")
     b = result["read_bound"]
     ends = ", ".join(f"{x:.1f}/{y:.1f}" for x, y in b["bracket_gbps"])
     click.echo(f"read bound of tg{TG}: {b['decode_bytes'] / 1e6:.1f} MB a token at {ends} GB/s (before/after, a "
-               f"round): phaseflip {b['phaseflip_fraction_of_bound']:.2f} of it, llama.cpp "
-               f"{b['llama_cpp_fraction_of_bound']:.2f}")
+               f"round): phaseflip {_fmt(b['phaseflip_fraction_of_bound'])} of it, llama.cpp "
+               f"{_fmt(b['llama_cpp_fraction_of_bound'])}")
 
 
 def _batches(value: str) -> tuple[int, ...]:

@@ -32,6 +32,7 @@ import torch
 
 from phaseflip.engine.llm import LLM
 from phaseflip.engine.sampling_params import SamplingParams
+from phaseflip.tools.bench_single import single_stream
 
 PROMPT_LENS, NEW_TOKENS, BATCH = (128, 512), 128, 32
 CONVERTER = "convert_hf_to_gguf.py"
@@ -148,11 +149,13 @@ def _timed(llm: LLM, prompts: list[list[int]], n: int) -> float:
     return seconds
 
 
-def pf_decode(llm: LLM, prompt: list[int], reps: int) -> float:
-    """Batch-1 decode tokens/s: (time for NEW_TOKENS - time for 1) over NEW_TOKENS - 1."""
-    first = statistics.median(_timed(llm, [prompt], 1) for _ in range(reps))
-    full = statistics.median(_timed(llm, [prompt], NEW_TOKENS) for _ in range(reps))
-    return (NEW_TOKENS - 1) / (full - first)
+def pf_decode(llm: LLM, prompt: list[int], reps: int, n: int = NEW_TOKENS) -> float | None:
+    """Batch-1 decode tokens/s: (time for n tokens - time for 1) over n - 1, runs of the two lengths
+    alternated (tools/bench_single.py); None where the machine's noise swamped the difference."""
+    out = single_stream(lambda k: _timed(llm, [prompt], k), n, reps)
+    if out["tokens_per_s"] is None:
+        _log(f"batch-1 decode not measured this round: {out['why_no_per_token']}")
+    return out["tokens_per_s"]
 
 
 def pf_prefill(llm: LLM, prompts: dict[int, list[int]], reps: int) -> dict[str, float]:
@@ -255,11 +258,22 @@ def one_round(o: dict, llms: dict[str, LLM], ggufs: dict[str, Path], work: dict)
     return {"rows": rows, "busy": busy, "read_gbps": read_gbps(o["threads"]), "bracket_gbps": bracket}
 
 
+def median_ratio(pf: list[float | None], ll: list[float | None]) -> float | None:
+    """The median per-round ratio phaseflip / llama.cpp over the rounds where both were measured."""
+    pairs = [p / q for p, q in zip(pf, ll) if p is not None and q is not None]
+    return statistics.median(pairs) if pairs else None
+
+
+def _median(values: list[float | None]) -> float | None:
+    measured = [v for v in values if v is not None]
+    return statistics.median(measured) if measured else None
+
+
 def summarise(rounds: list[dict], model: Path) -> dict:
     rows = {}
     for name in rounds[0]["rows"]:
         ll, pf = [r["rows"][name][0] for r in rounds], [r["rows"][name][1] for r in rounds]
-        rows[name] = {"llama_cpp": ll, "phaseflip": pf, "ratio": statistics.median(p / q for p, q in zip(pf, ll)),
+        rows[name] = {"llama_cpp": ll, "phaseflip": pf, "ratio": median_ratio(pf, ll),
                       "others_busy_cores": max(r["busy"][name] for r in rounds)}
     gbps = statistics.median(r["read_gbps"] for r in rounds)
     bound = {"read_gbps": gbps}
@@ -268,19 +282,29 @@ def summarise(rounds: list[dict], model: Path) -> dict:
         ms = wb / (gbps * 1e9) * 1e3
         dec = rows[row]
         bound[outtype] = {"weight_bytes": wb, "bound_ms_per_token": ms,
-                          "phaseflip_ms_per_token": 1e3 / statistics.median(dec["phaseflip"]),
-                          "llama_cpp_ms_per_token": 1e3 / statistics.median(dec["llama_cpp"]),
                           "bracket_gbps": [r["bracket_gbps"][row] for r in rounds]}
         for i, who in enumerate(("llama_cpp", "phaseflip")):
-            bound[outtype][f"{who}_fraction_of_bound"] = ms / bound[outtype][f"{who}_ms_per_token"]
+            rate = _median(dec[who])
+            bound[outtype][f"{who}_ms_per_token"] = None if rate is None else 1e3 / rate
+            bound[outtype][f"{who}_fraction_of_bound"] = None if rate is None else ms * rate / 1e3
             # each round's tok/s against the bandwidth read around that very decode step
-            bound[outtype][f"{who}_fraction_of_bracket"] = statistics.median(
-                r["rows"][row][i] * wb / (statistics.mean(r["bracket_gbps"][row]) * 1e9) for r in rounds)
+            bound[outtype][f"{who}_fraction_of_bracket"] = _median([
+                None if r["rows"][row][i] is None else
+                r["rows"][row][i] * wb / (statistics.mean(r["bracket_gbps"][row]) * 1e9) for r in rounds])
     return {"rows": rows, "bound": bound}
 
 
-def _span(v: list[float]) -> str:
-    return f"{v[0]:.1f}" if len(v) == 1 else f"{min(v):.1f}-{max(v):.1f}"
+def _span(v: list[float | None]) -> str:
+    """The range over rounds; a round not measured counts as 'n/m' (not measured)."""
+    measured = [x for x in v if x is not None]
+    missing = len(v) - len(measured)
+    span = ("" if not measured else f"{measured[0]:.1f}" if len(measured) == 1
+            else f"{min(measured):.1f}-{max(measured):.1f}")
+    return span + (f"{', ' if span else ''}{missing} n/m" if missing else "")
+
+
+def _fmt(x: float | None, spec: str = ".2f") -> str:
+    return "None" if x is None else format(x, spec)
 
 
 def print_table(result: dict) -> None:
@@ -289,19 +313,19 @@ def print_table(result: dict) -> None:
                f"other processes busy {c['other_processes_cores']:.2f} cores ==")
     click.echo(f"{'workload (tok/s)':24} {'llama.cpp':>17} {'phaseflip':>17} {'ratio':>6}  others busy")
     for name, r in result["rows"].items():
-        click.echo(f"{name:24} {_span(r['llama_cpp']):>17} {_span(r['phaseflip']):>17} {r['ratio']:5.2f}x  "
+        click.echo(f"{name:24} {_span(r['llama_cpp']):>17} {_span(r['phaseflip']):>17} {_fmt(r['ratio']):>5}x  "
                    f"{r['others_busy_cores']:.2f} cores")
     b = result["bound"]
     click.echo(f"memory-read bound (torch.sum of 1 GiB fp32, {c['threads']} threads: {b['read_gbps']:.2f} GB/s):")
     for outtype in DTYPES:
         d = b[outtype]
         click.echo(f"  {outtype:4} {d['weight_bytes'] / 1e6:.0f} MB -> {d['bound_ms_per_token']:.2f} ms/token; "
-                   f"phaseflip {d['phaseflip_ms_per_token']:.2f} ms/token ({d['phaseflip_fraction_of_bound']:.2f} "
-                   f"of bound), llama.cpp {d['llama_cpp_ms_per_token']:.2f} ({d['llama_cpp_fraction_of_bound']:.2f})")
+                   f"phaseflip {_fmt(d['phaseflip_ms_per_token'])} ms/token ({_fmt(d['phaseflip_fraction_of_bound'])} "
+                   f"of bound), llama.cpp {_fmt(d['llama_cpp_ms_per_token'])} ({_fmt(d['llama_cpp_fraction_of_bound'])})")
         ends = ", ".join(f"{a:.1f}/{b:.1f}" for a, b in d["bracket_gbps"])
         click.echo(f"       read right before/after the step ({ends} GB/s a round): phaseflip "
-                   f"{d['phaseflip_fraction_of_bracket']:.2f} of that bound, llama.cpp "
-                   f"{d['llama_cpp_fraction_of_bracket']:.2f} (median over rounds)")
+                   f"{_fmt(d['phaseflip_fraction_of_bracket'])} of that bound, llama.cpp "
+                   f"{_fmt(d['llama_cpp_fraction_of_bracket'])} (median over rounds)")
 
 
 EXE = click.Path(exists=True, dir_okay=False, executable=True, path_type=Path)
