@@ -7,7 +7,7 @@ that never samples a sequence keeps no tensor for it. And the maths, vLLM V1's a
 logit_bias added; the repetition penalty on tokens of the prompt or the output (logit / r where it is
 > 0, logit * r otherwise); the frequency (x count) and presence (x (count > 0)) penalties subtracted,
 over the output's tokens only; before min_tokens, the EOS and stop token ids at -inf. It never draws a
-token (sampler.py does, from the adjusted logits).
+token (sampler.py and draw.py do, from the adjusted logits).
 """
 from __future__ import annotations
 

@@ -15,7 +15,7 @@ from phaseflip.rank.messages import Phase, StepBatch
 TOKEN_BUFFERS = ("input_ids", "positions", "slot_mapping")
 TOKEN_ROWS = (*TOKEN_BUFFERS, "hidden_in")   # every buffer with a row per token (bucket_rows)
 SEQ_BUFFERS = ("block_tables", "seq_lens", "query_start_loc")
-# A decode that samples inside its recorded step (sampler.draw_in_step): one row per sequence. Padding
+# A decode that samples inside its recorded step (draw.draw_in_step): one row per sequence. Padding
 # rows are greedy with neutral parameters.
 SAMPLING_BUFFERS = ("sample_mode", "temperature", "top_k", "top_p", "min_p", "uniform")
 

@@ -3,7 +3,7 @@
 Owns: the variants a decode bucket records on a rank that samples from the whole vocabulary
 (`sampling_variants`), one per set of sampling paths a batch needs: "greedy" (head + argmax, nothing
 more), "plain" (+ temperature/min-p rows), "filtered" (+ top-k/top-p rows), "sampled" (both): head +
-`sampler.draw_in_step`, each row by its own mode, temperature, top-k, top-p, min-p and the uniform its
+`draw.draw_in_step`, each row by its own mode, temperature, top-k, top-p, min-p and the uniform its
 generator gave the host before the step; which one a step replays (`variant_for`, from the host-built
 columns); and how chunked replays' outputs join (`cat_outputs`). A step's output is (picked, logits):
 picked = [2, rows] int64, the ids and whether each row's draw fitted its candidates, read by the host
@@ -18,7 +18,7 @@ from typing import Callable
 
 import torch
 
-from phaseflip.rank.sampler import FILTERED, PLAIN, RowParams, draw_in_step
+from phaseflip.rank.draw import FILTERED, PLAIN, RowParams, draw_in_step
 
 Step = Callable[[dict[str, torch.Tensor]], torch.Tensor]
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from phaseflip import LLM, SamplingParams
-from phaseflip.rank import sampler as sampler_module
+from phaseflip.rank import draw as draw_module
 from phaseflip.rank.penalties import SeqPenalties, adjusted_logits
 from phaseflip.rank.messages import NewRequest
 from phaseflip.rank.sampler import Sampler
@@ -148,7 +148,7 @@ def step_tokens(sampler, logits, ids):
 
 
 def test_host_and_in_step_paths_give_the_same_tokens(monkeypatch):
-    monkeypatch.setattr(sampler_module, "NUM_CANDIDATES", 64)
+    monkeypatch.setattr(draw_module, "NUM_CANDIDATES", 64)
     ids = list(range(len(MIXED)))
     host, in_step = make_sampler(MIXED, PROMPTS), make_sampler(MIXED, PROMPTS)
     gen, history = torch.Generator().manual_seed(11), []

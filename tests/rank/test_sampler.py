@@ -5,7 +5,7 @@ import torch
 
 from phaseflip.engine.sampling_params import SamplingParams
 from phaseflip.rank.messages import NewRequest, SampledToken
-from phaseflip.rank import sampler as sampler_module
+from phaseflip.rank import draw as draw_module
 from phaseflip.rank.sampler import Sampler, sequence_seed
 from phaseflip.rank.step_sampling import sampling_variants, variant_for
 
@@ -120,8 +120,8 @@ ORDERS = [[0], [3, 0, 1], [5, 4, 3, 2, 1, 0], [0, 2], [1, 5, 0, 4], [2, 0, 3, 1,
 def num_candidates(request, monkeypatch):
     """Run a test with the default candidate count and with one small enough to force full-sort fallbacks."""
     if request.param is not None:
-        monkeypatch.setattr(sampler_module, "NUM_CANDIDATES", request.param)
-    return sampler_module.NUM_CANDIDATES
+        monkeypatch.setattr(draw_module, "NUM_CANDIDATES", request.param)
+    return draw_module.NUM_CANDIDATES
 
 
 def test_seeded_sequence_is_independent_of_its_batch(num_candidates):
@@ -157,7 +157,7 @@ def test_candidates_and_full_sort_give_the_same_tokens(monkeypatch, dtype):
     ids = list(range(len(FILTERED_PARAMS)))
 
     def run(num_candidates):
-        monkeypatch.setattr(sampler_module, "NUM_CANDIDATES", num_candidates)
+        monkeypatch.setattr(draw_module, "NUM_CANDIDATES", num_candidates)
         sampler = make_sampler(FILTERED_PARAMS)
         return [tokens(sampler.sample(b, ids)) for b in batches for _ in range(4)]
 
@@ -171,7 +171,7 @@ def test_top_k_ties_go_to_the_lower_token_id(num_candidates):
 
 
 def test_flat_nucleus_larger_than_the_candidates(monkeypatch):
-    monkeypatch.setattr(sampler_module, "NUM_CANDIDATES", 8)
+    monkeypatch.setattr(draw_module, "NUM_CANDIDATES", 8)
     logits = torch.zeros(100)
     logits[:50] = 1.0                      # 50 equal tokens hold 73% of the mass
     counts = draw_many(SamplingParams(top_p=0.7), logits, num_seqs=1000, num_steps=5)
@@ -186,17 +186,17 @@ def test_rows_whose_kept_set_fits_do_not_fall_back():
     params = [SamplingParams(top_p=0.9), SamplingParams(top_k=50), SamplingParams(top_k=50, top_p=0.5),
               SamplingParams(top_p=0.8, min_p=0.1), SamplingParams(top_k=9000, top_p=0.9)]
     u = torch.full((5, 1), 0.5, dtype=torch.float64)
-    _, fits = sampler_module._draw_from_top(logits, sampler_module.RowParams.of(params, 5000), u, 256)
+    _, fits = draw_module._draw_from_top(logits, draw_module.RowParams.of(params, 5000), u, 256)
     assert fits.tolist() == [True] * 5
-    cols = sampler_module.RowParams.of([SamplingParams(top_k=300)], 5000)
-    _, fits = sampler_module._draw_from_top(logits[:1], cols, u[:1], 256)
+    cols = draw_module.RowParams.of([SamplingParams(top_k=300)], 5000)
+    _, fits = draw_module._draw_from_top(logits[:1], cols, u[:1], 256)
     assert fits.tolist() == [False]
 
 
 def test_inverse_cdf_never_lands_on_a_zero_weight():
     cdf = torch.tensor([[0.25, 0.5, 0.5, 0.5]], dtype=torch.float64)     # the last two tokens were dropped
     for u in (0.0, 0.49, 0.5, 0.999999, 1.0):
-        (pos,) = sampler_module._search(cdf, torch.tensor([[u]], dtype=torch.float64)).flatten().tolist()
+        (pos,) = draw_module._search(cdf, torch.tensor([[u]], dtype=torch.float64)).flatten().tolist()
         assert pos == (0 if u < 0.5 else 1), u
 
 
@@ -319,7 +319,7 @@ def test_sampling_inside_the_step_gives_the_host_samplers_tokens(monkeypatch, pa
     """What a recorded decode step runs (each path on every row, each row keeping its own; uniforms drawn
     before the step) and the host's finish give Sampler.sample's tokens and logprobs, step after step
     from the same seeds, and so do padded rows behind them."""
-    monkeypatch.setattr(sampler_module, "NUM_CANDIDATES", 64)   # candidate draws and full-sort redraws both
+    monkeypatch.setattr(draw_module, "NUM_CANDIDATES", 64)   # candidate draws and full-sort redraws both
     ids = list(range(len(params)))
     host, in_step = make_sampler(params), make_sampler(params)
     gen, redraws = torch.Generator().manual_seed(11), 0
