@@ -1,4 +1,4 @@
-"""The rank template (engine/ranks/template.py): CPU ranks forked from one process that imported their
+"""The rank template (engine/ranks/template.py, template_process.py): CPU ranks forked from one process that imported their
 code once, each what a fresh rank would be (this process's stderr, environment and working directory of
 the moment, a session of its own, numpy's generator reseeded, its exit reported); fresh interpreters where
 the template must not serve; the template's death takes its ranks with it, the engine says so, and an
@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from phaseflip import LLM, SamplingParams
-from phaseflip.engine.ranks import template as rank_template
+from phaseflip.engine.ranks import template_process
 from phaseflip.engine.ranks.group import EngineDeadError
 from tests import background
 from tests.reliability.support import alive, wait_gone
@@ -85,8 +85,8 @@ def test_a_forked_child_is_given_the_environment_directory_stderr_and_a_session(
         pids = []
         for _ in range(2):
             passed = os.dup(err.fileno())
-            pids.append(rank_template._fork(stub, ["1", "2", "tcp://x", "h:1"], env, str(tmp_path / "work"),
-                                            [2], [passed], ()))
+            pids.append(template_process._fork(stub, ["1", "2", "tcp://x", "h:1"], env, str(tmp_path / "work"),
+                                               [2], [passed], ()))
             os.close(passed)
     for pid in pids:
         assert os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 0
