@@ -1,26 +1,29 @@
-"""gloo's latency between rank processes, with its device thread under SCHED_BATCH and as it starts.
+"""gloo's latency between rank processes, with its device thread as it starts and under SCHED_BATCH.
 
 Owns: a measurement (not a test) of what rank/comm.py's `batch_gloo_loops` changes. Rounds alternate
-the two settings (PHASEFLIP_GLOO_BATCH=1, the default, and 0). Each round starts 2 processes joined by
+the two settings (PHASEFLIP_GLOO_BATCH=0, the default, and 1). `--hog` runs a busy process at nice 19
+per core meanwhile (other work on the cores, as a shared machine or a test suite's background jobs). Each round starts 2 processes joined by
 `init_group` (the engine's own set-up, one thread each as a rank of a 2-core machine gets) and times,
 after a warm-up, single calls: an all_reduce of a decode step's rows (`--rows` x `--hidden` fp32) and a
 send/recv round trip of the same tensor; it prints percentiles and the mean in microseconds. With
 `--engine`, each round also decodes with the embedded SmolLM2 over 2 ranks, TP only and PP only
 (fp32, compile off, 8 x 32-token prompts + `--new` tokens at batch 1 and 8) and prints output tok/s.
-Usage: `.venv/bin/python benchmarks/gloo_latency.py [--rounds 3] [--engine]`.
+Usage: `.venv/bin/python benchmarks/gloo_latency.py [--rounds 3] [--engine] [--hog]`.
 """
 from __future__ import annotations
 
 import os
 import socket
 import statistics
+import subprocess
+import sys
 import time
 
 import click
 import torch
 import torch.multiprocessing as mp
 
-SETTINGS = {"batch": "1", "as started": "0"}
+SETTINGS = {"as started": "0", "batch": "1"}
 
 
 def _time_calls(fn, calls: int, warm: int = 50) -> list[float]:
@@ -106,8 +109,20 @@ def _summary(us: list[float]) -> str:
 @click.option("--calls", type=click.IntRange(min=10), default=400, show_default=True)
 @click.option("--engine", is_flag=True, help="Also decode over 2 ranks (TP only, PP only) each round.")
 @click.option("--new", type=click.IntRange(min=1), default=64, show_default=True)
-def main(rounds, rows, hidden, calls, engine, new):
-    print(f"[gloo] 2 processes, 1 thread each, {rows} x {hidden} fp32, {calls} calls after 50; us")
+@click.option("--hog", is_flag=True, help="A busy process at nice 19 per core while it measures.")
+def main(rounds, rows, hidden, calls, engine, new, hog):
+    print(f"[gloo] 2 processes, 1 thread each, {rows} x {hidden} fp32, {calls} calls after 50; us"
+          + (f"; {os.cpu_count()} busy processes at nice 19 beside them" if hog else ""))
+    hogs = [subprocess.Popen([sys.executable, "-c", "import os; os.nice(19)\nwhile True: pass"])
+            for _ in range(os.cpu_count() or 1)] if hog else []
+    try:
+        _rounds(rounds, rows, hidden, calls, engine, new)
+    finally:
+        for p in hogs:
+            p.kill()
+
+
+def _rounds(rounds, rows, hidden, calls, engine, new):
     for r in range(rounds):
         for name, value in SETTINGS.items():
             os.environ["PHASEFLIP_GLOO_BATCH"] = value

@@ -3,7 +3,7 @@
 Owns: RankComm (all_reduce for TP partial sums, send/recv of hidden states between PP stages, gather
 of vocab-parallel logits, all_to_all for the KV reshard, a flag agreement for the flip, the smallest
 KV block count at boot) and the process-group set-up (gloo on CPU, NCCL on CUDA; gloo's device threads
-under SCHED_BATCH). `NoComm` is the group of one rank.
+under SCHED_BATCH where PHASEFLIP_GLOO_BATCH=1). `NoComm` is the group of one rank.
 """
 from __future__ import annotations
 
@@ -29,20 +29,22 @@ def init_group(rank: int, world_size: int, device: str, init_method: str | None,
 
 
 GLOO_LOOP_THREAD = "gloo_tcp_loop"   # the name gloo's TCP transport gives its device thread
-GLOO_BATCH_ENV = "PHASEFLIP_GLOO_BATCH"   # 1 (the default): SCHED_BATCH for that thread; 0: leave it
+GLOO_BATCH_ENV = "PHASEFLIP_GLOO_BATCH"   # 1: SCHED_BATCH for that thread; 0 (the default): leave it
 
 
 def batch_gloo_loops() -> int:
-    """Put this process's gloo device threads under SCHED_BATCH (same weight, no wakeup preemption),
-    unless PHASEFLIP_GLOO_BATCH=0; returns how many (0 where there are none or the platform has no
-    such policy). A bad value of the variable is named.
+    """With PHASEFLIP_GLOO_BATCH=1, put this process's gloo device threads under SCHED_BATCH (the same
+    weight, no wakeup preemption); returns how many (0 when off, where there are none, or where the
+    platform has no such policy). A bad value of the variable is named.
 
-    Why: gloo's device thread handles a socket's events only if it can take the pair's lock at once;
-    when it cannot, the event stays ready and the thread spins on epoll. Woken by a peer's bytes, a
-    normal thread preempts the collective's worker that holds that lock, then spins until the kernel
-    ends its time slice (a tick: 4 ms at HZ=250) whenever a core has both. Under SCHED_BATCH a woken
-    device thread waits for the running thread instead of preempting it. Called after each gloo group
-    is made (the device thread starts with the group)."""
+    Why it exists: gloo's device thread handles a socket's events only if it can take the pair's lock at
+    once; when it cannot, the event stays ready and the thread spins on epoll. Woken by a peer's bytes,
+    a normal thread preempts the collective's worker that holds that lock, then spins until the kernel
+    ends its time slice (a tick) whenever a core has both. Under SCHED_BATCH a woken device thread waits
+    for the running thread instead: the spin goes, but so does its preemption of any other busy thread
+    on the core, and then it waits up to a tick itself. Which costs less depends on what else runs
+    there (docs/performance.md has both measured), so it is the user's choice, off by default. Called
+    after each gloo group is made (the device thread starts with the group)."""
     if _gloo_batch_mode() == "0" or not hasattr(os, "SCHED_BATCH"):
         return 0
     count = 0
@@ -56,10 +58,10 @@ def batch_gloo_loops() -> int:
 
 
 def _gloo_batch_mode() -> str:
-    mode = os.environ.get(GLOO_BATCH_ENV, "1")
+    mode = os.environ.get(GLOO_BATCH_ENV, "0")
     if mode not in ("0", "1"):
         raise ValueError(f"{GLOO_BATCH_ENV}={mode!r}: expected 1 (gloo's device threads under SCHED_BATCH) "
-                         "or 0 (left as they start)")
+                         "or 0 (left as gloo starts them, the default)")
     return mode
 
 
