@@ -1,11 +1,12 @@
 """The ASGI app of `phaseflip serve`: OpenAI's routes over an AsyncLLM, and what guards them.
 
-Owns: the routes (/v1/completions, /v1/chat/completions, /v1/models, /health, /version, /metrics),
+Owns: the routes (/v1/completions, /v1/chat/completions, /v1/models, /tokenize, /detokenize, /health,
+/version, /metrics),
 the mapping of every refusal to OpenAI's error object (400 bad input naming the field, 401 without
 the API key, 404 an unknown model, 413 a body over the limit, 503 a full queue with Retry-After, a
 booting or dead engine), and two guards that run before a body is parsed: the body-size limit and the
-API key (compared in constant time). The key guards /v1/* only: /health, /version and /metrics stay
-open for probes and scrapers, as in vLLM.
+API key (compared in constant time). The key guards /v1/*, /tokenize and /detokenize: /health, /version
+and /metrics stay open for probes and scrapers, as in vLLM (which leaves its tokenizer routes open too).
 """
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ from phaseflip.serve.generation import APIError, Served, chat, complete
 from phaseflip.serve.metrics import ServingMetrics
 from phaseflip.serve.protocol import ChatCompletionRequest, CompletionRequest
 from phaseflip.serve.responses import ModelCard, ModelList
+from phaseflip.serve.tokens import DetokenizeRequest, detokenize, tokenize, tokenize_body
 
 RETRY_AFTER_S = 1   # what a 503 for a full queue tells the client to wait
 
@@ -66,6 +68,20 @@ def _routes(app: FastAPI, served: Served, metrics: ServingMetrics) -> None:
         card = ModelCard(id=served.name, created=started, root=served.root,
                          max_model_len=engine.llm.plan.max_model_len)
         return ModelList(data=[card]).model_dump()
+
+    @app.post("/tokenize")
+    async def tokenize_route(request: Request):
+        ready()
+        try:
+            data = await request.json()
+        except ValueError as e:
+            raise APIError(400, f"the body is not valid JSON: {e}", "body") from None
+        return tokenize(served, tokenize_body(data)).model_dump()
+
+    @app.post("/detokenize")
+    async def detokenize_route(body: DetokenizeRequest):
+        ready()
+        return detokenize(served, body).model_dump()
 
     @app.get("/health")
     async def health():
@@ -154,14 +170,17 @@ class BodyLimit:
         await error.response()(scope, receive, send)
 
 
+GUARDED = ("/v1", "/tokenize", "/detokenize")   # the paths the API key guards (prefixes)
+
+
 class APIKey:
-    """/v1/* needs `Authorization: Bearer <key>`; anything else gets 401."""
+    """The GUARDED paths need `Authorization: Bearer <key>`; a request without it gets 401."""
 
     def __init__(self, app, key: str):
         self.app, self.key = app, key.encode()
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] == "http" and scope["path"].startswith("/v1"):
+        if scope["type"] == "http" and scope["path"].startswith(GUARDED):
             given = dict(scope["headers"]).get(b"authorization", b"")
             if not hmac.compare_digest(given, b"Bearer " + self.key):
                 error = APIError(401, "a valid API key is needed: send 'Authorization: Bearer <key>'")

@@ -93,3 +93,31 @@ def test_a_full_waiting_queue_answers_503_with_retry_after(server):
     server.wait_idle()
     ok = httpx.post(f"{server.url}/v1/completions", json={"prompt": "hi", "max_tokens": 2}, headers=auth)
     assert ok.status_code == 200
+
+
+def test_tokenize_and_detokenize_need_the_key_and_answer_as_the_tokenizer_does(server, model):
+    from phaseflip.engine.checkpoint.tokenizer import load_tokenizer
+    tok, url, auth = load_tokenizer(model), server.url, {"Authorization": f"Bearer {KEY}"}
+    assert httpx.post(f"{url}/tokenize", json={"prompt": "hi"}).status_code == 401
+    assert httpx.post(f"{url}/detokenize", json={"tokens": [1]}).status_code == 401
+
+    r = httpx.post(f"{url}/tokenize", json={"model": "tiny", "prompt": "The quick brown fox",
+                                            "return_token_strs": True}, headers=auth).json()
+    assert r["tokens"] == tok.encode("The quick brown fox") and r["count"] == len(r["tokens"])
+    assert r["token_strs"] == tok.convert_ids_to_tokens(r["tokens"]) and r["max_model_len"] > 0
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a colour."}]
+    chat = httpx.post(f"{url}/tokenize", json={"messages": messages}, headers=auth).json()
+    assert chat["tokens"] == tok.encode_chat(messages)[1] and chat["token_strs"] is None
+    back = httpx.post(f"{url}/detokenize", json={"model": "tiny", "tokens": r["tokens"]}, headers=auth).json()
+    assert back == {"prompt": "The quick brown fox"}
+
+    for body, param in (({"prompt": "a", "messages": messages}, "messages"), ({}, "prompt"),
+                        ({"prompt": 3}, "prompt"), ({"prompt": "a", "tools": []}, "tools"),
+                        ({"messages": []}, "messages")):
+        bad = httpx.post(f"{url}/tokenize", json=body, headers=auth)
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == param, (body, bad.json())
+    for tokens in ([-1], [len(tok)], ["x"]):
+        bad = httpx.post(f"{url}/detokenize", json={"tokens": tokens}, headers=auth)
+        assert bad.status_code == 400 and bad.json()["error"]["param"].startswith("tokens"), (tokens, bad.json())
+    unknown = httpx.post(f"{url}/tokenize", json={"model": "other", "prompt": "a"}, headers=auth)
+    assert unknown.status_code == 404 and unknown.json()["error"]["param"] == "model"
