@@ -87,8 +87,9 @@ def _params_list(n: int, sampling_params) -> list[SamplingParams]:
 def prepare_prompts(prompts, sampling_params, tokenizer, *, vocab_size: int, max_model_len: int,
                     max_tokens_in_pool: int | None, eos_token_ids: frozenset[int] = frozenset()
                     ) -> list[PreparedPrompt]:
-    """Each prompt as token ids with its params, checked: not empty, in the vocabulary, shorter than
-    max_model_len and, where the pool bounds a sequence (max_tokens_in_pool; None: it does not), within it.
+    """Each prompt as token ids with its params (cut to its last truncate_prompt_tokens where the params
+    say so), checked: not empty, in the vocabulary, shorter than max_model_len and, where the pool bounds
+    a sequence (max_tokens_in_pool; None: it does not), within it.
     Params with min_tokens get the ids the sampler bans before it: the EOS ids (unless ignored) and the
     request's stop token ids."""
     items = _as_list(prompts)
@@ -96,6 +97,7 @@ def prepare_prompts(prompts, sampling_params, tokenizer, *, vocab_size: int, max
     out = []
     for i, (p, sp) in enumerate(zip(items, params)):
         text, ids = _tokens(i, p, tokenizer)
+        ids = _truncated(ids, sp.truncate_prompt_tokens, max_model_len)
         if not ids:
             raise ValueError(f"prompt {i} is empty (0 tokens): give at least one token")
         bad = [t for t in ids if not 0 <= t < vocab_size]
@@ -114,6 +116,15 @@ def prepare_prompts(prompts, sampling_params, tokenizer, *, vocab_size: int, max
                              f"num_kv_blocks or kv_cache_memory_gib")
         out.append(PreparedPrompt(text, ids, _with_min_tokens_ban(sp, eos_token_ids)))
     return out
+
+
+def _truncated(ids: list[int], keep: int | None, max_model_len: int) -> list[int]:
+    """The prompt's last `keep` tokens (-1: the most a prompt may have, max_model_len - 1), as vLLM cuts
+    from the left; the text the caller gave stays as it was given."""
+    if keep is None:
+        return ids
+    keep = max_model_len - 1 if keep == -1 else keep
+    return ids[-keep:] if len(ids) > keep else ids
 
 
 def _with_min_tokens_ban(sp: SamplingParams, eos_token_ids: frozenset[int]) -> SamplingParams:

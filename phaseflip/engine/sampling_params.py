@@ -56,6 +56,8 @@ class SamplingParams:
     repetition_penalty: float = 1.0  # > 0: prompt and generated tokens' logits / r (> 0) or * r (<= 0)
     logit_bias: dict[int, float] | tuple[tuple[int, float], ...] | None = None  # stored as sorted pairs
     min_tokens: int = 0              # before this many tokens no EOS, stop token or stop string ends it
+    truncate_prompt_tokens: int | None = None   # k: only the prompt's last k tokens; -1: the most the
+                                                # context takes (max_model_len - 1); None: the whole prompt
     # filled by the engine where min_tokens > 0: the EOS and stop token ids, not drawn before min_tokens
     banned_before_min: tuple[int, ...] = ()
 
@@ -104,6 +106,10 @@ class SamplingParams:
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}={getattr(self, name)!r} is invalid: must be True or False")
+        k = self.truncate_prompt_tokens
+        if k is not None and (not _is_int(k) or (k < 1 and k != -1)):
+            raise ValueError(f"truncate_prompt_tokens={k!r} is invalid: must be an int >= 1 (keep the prompt's "
+                             f"last k tokens), -1 (the most max_model_len leaves room for) or None")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None and (not _is_int(value) or not 0 <= value <= MAX_LOGPROBS):

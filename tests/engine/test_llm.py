@@ -8,6 +8,8 @@ the real SmolLM2-135M-Instruct checks the whole path answers sensibly.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from phaseflip import LLM, SamplingParams
@@ -91,6 +93,7 @@ def test_bad_prompt_is_refused_naming_the_value(llm, prompts, error, message):
     (dict(min_p=-0.1), r"min_p=-0.1 is invalid: must be in \[0, 1\]"),
     (dict(min_p=1.5), r"min_p=1.5 is invalid: must be in \[0, 1\]"),
     (dict(max_tokens=0), r"max_tokens=0 is invalid: must be an int >= 1"),
+    (dict(truncate_prompt_tokens=0), r"truncate_prompt_tokens=0 is invalid: must be an int >= 1 .*-1 .*None"),
 ])
 def test_bad_sampling_params_are_refused_naming_the_value(kwargs, message):
     with pytest.raises(ValueError, match=message):
@@ -280,6 +283,22 @@ def test_prompt_near_max_model_len_ends_with_length_at_max_model_len(llm):
             c = out[0].outputs[0]
             assert c.finish_reason == "length"
             assert len(prompt) + len(c.token_ids) == MAX_MODEL_LEN
+    assert_all_blocks_free(llm)
+
+
+def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(llm):
+    long = [11 + i % 50 for i in range(MAX_MODEL_LEN + 40)]   # longer than the context: refused whole
+    six = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    cut = gen(llm, [long], dataclasses.replace(six, truncate_prompt_tokens=30))[0]
+    alone = gen(llm, [long[-30:]], six)[0]
+    assert cut.prompt_token_ids == long[-30:] and cut.outputs[0].token_ids == alone.outputs[0].token_ids
+    most = gen(llm, [long], SamplingParams(temperature=0.0, max_tokens=None, ignore_eos=True,
+                                           truncate_prompt_tokens=-1))[0]
+    assert most.prompt_token_ids == long[-(MAX_MODEL_LEN - 1):] and len(most.outputs[0].token_ids) == 1
+    assert gen(llm, [[11, 12, 13]], dataclasses.replace(six, truncate_prompt_tokens=30))[0].prompt_token_ids == \
+        [11, 12, 13]
+    with pytest.raises(ValueError, match=f"prompt 0 has {len(long)} tokens"):
+        gen(llm, [long], six)
     assert_all_blocks_free(llm)
 
 

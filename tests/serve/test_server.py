@@ -172,6 +172,9 @@ def test_a_default_max_tokens_is_cut_to_the_context_a_named_one_is_refused(serve
     chat = httpx.post(f"{server.url}/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi " * 50}],
                                                                   "max_completion_tokens": 200})
     assert chat.status_code == 400 and chat.json()["error"]["param"] == "max_completion_tokens", chat.text
+    cut = server.client().completions.create(model="tiny", prompt=[list(range(5, 305))], max_tokens=4,
+                                             temperature=0, extra_body={"truncate_prompt_tokens": 100})
+    assert cut.usage.prompt_tokens == 100 and cut.usage.completion_tokens == 4   # 300 tokens, the last 100 kept
 
 
 @pytest.mark.parametrize("body, status, param", [
@@ -188,6 +191,7 @@ def test_a_default_max_tokens_is_cut_to_the_context_a_named_one_is_refused(serve
     ({"prompt": "hi", "logit_bias": {"99999": 1}}, 400, "logit_bias"),                     # outside the vocabulary
     ({"prompt": [], "max_tokens": 4}, 400, "prompt"),
     ({"prompt": "hi", "n": 100000}, 400, "n"),                                             # can never be queued
+    ({"prompt": "hi", "truncate_prompt_tokens": 0}, 400, "truncate_prompt_tokens"),
 ])
 def test_bad_completion_requests_are_refused_naming_the_field(server, body, status, param):
     raw = body if isinstance(body, str) else json.dumps(body)
