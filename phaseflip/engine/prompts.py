@@ -91,9 +91,10 @@ def prepare_prompts(prompts, sampling_params, tokenizer, *, vocab_size: int, max
     say so), checked: not empty, in the vocabulary, shorter than max_model_len and, where the pool bounds
     a sequence (max_tokens_in_pool; None: it does not), within it.
     Params with min_tokens get the ids the sampler bans before it: the EOS ids (unless ignored) and the
-    request's stop token ids."""
+    request's stop token ids; params with bad_words get each word's token ids."""
     items = _as_list(prompts)
     params = _params_list(len(items), sampling_params)
+    filled: dict[int, SamplingParams] = {}   # by id(params): one list of params often serves every prompt
     out = []
     for i, (p, sp) in enumerate(zip(items, params)):
         text, ids = _tokens(i, p, tokenizer)
@@ -114,7 +115,13 @@ def prepare_prompts(prompts, sampling_params, tokenizer, *, vocab_size: int, max
             raise ValueError(f"prompt {i} has {len(ids)} tokens, but the KV pool holds only "
                              f"{max_tokens_in_pool} tokens in all: it could never run; raise "
                              f"num_kv_blocks or kv_cache_memory_gib")
-        out.append(PreparedPrompt(text, ids, _with_min_tokens_ban(sp, eos_token_ids)))
+        if id(sp) not in filled:
+            filled[id(sp)] = _with_min_tokens_ban(_with_bad_words(sp, tokenizer), eos_token_ids)
+            outside = [t for word in filled[id(sp)].bad_words_token_ids for t in word if t >= vocab_size]
+            if outside:
+                raise ValueError(f"request {i}: a bad word tokenizes to id {outside[0]}, outside the model's "
+                                 f"vocabulary [0, {vocab_size})")
+        out.append(PreparedPrompt(text, ids, filled[id(sp)]))
     return out
 
 
@@ -132,3 +139,18 @@ def _with_min_tokens_ban(sp: SamplingParams, eos_token_ids: frozenset[int]) -> S
         return sp
     banned = set(sp.stop_token_ids) | (set() if sp.ignore_eos else set(eos_token_ids))
     return dataclasses.replace(sp, banned_before_min=tuple(sorted(banned))) if banned else sp
+
+
+def _with_bad_words(sp: SamplingParams, tokenizer) -> SamplingParams:
+    """Each bad word's token ids as vLLM finds them: the word alone (spaces before it stripped) and, where
+    a space before it gives as many tokens but another first one, after a space (a word that begins the
+    text, and one in the middle of it)."""
+    if not sp.bad_words or sp.bad_words_token_ids:
+        return sp
+    found: list[tuple[int, ...]] = []
+    for word in sp.bad_words:
+        alone = tuple(tokenizer.encode(word.lstrip(), add_special_tokens=False))
+        spaced = tuple(tokenizer.encode(" " + word.lstrip(), add_special_tokens=False))
+        variants = [alone] + ([spaced] if spaced[:1] != alone[:1] and len(spaced) == len(alone) else [])
+        found += [ids for ids in variants if ids and ids not in found]
+    return dataclasses.replace(sp, bad_words_token_ids=tuple(found))

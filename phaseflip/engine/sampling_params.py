@@ -58,8 +58,11 @@ class SamplingParams:
     min_tokens: int = 0              # before this many tokens no EOS, stop token or stop string ends it
     truncate_prompt_tokens: int | None = None   # k: only the prompt's last k tokens; -1: the most the
                                                 # context takes (max_model_len - 1); None: the whole prompt
+    bad_words: str | list[str] | tuple[str, ...] | None = None   # never generated; stored as tuple[str, ...]
     # filled by the engine where min_tokens > 0: the EOS and stop token ids, not drawn before min_tokens
     banned_before_min: tuple[int, ...] = ()
+    # filled by the engine where bad_words are given: each word's token ids, alone and after a space
+    bad_words_token_ids: tuple[tuple[int, ...], ...] = ()
 
     def __post_init__(self):
         self._check_sampling()
@@ -67,6 +70,9 @@ class SamplingParams:
         self._check_limits()
         object.__setattr__(self, "top_k", 0 if self.top_k == -1 else self.top_k)
         object.__setattr__(self, "stop", _normalise_stop(self.stop))
+        object.__setattr__(self, "bad_words", _normalise_strings("bad_words", "bad word", self.bad_words))
+        object.__setattr__(self, "bad_words_token_ids", tuple(
+            _normalise_token_ids("bad_words_token_ids", ids) for ids in self.bad_words_token_ids))
         object.__setattr__(self, "stop_token_ids", _normalise_token_ids("stop_token_ids", self.stop_token_ids))
         object.__setattr__(self, "logit_bias", _normalise_logit_bias(self.logit_bias))
         object.__setattr__(self, "banned_before_min", _normalise_token_ids("banned_before_min",
@@ -135,19 +141,24 @@ class SamplingParams:
 
     @property
     def adjusts_logits(self) -> bool:
-        """A penalty, a bias or min_tokens' ban changes the logits this request samples from."""
-        return self.counts_output_tokens or bool(self.logit_bias) or bool(self.banned_before_min)
+        """A penalty, a bias, min_tokens' ban or a bad word changes the logits this request samples from."""
+        return (self.counts_output_tokens or bool(self.logit_bias) or bool(self.banned_before_min)
+                or bool(self.bad_words_token_ids))
 
 
 def _normalise_stop(stop) -> tuple[str, ...]:
-    if stop is None:
+    return _normalise_strings("stop", "stop string", stop)
+
+
+def _normalise_strings(name: str, what: str, value) -> tuple[str, ...]:
+    if value is None:
         return ()
-    strings = (stop,) if isinstance(stop, str) else stop
+    strings = (value,) if isinstance(value, str) else value
     if not isinstance(strings, (list, tuple)):
-        raise ValueError(f"stop={stop!r} is invalid: must be a str, a list of str, or None")
+        raise ValueError(f"{name}={value!r} is invalid: must be a str, a list of str, or None")
     for s in strings:
         if not isinstance(s, str) or not s:
-            raise ValueError(f"stop string {s!r} in stop={stop!r} is invalid: must be a non-empty str")
+            raise ValueError(f"{what} {s!r} in {name}={value!r} is invalid: must be a non-empty str")
     return tuple(strings)
 
 

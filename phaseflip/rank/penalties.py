@@ -6,10 +6,13 @@ tokens as a bool [V] mask; both are made at its first sampled step, on the logit
 that never samples a sequence keeps no tensor for it. And the maths, vLLM V1's and in its order:
 logit_bias added; the repetition penalty on tokens of the prompt or the output (logit / r where it is
 > 0, logit * r otherwise); the frequency (x count) and presence (x (count > 0)) penalties subtracted,
-over the output's tokens only; before min_tokens, the EOS and stop token ids at -inf. It never draws a
-token (sampler.py and draw.py do, from the adjusted logits).
+over the output's tokens only; before min_tokens, the EOS and stop token ids at -inf; a bad word's last
+token at -inf where the output ends with the tokens before it (a one-token word always), as vLLM bans
+them. It never draws a token (sampler.py and draw.py do, from the adjusted logits).
 """
 from __future__ import annotations
+
+from collections import deque
 
 import torch
 
@@ -23,6 +26,8 @@ class SeqPenalties:
         self.bias: tuple[torch.Tensor, torch.Tensor] | None = None   # (ids int64 [B], values float32 [B])
         self.generated = 0   # tokens sampled so far (min_tokens' ban holds until params.min_tokens)
         self.banned: torch.Tensor | None = None   # int64 [B]: params.banned_before_min on the logits' device
+        longest = max(map(len, params.bad_words_token_ids), default=1)
+        self.recent: deque[int] = deque(maxlen=longest - 1)   # the output's last tokens a bad word may end
 
     def adjust(self, row: torch.Tensor) -> None:
         """row: one sequence's float32 logits [V], adjusted in place."""
@@ -31,6 +36,8 @@ class SeqPenalties:
             if self.banned is None:
                 self.banned = torch.tensor(p.banned_before_min, dtype=torch.int64, device=row.device)
             row[self.banned] = float("-inf")
+        if p.bad_words_token_ids:
+            row[self._bad_words_due()] = float("-inf")
         if p.logit_bias:
             row.index_add_(0, *self._bias(row.device))
         if not p.counts_output_tokens:
@@ -51,6 +58,14 @@ class SeqPenalties:
         self.generated += 1
         if self.counts is not None:
             self.counts[token_id] += 1
+        if self.recent.maxlen:
+            self.recent.append(token_id)
+
+    def _bad_words_due(self) -> list[int]:
+        """The last token of every bad word whose other tokens the output ends with now."""
+        recent = tuple(self.recent)
+        return [ids[-1] for ids in self.params.bad_words_token_ids
+                if len(ids) == 1 or recent[-(len(ids) - 1):] == ids[:-1]]
 
     def _bias(self, device) -> tuple[torch.Tensor, torch.Tensor]:
         if self.bias is None:

@@ -44,6 +44,7 @@ class _Sampling(Strict):
     ignore_eos: bool = False
     min_tokens: int = 0
     truncate_prompt_tokens: int | None = None
+    bad_words: list[str] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     user: str | None = None
@@ -68,7 +69,8 @@ class _Sampling(Strict):
             presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty, repetition_penalty=self.repetition_penalty,
             logit_bias=self.logit_bias, include_stop_str_in_output=self.include_stop_str_in_output,
-            skip_special_tokens=self.skip_special_tokens, truncate_prompt_tokens=self.truncate_prompt_tokens)
+            skip_special_tokens=self.skip_special_tokens, truncate_prompt_tokens=self.truncate_prompt_tokens,
+            bad_words=self.bad_words)
         if defaults is not None:
             named = set(self.model_fields_set)
             if named & set(max_tokens_fields):

@@ -266,6 +266,13 @@ def test_logit_bias_and_penalties_reach_the_sampler(server, offline):
                                               extra_body=penalty)
         want = offline.generate("1, 2, 3,", greedy(16, **penalty), use_tqdm=False)[0].outputs[0]
         assert penalized.choices[0].text == want.text != plain.text, penalty
+    tok = offline.get_tokenizer()   # a word of the output that is one whole token of it
+    said, word = next((t, tok.decode([t])) for t in plain.token_ids
+                      if tok.encode(tok.decode([t]).lstrip(), add_special_tokens=False) == [t])
+    unsaid = client.completions.create(model="tiny", prompt="1, 2, 3,", max_tokens=16, temperature=0,
+                                       extra_body={"bad_words": [word]})
+    want = offline.generate("1, 2, 3,", greedy(16, bad_words=[word]), use_tqdm=False)[0].outputs[0]
+    assert unsaid.choices[0].text == want.text != plain.text and said not in want.token_ids
 
 
 def test_logprobs_in_completions_and_chat(server):
