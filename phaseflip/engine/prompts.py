@@ -98,7 +98,10 @@ def prepare_prompts(prompts, sampling_params, tokenizer, *, vocab_size: int, max
     out = []
     for i, (p, sp) in enumerate(zip(items, params)):
         text, ids = _tokens(i, p, tokenizer)
-        ids = _truncated(ids, sp.truncate_prompt_tokens, max_model_len)
+        kept = _truncated(ids, sp.truncate_prompt_tokens, max_model_len)
+        if len(kept) < len(ids) and text is not None:   # the prompt reported (and echoed) is the one that runs
+            text = tokenizer.decode(kept, skip_special_tokens=False)
+        ids = kept
         if not ids:
             raise ValueError(f"prompt {i} is empty (0 tokens): give at least one token")
         bad = [t for t in ids if not 0 <= t < vocab_size]
@@ -127,7 +130,7 @@ def prepare_prompts(prompts, sampling_params, tokenizer, *, vocab_size: int, max
 
 def _truncated(ids: list[int], keep: int | None, max_model_len: int) -> list[int]:
     """The prompt's last `keep` tokens (-1: the most a prompt may have, max_model_len - 1), as vLLM cuts
-    from the left; the text the caller gave stays as it was given."""
+    from the left."""
     if keep is None:
         return ids
     keep = max_model_len - 1 if keep == -1 else keep

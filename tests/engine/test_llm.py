@@ -297,6 +297,9 @@ def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(llm):
     assert most.prompt_token_ids == long[-(MAX_MODEL_LEN - 1):] and len(most.outputs[0].token_ids) == 1
     assert gen(llm, [[11, 12, 13]], dataclasses.replace(six, truncate_prompt_tokens=30))[0].prompt_token_ids == \
         [11, 12, 13]
+    text = gen(llm, ["The quick brown fox " * 30], dataclasses.replace(six, truncate_prompt_tokens=30))[0]
+    assert len(text.prompt_token_ids) == 30   # reported as the text that ran, not the text given
+    assert text.prompt == llm.get_tokenizer().decode(text.prompt_token_ids, skip_special_tokens=False)
     with pytest.raises(ValueError, match=f"prompt 0 has {len(long)} tokens"):
         gen(llm, [long], six)
     assert_all_blocks_free(llm)
