@@ -106,15 +106,20 @@ async def complete(served: Served, body: CompletionRequest, request: Request):
 async def chat(served: Served, body: ChatCompletionRequest, request: Request):
     served.check_model(body.model)
     tokenizer = served.engine.tokenizer
-    try:
-        _, token_ids = tokenizer.encode_chat([m.as_template_message() for m in body.messages],
-                                             body.add_generation_prompt)
-    except Exception as e:  # noqa: BLE001 — a template error is the request's (its roles, its order)
-        raise APIError(400, f"the chat template refused these messages: {e}", "messages") from None
+    _, token_ids = templated(tokenizer, body.messages, body.add_generation_prompt)
     prepared = served.prepare([token_ids], body, "messages")
     view = ChatView(f"chatcmpl-{uuid.uuid4().hex}", served.name, prepared, body.n, tokenizer,
                     body.top_logprobs or 0)
     return await _answer(served, view, prepared, body, request)
+
+
+def templated(tokenizer, messages, add_generation_prompt: bool, **options) -> tuple[str, list[int]]:
+    """A chat's prompt (text, token ids) by the model's template (encode_chat's options); a template
+    error is the request's (its roles, its order): a 400 naming `messages`."""
+    try:
+        return tokenizer.encode_chat([m.as_template_message() for m in messages], add_generation_prompt, **options)
+    except Exception as e:  # noqa: BLE001
+        raise APIError(400, f"the chat template refused these messages: {e}", "messages") from None
 
 
 async def _answer(served: Served, view, prepared, body, request: Request):

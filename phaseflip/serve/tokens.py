@@ -11,7 +11,7 @@ from __future__ import annotations
 from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, Field, ValidationError, field_validator
 
-from phaseflip.serve.generation import APIError, Served
+from phaseflip.serve.generation import APIError, Served, templated
 from phaseflip.serve.protocol import ChatMessage, Strict
 
 
@@ -73,15 +73,12 @@ def tokenize(served: Served, body: TokenizeCompletion | TokenizeChat) -> Tokeniz
     served.check_model(body.model)
     tokenizer = served.engine.tokenizer
     if isinstance(body, TokenizeChat):
-        try:
-            text = tokenizer.apply_chat_template([m.as_template_message() for m in body.messages],
-                                                 body.add_generation_prompt,
-                                                 continue_final_message=body.continue_final_message)
-        except Exception as e:  # noqa: BLE001 — a template error is the request's (its roles, its order)
-            raise APIError(400, f"the chat template refused these messages: {e}", "messages") from None
+        text, ids = templated(tokenizer, body.messages, body.add_generation_prompt,
+                              continue_final_message=body.continue_final_message)
+        if body.add_special_tokens:   # the template wrote its own; these are the tokenizer's on top
+            ids = tokenizer.encode(text, add_special_tokens=True)
     else:
-        text = body.prompt
-    ids = tokenizer.encode(text, add_special_tokens=body.add_special_tokens)
+        ids = tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
     strs = tokenizer.convert_ids_to_tokens(ids) if body.return_token_strs else None
     return TokenizeResponse(count=len(ids), max_model_len=served.engine.llm.plan.max_model_len, tokens=ids,
                             token_strs=strs)
