@@ -205,7 +205,9 @@ class LLM:
                        **(chat_template_kwargs or {}))
         encoded = [self.tokenizer.encode_chat(c, add_generation_prompt, **options) for c in conversations]
         outputs = self.generate([ids for _, ids in encoded], sampling_params, use_tqdm)
-        return [dataclasses.replace(o, prompt=text) for o, (text, _) in zip(outputs, encoded)]
+        return [dataclasses.replace(o, prompt=text if len(o.prompt_token_ids) == len(ids) else   # cut: what ran
+                                    self.tokenizer.decode(o.prompt_token_ids, skip_special_tokens=False))
+                for o, (text, ids) in zip(outputs, encoded)]
 
     # -- introspection and lifetime ----------------------------------------------------------------
     def stats(self) -> dict:

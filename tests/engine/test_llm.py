@@ -300,6 +300,10 @@ def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(llm):
     text = gen(llm, ["The quick brown fox " * 30], dataclasses.replace(six, truncate_prompt_tokens=30))[0]
     assert len(text.prompt_token_ids) == 30   # reported as the text that ran, not the text given
     assert text.prompt == llm.get_tokenizer().decode(text.prompt_token_ids, skip_special_tokens=False)
+    chat = llm.chat([{"role": "user", "content": "hi " * 60}], dataclasses.replace(six, truncate_prompt_tokens=20),
+                    use_tqdm=False)[0]
+    assert len(chat.prompt_token_ids) == 20
+    assert chat.prompt == llm.get_tokenizer().decode(chat.prompt_token_ids, skip_special_tokens=False)
     with pytest.raises(ValueError, match=f"prompt 0 has {len(long)} tokens"):
         gen(llm, [long], six)
     assert_all_blocks_free(llm)
