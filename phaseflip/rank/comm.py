@@ -32,7 +32,7 @@ GLOO_LOOP_THREAD = "gloo_tcp_loop"   # the name gloo's TCP transport gives its d
 GLOO_BATCH_ENV = "PHASEFLIP_GLOO_BATCH"   # 1: SCHED_BATCH for that thread; 0 (the default): leave it
 
 
-def batch_gloo_loops() -> int:
+def batch_gloo_loops(group=None) -> int:
     """With PHASEFLIP_GLOO_BATCH=1, put this process's gloo device threads under SCHED_BATCH (the same
     weight, no wakeup preemption); returns how many (0 when off, where there are none, or where the
     platform has no such policy). A bad value of the variable is named.
@@ -44,9 +44,11 @@ def batch_gloo_loops() -> int:
     for the running thread instead: the spin goes, but so does its preemption of any other busy thread
     on the core, and then it waits up to a tick itself. Which costs less depends on what else runs
     there (docs/performance.md has both measured), so it is the user's choice, off by default. Called
-    after each gloo group is made (the device thread starts with the group)."""
+    after each gloo group is made (the device thread starts with the group, and names itself when it
+    first runs: a barrier on `group` first makes sure it has)."""
     if _gloo_batch_mode() == "0" or not hasattr(os, "SCHED_BATCH"):
         return 0
+    dist.barrier(group)
     count = 0
     for tid in _threads_named(GLOO_LOOP_THREAD):
         try:

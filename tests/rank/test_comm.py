@@ -14,10 +14,10 @@ LINUX = pytest.mark.skipif(not hasattr(os, "SCHED_BATCH") or not os.path.isdir("
 
 def _policies(tmp_path) -> list[int]:
     init_group(0, 1, "cpu", f"file://{tmp_path / 'store'}", timeout_s=60)
-    try:
+    try:   # a collective first: the device thread names itself when it first runs
+        assert torch.equal(RankComm(0, 1).all_reduce(torch.ones(3)), torch.ones(3))
         loops = _threads_named(GLOO_LOOP_THREAD)
         assert loops, f"no thread named {GLOO_LOOP_THREAD!r}: gloo renamed its device thread?"
-        assert torch.equal(RankComm(0, 1).all_reduce(torch.ones(3)), torch.ones(3))
         return [os.sched_getscheduler(tid) for tid in loops]
     finally:
         dist.destroy_process_group()

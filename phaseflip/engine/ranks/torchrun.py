@@ -41,7 +41,7 @@ def _torchrun_group(world_size: int, device: str):
     init_group(rank, world_size, device, None)
     # Control messages travel over gloo, and a worker may wait for the next command indefinitely.
     group = dist.new_group(backend="gloo", timeout=datetime.timedelta(days=365))
-    batch_gloo_loops()   # the new group's device thread
+    batch_gloo_loops(group)   # the new group's device thread
     return rank, group
 
 
