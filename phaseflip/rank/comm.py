@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import time
 
 import torch
 import torch.distributed as dist
@@ -44,13 +45,17 @@ def batch_gloo_loops(group=None) -> int:
     for the running thread instead: the spin goes, but so does its preemption of any other busy thread
     on the core, and then it waits up to a tick itself. Which costs less depends on what else runs
     there (docs/performance.md has both measured), so it is the user's choice, off by default. Called
-    after each gloo group is made (the device thread starts with the group, and names itself when it
-    first runs: a barrier on `group` first makes sure it has)."""
+    after each gloo group is made (the device thread starts with the group and names itself when it
+    first runs: a barrier on `group` wakes it where there are peers; with none, it is waited for, 1 s
+    at most)."""
     if _gloo_batch_mode() == "0" or not hasattr(os, "SCHED_BATCH"):
         return 0
     dist.barrier(group)
+    deadline = time.monotonic() + 1.0
+    while not (loops := _threads_named(GLOO_LOOP_THREAD)) and time.monotonic() < deadline:
+        time.sleep(0.005)
     count = 0
-    for tid in _threads_named(GLOO_LOOP_THREAD):
+    for tid in loops:
         try:
             os.sched_setscheduler(tid, os.SCHED_BATCH, os.sched_param(0))
             count += 1

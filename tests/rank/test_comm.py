@@ -1,6 +1,7 @@
 """The process group's set-up: gloo's device threads under SCHED_BATCH when PHASEFLIP_GLOO_BATCH=1
 (rank/comm.py says why, and why it is not the default)."""
 import os
+import time
 
 import pytest
 import torch
@@ -14,9 +15,11 @@ LINUX = pytest.mark.skipif(not hasattr(os, "SCHED_BATCH") or not os.path.isdir("
 
 def _policies(tmp_path) -> list[int]:
     init_group(0, 1, "cpu", f"file://{tmp_path / 'store'}", timeout_s=60)
-    try:   # a collective first: the device thread names itself when it first runs
+    try:   # the device thread names itself when it first runs: with one rank no message wakes it
         assert torch.equal(RankComm(0, 1).all_reduce(torch.ones(3)), torch.ones(3))
-        loops = _threads_named(GLOO_LOOP_THREAD)
+        deadline = time.monotonic() + 10
+        while not (loops := _threads_named(GLOO_LOOP_THREAD)) and time.monotonic() < deadline:
+            time.sleep(0.01)
         assert loops, f"no thread named {GLOO_LOOP_THREAD!r}: gloo renamed its device thread?"
         return [os.sched_getscheduler(tid) for tid in loops]
     finally:
