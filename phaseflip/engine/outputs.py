@@ -10,9 +10,7 @@ from `final_text`, so the pieces of a stream joined are exactly the text of the 
 from __future__ import annotations
 
 from phaseflip.engine.requests import CompletionOutput, RequestMetrics, RequestOutput, Sequence
-from phaseflip.engine.stopping import final_text
-
-REPLACEMENT_CHAR = "\ufffd"   # what a decode shows for an incomplete UTF-8 sequence
+from phaseflip.engine.stopping import REPLACEMENT_CHAR, final_text
 
 
 def completion(seq: Sequence, index: int, tokenizer) -> CompletionOutput:

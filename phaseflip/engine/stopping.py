@@ -23,6 +23,7 @@ class StopDecision:
 # suffix can get wrong at its start (a partial UTF-8 sequence, a stripped leading space) lie before it.
 BYTES_PER_CHAR = 4
 TAIL_MARGIN = 16
+REPLACEMENT_CHAR = "\ufffd"   # what a decode shows for an incomplete UTF-8 sequence
 
 
 def _tail_has_stop(seq: Sequence, tokenizer) -> bool:
@@ -77,11 +78,12 @@ def _length(seq: Sequence, max_model_len: int) -> StopDecision | None:
 
 def final_text(seq: Sequence, tokenizer) -> str:
     """The output text: already cut when a stop string ended the sequence, else decoded now, without
-    the EOS / stop token that ended it (a non-special stop token would otherwise show in the text)."""
+    the EOS / stop token that ended it (a non-special stop token would otherwise show in the text), and
+    without a character the last tokens left incomplete (vLLM's detokenizer never emits one)."""
     p = seq.params
     if isinstance(seq.stop_reason, str):
         return seq.output_text
     token_ids = seq.output_token_ids
     if seq.finish_reason == "stop" and not p.include_stop_str_in_output:
         token_ids = token_ids[:-1]
-    return tokenizer.decode(token_ids, skip_special_tokens=p.skip_special_tokens)
+    return tokenizer.decode(token_ids, skip_special_tokens=p.skip_special_tokens).rstrip(REPLACEMENT_CHAR)

@@ -57,3 +57,14 @@ def test_a_stop_token_or_eos_is_not_in_the_text(default_model_dir):
         pieces, final, seq = stream_out(tok, ids, params, eos)
         assert "".join(p.text for p in pieces) == final == tok.decode(ids[:10])
         assert seq.output_token_ids == ids[:11] and pieces[-1].finish_reason == "stop"
+
+
+def test_a_character_cut_by_the_length_is_left_out_as_vllm_does(default_model_dir):
+    """max_tokens ending inside a multi-byte character: the text ends before it (vLLM's detokenizer
+    holds back an incomplete character and never emits it), streamed or not; the tokens are all kept."""
+    tok = load_tokenizer(default_model_dir)
+    whole = tok.encode("rain 🚉", add_special_tokens=False)
+    cut = next(n for n in range(1, len(whole)) if tok.decode(whole[:n]).endswith("\ufffd"))
+    pieces, final, seq = stream_out(tok, whole, SamplingParams(max_tokens=cut, ignore_eos=True))
+    assert final == "".join(p.text for p in pieces) == tok.decode(whole[:cut]).rstrip("\ufffd") == "rain "
+    assert seq.output_token_ids == whole[:cut] and pieces[-1].finish_reason == "length"
