@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import click
 
-from phaseflip.engine.policy.decide import PolicyConfig
+from phaseflip.engine.policy.terms import PolicyConfig
 from phaseflip.engine.simulator import run as sim
 from phaseflip.engine.simulator.rig import Rig, load_rig
 from phaseflip.engine.simulator.trace import load_trace

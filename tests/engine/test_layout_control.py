@@ -3,7 +3,7 @@ only their newest records over a long run, while the counts stay exact. Plain Py
 ranks (a fake rank group answers the flips)."""
 from phaseflip.engine.blocks import BlockAllocator
 from phaseflip.engine.policy.control import MAX_FLIP_LOG, LayoutControl
-from phaseflip.engine.policy.decide import PolicyConfig
+from phaseflip.engine.policy.terms import PolicyConfig
 from phaseflip.engine.policy.rules import MAX_DECISIONS, DrainRule, PolicyRule
 from phaseflip.engine.scheduler import Scheduler, SchedulerConfig
 from phaseflip.rank.messages import FLIP_STAGES, FlipCommand, FlipReport

@@ -1,4 +1,4 @@
-"""The layout policy (engine/policy/decide.py and estimators.py): estimators, counters, configuration,
+"""The layout policy (engine/policy/decide.py, terms.py and estimators.py): estimators, counters, configuration,
 and the scenarios a pure decision can show (frozen-pending wedge, ping-pong,
 per-leg pricing, a hold's bound). Each scenario also runs a naive rule, defined here, and shows it fails
 the same scenario."""
@@ -8,7 +8,8 @@ import sys
 
 import pytest
 
-from phaseflip.engine.policy.decide import Decision, PolicyConfig, PolicyInputs, decide
+from phaseflip.engine.policy.decide import decide
+from phaseflip.engine.policy.terms import Decision, PolicyConfig, PolicyInputs
 from phaseflip.engine.policy.estimators import (FlipCostEstimator, LayoutRates, LegCost, OutputLengthEstimator,
                                                 ProgressTracker, RateEstimator, round_trip)
 

@@ -3,7 +3,8 @@ the same engine, says so in every priced decision, and a changed key or remeasur
 import json
 
 from phaseflip import LLM, SamplingParams
-from phaseflip.engine.policy.decide import PolicyConfig, decide
+from phaseflip.engine.policy.decide import decide
+from phaseflip.engine.policy.terms import PolicyConfig
 from phaseflip.engine.policy.estimators import Meters, RateEstimator
 from phaseflip.engine.policy.record import PolicyRecord
 from phaseflip.tools.inspect_cmd import render_text

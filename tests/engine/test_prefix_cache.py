@@ -217,7 +217,7 @@ def test_carried_blocks_are_each_block_once_and_the_cached_free_ones():
 
 
 def test_policy_inputs_do_not_count_a_cached_prefix_as_prefill_work():
-    from phaseflip.engine.policy.decide import PolicyConfig
+    from phaseflip.engine.policy.terms import PolicyConfig
     from phaseflip.engine.policy.rules import PolicyRule
     from phaseflip.engine.sampling_params import SamplingParams as SP
     counts = {}

@@ -7,7 +7,8 @@ import json
 import pytest
 
 from phaseflip.engine.simulator import rig as sim_rig, run as sim, trace as sim_trace
-from phaseflip.engine.policy.decide import Decision, PolicyConfig, PolicyInputs, decide
+from phaseflip.engine.policy.decide import decide
+from phaseflip.engine.policy.terms import Decision, PolicyConfig, PolicyInputs
 from phaseflip.tools.simulate import best_static_tok_s, compare, format_table
 
 BUDGET_S = 5.0

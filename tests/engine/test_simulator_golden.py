@@ -19,7 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from phaseflip.engine.policy.decide import Decision, PolicyConfig, decide
+from phaseflip.engine.policy.decide import decide
+from phaseflip.engine.policy.terms import Decision, PolicyConfig
 from phaseflip.engine.policy.rules import DrainRule
 from phaseflip.engine.simulator import rig as sim_rig, run as sim
 from phaseflip.engine.simulator.trace import TraceRequest

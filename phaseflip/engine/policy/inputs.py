@@ -7,7 +7,7 @@ blocks fit beside what the running sequences still need to reach max_tokens. No 
 """
 from __future__ import annotations
 
-from phaseflip.engine.policy.decide import PolicyInputs
+from phaseflip.engine.policy.terms import PolicyInputs
 from phaseflip.engine.policy.estimators import Meters
 from phaseflip.engine.requests import Sequence
 from phaseflip.engine.scheduler import Scheduler

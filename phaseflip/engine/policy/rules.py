@@ -18,7 +18,8 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Protocol
 
-from phaseflip.engine.policy.decide import Decision, PolicyConfig, decide
+from phaseflip.engine.policy.decide import decide
+from phaseflip.engine.policy.terms import Decision, PolicyConfig
 from phaseflip.engine.policy.estimators import Meters
 from phaseflip.engine.policy.inputs import measure
 from phaseflip.engine.policy.record import PolicyRecord

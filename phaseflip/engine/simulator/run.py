@@ -25,7 +25,8 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Callable, Mapping
 
-from phaseflip.engine.policy.decide import Decision, PolicyConfig, PolicyInputs, decide
+from phaseflip.engine.policy.decide import decide
+from phaseflip.engine.policy.terms import Decision, PolicyConfig, PolicyInputs
 from phaseflip.engine.policy.estimators import (FlipCostEstimator, OutputLengthEstimator, ProgressTracker,
                                                 RateEstimator, direction)
 from phaseflip.engine.simulator.rig import Rig
