@@ -156,7 +156,8 @@ def pytest_addoption(parser):
 def pytest_collection_modifyitems(config, items):
     if config.getoption("--runslow") or os.environ.get("PHASEFLIP_SLOW") == "1":
         return
-    skip = pytest.mark.skip(reason="marked slow (minutes on 2 cores): run with --runslow or `make test-slow`")
     for item in items:
-        if "slow" in item.keywords:
-            item.add_marker(skip)
+        slow = item.get_closest_marker("slow")
+        if slow is not None:
+            why = slow.kwargs.get("reason", "minutes on 2 cores")
+            item.add_marker(pytest.mark.skip(reason=f"marked slow ({why}): run with --runslow or `make test-slow`"))

@@ -11,6 +11,7 @@ import pytest
 
 from phaseflip import LLM, SamplingParams
 from phaseflip.kernels.cpu import fused_layer, library
+from tests.matrix import cells
 from tests.models import KINDS, compare_greedy, hf_greedy
 
 NEW_TOKENS = 32
@@ -58,10 +59,22 @@ def references(tiny_model_dir):
     return get
 
 
-@pytest.mark.parametrize("variant", list(VARIANTS))
-@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3", "mistral", "llama3rope", "linearrope", "yarnrope",
-                                  "phi3", "mixtral", "qwen2moe", "qwen3moe", "mistralwindow", "qwen2window",
-                                  "gemma2", "gemma3"])
+TINY_KINDS = ("llama", "qwen2", "qwen3", "mistral", "llama3rope", "linearrope", "yarnrope", "phi3", "mixtral",
+              "qwen2moe", "qwen3moe", "mistralwindow", "qwen2window", "gemma2", "gemma3")
+# Past a batch, the scheduler's variants on the families whose attention or KV they meet differently:
+# chunks over windows, soft caps and a shared expert; a pool that preempts windowed sequences.
+VARIANT_KINDS = {"batched": set(TINY_KINDS), "alone": {"llama"},
+                 "chunk16": {"llama", "mistralwindow", "qwen2window", "gemma2", "gemma3", "qwen2moe"},
+                 "preempt": {"llama", "mistralwindow", "qwen2window", "gemma3"}}
+# Two ranks, a flip every step: the families that shard differently (biases, q/k norms, fused
+# projections, experts, windows, Gemma); the rope variants and Mistral shard as Llama does.
+FLIPPING_KINDS = {"llama", "qwen2", "qwen3", "phi3", "mixtral", "qwen2moe", "qwen3moe", "mistralwindow",
+                  "qwen2window", "gemma2", "gemma3"}
+
+
+@pytest.mark.parametrize("kind,variant", cells(
+    [(k, v) for v in VARIANTS for k in TINY_KINDS], default=lambda k, v: k in VARIANT_KINDS[v],
+    why="this variant's path runs by default on the families that meet it differently"))
 def test_tiny_models_match_hf(references, kind, variant):
     model_dir, prompts, ref = references(kind)
     # a window on every layer gives blocks back as sequences decode: only a smaller pool still preempts
@@ -73,7 +86,9 @@ def test_tiny_models_match_hf(references, kind, variant):
     assert ok, msg
 
 
-@pytest.mark.parametrize("kind", [k for k in KINDS if k != "phi3longrope"])   # its 128 positions: below
+@pytest.mark.parametrize("kind", cells(                       # phi3longrope: its 128 positions, below
+    [k for k in KINDS if k != "phi3longrope"], default=FLIPPING_KINDS,
+    why="shards as Llama does, which runs by default"))
 def test_two_ranks_flipping_every_step_give_the_same_tokens(references, kind):
     """Every family and feature at 2 ranks, parked images, the layout flipped at every step (KV resharded,
     weights refilled): HF's tokens, the same 8 prompts x 32 tokens as one rank."""

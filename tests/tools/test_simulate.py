@@ -7,6 +7,7 @@ from click.testing import CliRunner
 
 from phaseflip.engine.simulator import rig as sim_rig
 from phaseflip.tools.simulate import simulate
+from tests.matrix import cells
 
 ROWS = ("static pp", "static tp", "policy throughput", "policy latency")
 
@@ -28,7 +29,8 @@ def test_help_documents_the_options():
     assert "--rig" in out.output and "--trace" in out.output and "--ttft-budget-s" in out.output
 
 
-@pytest.mark.parametrize("rig", ["hetero-3card", "pcie4-4card"])
+@pytest.mark.parametrize("rig", cells(["hetero-3card", "pcie4-4card"], default={"hetero-3card"},
+                                       why="tests/engine/test_simulator.py runs this rig's table by default"))
 def test_prints_the_table_for_a_shipped_rig(rig):
     result = _invoke("--rig", rig, "--trace", "mixed-trace.jsonl")
     assert result.exit_code == 0, result.output
