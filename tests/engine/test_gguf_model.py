@@ -3,6 +3,8 @@ file's config, tokenizer and weights against the fp32 checkpoint transformers co
 blocks decode to exactly those values, llama.cpp's q/k row order undone), greedy tokens against that
 dequantized run, two ranks flipping every step against one; the header reader against gguf's own; what
 is not served refused by name before any weight is read."""
+import json
+
 import numpy as np
 import pytest
 import torch
@@ -17,27 +19,65 @@ from phaseflip.engine.checkpoint.gguf_file import StringArray, read_gguf  # noqa
 from phaseflip.engine.checkpoint.loader import CheckpointError, load_model_config, load_weights  # noqa: E402
 from phaseflip.engine.checkpoint.tokenizer import load_tokenizer  # noqa: E402
 from phaseflip.kernels.cpu import quant  # noqa: E402
+from tests import background  # noqa: E402
 from tests.models import SMOLLM_TEXTS  # noqa: E402
 
 T = gguf.GGMLQuantizationType
 AGREEMENT = 0.90   # the issue's floor: greedy Q4_1 tokens equal to the dequantized run's
 
 
+# gguf's own reader of the shipped file, beside the suite (6 s of numpy on 2 cores): each metadata field
+# (a list of strings as its length) and each tensor's name, offset and size, as JSON
+GGUFS_OWN_HEADER = """
+import json, sys, gguf
+reader, fields = gguf.GGUFReader(sys.argv[1]), {}
+for key, field in reader.fields.items():
+    if not key.startswith("GGUF."):   # the header's own counts, not metadata
+        value = field.contents()
+        strings = isinstance(value, list) and value and isinstance(value[0], str)
+        fields[key] = {"strings": len(value)} if strings else value
+print(json.dumps({"fields": fields, "tensors": [[t.name, int(t.data_offset), int(t.n_bytes)] for t in reader.tensors]}))
+"""
+
+
+@background.register("q4_1")
+def _extract_the_tokenizer(session: background.Session) -> background.Job:
+    """The shipped file's tokenizer, extracted once into the session's cache by transformers' GGUF reader
+    (12 s on 2 cores), beside the suite; the tests then load it as a boot does."""
+    return background.python("-c", "from phaseflip.engine.checkpoint.default_model import find_default_gguf\n"
+                             "from phaseflip.engine.checkpoint.tokenizer import load_tokenizer\n"
+                             "load_tokenizer(find_default_gguf())")
+
+
+@background.register("ggufs_own_header")
+def _read_with_ggufs_reader(session: background.Session) -> background.Job:
+    return background.python("-c", GGUFS_OWN_HEADER, str(find_default_gguf()))
+
+
+def _collect(job: background.Job, what: str) -> str:
+    done = job.result(timeout_s=600)
+    assert done.returncode == 0, f"{what} failed (exit {done.returncode}):\n{done.stderr[-4000:]}"
+    return done.stdout
+
+
 @pytest.fixture(scope="module")
-def q4_1():
+def q4_1(_background_jobs):
+    _collect(_background_jobs["q4_1"], "extracting the shipped file's tokenizer")
     return find_default_gguf()
 
 
-def test_the_header_reads_as_ggufs_own_reader_reads_it(q4_1):
-    ours, theirs = read_gguf(q4_1), gguf.GGUFReader(str(q4_1))
-    for key, field in theirs.fields.items():
-        if key.startswith("GGUF."):   # the header's own counts, not metadata
-            continue
-        value = field.contents()
-        want = StringArray(len(value)) if isinstance(value, list) and value and isinstance(value[0], str) else value
+@pytest.fixture(scope="module")
+def ggufs_own_header(_background_jobs):
+    return json.loads(_collect(_background_jobs["ggufs_own_header"], "gguf's reader of the shipped file"))
+
+
+def test_the_header_reads_as_ggufs_own_reader_reads_it(q4_1, ggufs_own_header):
+    ours = read_gguf(q4_1)
+    for key, value in ggufs_own_header["fields"].items():
+        want = StringArray(value["strings"]) if isinstance(value, dict) else value
         assert ours.metadata[key] == want, key
-    assert [(t.name, t.data_offset, t.n_bytes) for t in theirs.tensors] == \
-        [(t.name, t.offset, t.num_bytes) for t in ours.tensors.values()]
+    assert [list(t) for t in ggufs_own_header["tensors"]] == \
+        [[t.name, t.offset, t.num_bytes] for t in ours.tensors.values()]
 
 
 def test_config_and_tokenizer_are_the_converted_models(q4_1, default_model_dir):
@@ -68,11 +108,16 @@ def _greedy(llm, n=32):
     return [o.outputs[0].token_ids for o in llm.generate(SMOLLM_TEXTS, params, use_tqdm=False)]
 
 
-def test_q4_1_greedy_tokens_agree_with_the_dequantized_run(q4_1, default_model_dir):
+@pytest.fixture(scope="module")
+def one_rank_run(q4_1):
+    """The shipped file on one rank: its greedy tokens (8 prompts x 32) and its manifest."""
     with LLM(str(q4_1)) as llm:
         assert llm.model_config.tie_word_embeddings
-        ours = _greedy(llm)
-        manifest = llm.inspect()
+        return _greedy(llm), llm.inspect()
+
+
+def test_q4_1_greedy_tokens_agree_with_the_dequantized_run(q4_1, one_rank_run, default_model_dir):
+    ours, manifest = one_rank_run
     _check_weights_report(manifest, q4_1)
     with LLM(str(default_model_dir)) as llm:
         want = _greedy(llm)
@@ -101,11 +146,9 @@ def _check_weights_report(manifest, path):
     assert "Q4_1 " in table and "blocks multiply x as float32, never rounded" in table
 
 
-def test_two_ranks_flipping_every_step_give_one_ranks_tokens(q4_1):
-    with LLM(str(q4_1)) as llm:
-        want = _greedy(llm, 16)
+def test_two_ranks_flipping_every_step_give_one_ranks_tokens(q4_1, one_rank_run):
     with LLM(str(q4_1), world_size=2, layouts=("pp", "tp"), flip_every_steps=1) as llm:
-        assert _greedy(llm, 16) == want
+        assert _greedy(llm, 16) == [tokens[:16] for tokens in one_rank_run[0]]
         assert llm.stats()["flips"] >= 10
 
 
