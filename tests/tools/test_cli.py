@@ -10,7 +10,8 @@ import pytest
 from click.testing import CliRunner
 
 from phaseflip import LLM, SamplingParams
-from phaseflip.tools.cli import DEMO_PROMPTS, main
+from phaseflip.tools.boot_batch import DEMO_PROMPTS
+from phaseflip.tools.cli import main
 from tests import background
 
 SUMMARY_LINES = ("== summary ==", "boot: load", "capture", "captured steps:", "requests:",
