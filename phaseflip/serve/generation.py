@@ -125,7 +125,7 @@ def templated(tokenizer, messages, add_generation_prompt: bool, **options) -> tu
 async def _answer(served: Served, view, prepared, body, request: Request):
     streams = served.engine.add(prepared, view.id)
     if body.stream:
-        return EventStream(streams, _events(view, streams, body.include_usage))
+        return EventStream(streams, _events(view, streams, body.include_usage, body.continuous_usage))
     try:
         whole = await _unless_disconnected(request, _collect(streams, view))
     finally:
@@ -151,14 +151,18 @@ class EventStream(StreamingResponse):
                 s.close()
 
 
-async def _events(view, streams: list[RequestStream], include_usage: bool) -> AsyncIterator[str]:
+async def _events(view, streams: list[RequestStream], include_usage: bool,
+                  continuous_usage: bool) -> AsyncIterator[str]:
     try:
         async for i, out in _merged(streams):
             view.note_prompt(i, out)
-            view.count(out.outputs)
+            view.count(i, out.outputs)
             for piece in out.outputs:   # one choice a chunk, as OpenAI and vLLM send them
                 if piece.text or piece.finish_reason or piece.logprobs:   # not a held-back step
-                    yield f"data: {view.chunk(i, [piece]).model_dump_json()}\n\n"
+                    chunk = view.chunk(i, [piece])
+                    if continuous_usage:
+                        chunk.usage = view.choice_usage(i, piece)
+                    yield f"data: {chunk.model_dump_json()}\n\n"
         if include_usage:
             yield f"data: {view.usage_chunk().model_dump_json()}\n\n"
     except Exception as e:  # noqa: BLE001 — the engine failed under this request: say so in the stream

@@ -24,6 +24,7 @@ class Strict(BaseModel):
 
 class StreamOptions(Strict):
     include_usage: bool = False
+    continuous_usage_stats: bool = False   # vLLM's: with include_usage, each chunk carries its choice's usage
 
 
 class _Sampling(Strict):
@@ -89,6 +90,10 @@ class _Sampling(Strict):
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
+
+    @property
+    def continuous_usage(self) -> bool:
+        return self.include_usage and self.stream_options.continuous_usage_stats
 
 
 def _refuse(field: str, value, why: str):

@@ -138,6 +138,7 @@ class _View:
         self.created = int(time.time())
         self.tokenizer = tokenizer
         self.completion_tokens = 0
+        self._choice_tokens: dict[int, int] = {}     # choice index -> its tokens so far
         self._token_text: dict[int, str] = {}
         self.prompt_logprobs: dict[int, list] = {}   # prompt index -> its tokens' logprobs, where asked
 
@@ -149,14 +150,24 @@ class _View:
     def choice_index(self, prompt_index: int, piece: CompletionOutput) -> int:
         return prompt_index * self.n + piece.index
 
-    def count(self, pieces: list[CompletionOutput]) -> None:
+    def count(self, prompt_index: int, pieces: list[CompletionOutput]) -> None:
         """Every piece the engine produced goes through here once, shown in a chunk or not."""
-        self.completion_tokens += sum(len(p.token_ids) for p in pieces)
+        for p in pieces:
+            index = self.choice_index(prompt_index, p)
+            self._choice_tokens[index] = self._choice_tokens.get(index, 0) + len(p.token_ids)
+            self.completion_tokens += len(p.token_ids)
 
     def usage(self) -> Usage:
         prompt = sum(len(p.token_ids) for p in self.prepared)
         return Usage(prompt_tokens=prompt, completion_tokens=self.completion_tokens,
                      total_tokens=prompt + self.completion_tokens)
+
+    def choice_usage(self, prompt_index: int, piece: CompletionOutput) -> Usage:
+        """The usage a streamed chunk carries under continuous_usage_stats (vLLM's): its prompt's tokens
+        and its choice's generated tokens so far."""
+        prompt = len(self.prepared[prompt_index].token_ids)
+        done = self._choice_tokens.get(self.choice_index(prompt_index, piece), 0)
+        return Usage(prompt_tokens=prompt, completion_tokens=done, total_tokens=prompt + done)
 
     def token_text(self, token_id: int) -> str:
         text = self._token_text.get(token_id)
@@ -173,9 +184,9 @@ class CompletionView(_View):
         self._echoed: set[int] = set()
         self._offsets: dict[int, int] = {}
 
-    def count(self, pieces: list[CompletionOutput]) -> None:
+    def count(self, prompt_index: int, pieces: list[CompletionOutput]) -> None:
         if not self.echo_only:
-            super().count(pieces)
+            super().count(prompt_index, pieces)
 
     def choice(self, prompt_index: int, piece: CompletionOutput) -> CompletionChoice:
         if self.echo_only:
@@ -226,8 +237,8 @@ class CompletionView(_View):
 
     def response(self, whole: list[list[CompletionOutput]]) -> CompletionResponse:
         """whole[i]: prompt i's samples, each joined from its pieces."""
-        for samples in whole:
-            self.count(samples)
+        for i, samples in enumerate(whole):
+            self.count(i, samples)
         choices = [self.choice(i, piece) for i, samples in enumerate(whole) for piece in samples]
         return CompletionResponse(id=self.id, created=self.created, model=self.model, choices=choices,
                                   usage=self.usage())
@@ -269,7 +280,7 @@ class ChatView(_View):
     def response(self, whole: list[list[CompletionOutput]]) -> ChatCompletionResponse:
         choices = []
         for i, samples in enumerate(whole):
-            self.count(samples)
+            self.count(i, samples)
             for piece in samples:
                 choices.append(ChatChoice(index=self.choice_index(i, piece),
                                           message=AssistantMessage(content=piece.text),

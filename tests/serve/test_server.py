@@ -85,7 +85,11 @@ def test_token_id_prompts_and_lists_of_prompts(server, offline):
                                                 temperature=0, echo=True, logprobs=1).choices[0]
     lp = echoed.logprobs   # token ids echo with their special tokens: every offset indexes the text
     assert len(lp.tokens) == len(ids) + 3
-    assert all(echoed.text[o:].startswith(t) for o, t in zip(lp.text_offset, lp.tokens)), (echoed.text, lp)
+    # but for the tokens of a character the output's last tokens left incomplete, which it leaves out
+    held = [t for o, t in zip(lp.text_offset, lp.tokens) if o >= len(echoed.text)]
+    assert all(t == "\ufffd" for t in held), (echoed.text, lp)
+    assert all(echoed.text[o:].startswith(t) for o, t in zip(lp.text_offset, lp.tokens) if o < len(echoed.text)), \
+        (echoed.text, lp)
 
 
 def test_64_concurrent_streams_of_mixed_lengths_arrive_whole_and_in_order(server, offline):
@@ -237,19 +241,28 @@ def test_n_samples_share_the_prompt_and_equal_the_offline_samples(server, offlin
 
 def test_n_streamed_samples_each_end_once_with_the_unstreamed_text(server):
     """Samples that stop at different steps: each index's finish_reason comes in one chunk, not again at
-    every later step of its siblings; each index's pieces join to the unstreamed text."""
+    every later step of its siblings; each index's pieces join to the unstreamed text. With vLLM's
+    continuous_usage_stats each chunk counts its choice's tokens so far, and the usage chunk them all."""
     body = dict(model="tiny", prompt="Once upon a time there was a small village by the sea where", n=3,
                 temperature=1.0, seed=7, max_tokens=24, stop=["e"])
     whole = server.client().completions.create(**body)
-    texts, finishes = ["", "", ""], [[], [], []]
-    for chunk in server.client().completions.create(**body, stream=True):
+    texts, finishes, counts = ["", "", ""], [[], [], []], [[0], [0], [0]]
+    chunks = list(server.client().completions.create(
+        **body, stream=True, stream_options={"include_usage": True, "continuous_usage_stats": True}))
+    for chunk in chunks[:-1]:
         assert len(chunk.choices) == 1   # one choice a chunk, as OpenAI sends them
-        for c in chunk.choices:
-            texts[c.index] += c.text
-            if c.finish_reason is not None:
-                finishes[c.index].append(c.finish_reason)
+        c = chunk.choices[0]
+        texts[c.index] += c.text
+        if c.finish_reason is not None:
+            finishes[c.index].append(c.finish_reason)
+        assert chunk.usage.prompt_tokens == whole.usage.prompt_tokens
+        assert chunk.usage.total_tokens == chunk.usage.prompt_tokens + chunk.usage.completion_tokens
+        counts[c.index].append(chunk.usage.completion_tokens)
     assert texts == [c.text for c in whole.choices]
     assert finishes == [[c.finish_reason] for c in whole.choices]
+    assert all(a < b for each in counts for a, b in zip(each, each[1:]))   # each chunk brings tokens
+    assert sum(each[-1] for each in counts) == whole.usage.completion_tokens
+    assert chunks[-1].choices == [] and chunks[-1].usage == whole.usage
     assert len({len(c.text) for c in whole.choices}) > 1, "the samples were meant to end at different steps"
 
 
