@@ -2,8 +2,8 @@
 
 Owns: `cells`, the parameters of a test over a matrix (a family x a layout, a family x a scheduling
 variant) in which the cells that exercise a code path no default cell exercises run by default, and
-the others (the same path again on another family: a rope table, a tokenizer's model name) are marked
-slow with the reason, so `make test` fits its 10 minutes on 2 cores and `make test-slow` runs them all.
+the others (the same path again on another family: a rope table, Mistral's Llama layout) are marked
+slow with the reason, so `make test` keeps to its minutes on 2 cores and `make test-slow` runs them all.
 
 Example:
     @pytest.mark.parametrize("kind", cells(KINDS, default=("llama", "gemma2"), why="..."))

@@ -2,8 +2,9 @@
 
 A divergence is forgiven only from a position where the reference's top-2 log-probabilities differ by
 less than 1e-4 (vLLM's check_logprobs_close convention); how often that happened is printed (-s).
-Each model runs batched, one prompt at a time, with a 16-token prefill chunk, and with a KV pool small
-enough to force preemption (asserted).
+Each model runs batched; one prompt at a time, with a 16-token prefill chunk, and with a KV pool small
+enough to force preemption (asserted) on the families those paths meet differently by default, on every
+family under `make test-slow` (tests/matrix.py).
 """
 import random
 
