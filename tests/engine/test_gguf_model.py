@@ -26,8 +26,8 @@ T = gguf.GGMLQuantizationType
 AGREEMENT = 0.90   # the issue's floor: greedy Q4_1 tokens equal to the dequantized run's
 
 
-# gguf's own reader of the shipped file, beside the suite (6 s of numpy on 2 cores): each metadata field
-# (a list of strings as its length) and each tensor's name, offset and size, as JSON
+# gguf's own reader of the shipped file, beside the suite (it parses the whole file in numpy): each
+# metadata field (a list of strings as its length) and each tensor's name, offset and size, as JSON
 GGUFS_OWN_HEADER = """
 import json, sys, gguf
 reader, fields = gguf.GGUFReader(sys.argv[1]), {}
@@ -43,7 +43,7 @@ print(json.dumps({"fields": fields, "tensors": [[t.name, int(t.data_offset), int
 @background.register("q4_1")
 def _extract_the_tokenizer(session: background.Session) -> background.Job:
     """The shipped file's tokenizer, extracted once into the session's cache by transformers' GGUF reader
-    (12 s on 2 cores), beside the suite; the tests then load it as a boot does."""
+    (which parses the whole file), beside the suite; the tests then load it as a boot does."""
     return background.python("-c", "from phaseflip.engine.checkpoint.default_model import find_default_gguf\n"
                              "from phaseflip.engine.checkpoint.tokenizer import load_tokenizer\n"
                              "load_tokenizer(find_default_gguf())")
