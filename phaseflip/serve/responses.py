@@ -137,8 +137,7 @@ class _View:
         self.id, self.model, self.prepared, self.n = request_id, model, prepared, n
         self.created = int(time.time())
         self.tokenizer = tokenizer
-        self.completion_tokens = 0
-        self._choice_tokens: dict[int, int] = {}     # choice index -> its tokens so far
+        self._choice_tokens: dict[int, int] = {}     # choice index -> its generated tokens so far
         self._token_text: dict[int, str] = {}
         self.prompt_logprobs: dict[int, list] = {}   # prompt index -> its tokens' logprobs, where asked
 
@@ -155,12 +154,11 @@ class _View:
         for p in pieces:
             index = self.choice_index(prompt_index, p)
             self._choice_tokens[index] = self._choice_tokens.get(index, 0) + len(p.token_ids)
-            self.completion_tokens += len(p.token_ids)
 
     def usage(self) -> Usage:
         prompt = sum(len(p.token_ids) for p in self.prepared)
-        return Usage(prompt_tokens=prompt, completion_tokens=self.completion_tokens,
-                     total_tokens=prompt + self.completion_tokens)
+        done = sum(self._choice_tokens.values())
+        return Usage(prompt_tokens=prompt, completion_tokens=done, total_tokens=prompt + done)
 
     def choice_usage(self, prompt_index: int, piece: CompletionOutput) -> Usage:
         """The usage a streamed chunk carries under continuous_usage_stats (vLLM's): its prompt's tokens
