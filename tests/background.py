@@ -79,6 +79,13 @@ class Job:
             self._finished = Finished(code, self._read(self._out), self._read(self._err))
         return self._finished
 
+    def stdout(self, what: str, timeout_s: float = 600) -> str:
+        """What the job wrote to stdout, once it has ended with 0 (`result`'s wait); a failure names `what`,
+        the exit code and the end of stderr."""
+        done = self.result(timeout_s)
+        assert done.returncode == 0, f"{what} failed (exit {done.returncode}):\n{done.stderr[-4000:]}"
+        return done.stdout
+
     def kill(self) -> None:
         with self._lock:
             self._killed = True

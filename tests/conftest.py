@@ -125,9 +125,7 @@ def default_model_dir() -> Path:
 def smollm_reference(default_model_dir, _background_jobs):
     """(model_dir, 8 prompts' token ids, HF greedy reference of 32 tokens each), computed once, in the
     background (tests/hf_reference.py)."""
-    done = _background_jobs["smollm_reference"].result(timeout_s=600)
-    assert done.returncode == 0, f"HF's reference failed (exit {done.returncode}):\n{done.stderr[-4000:]}"
-    out = json.loads(done.stdout)
+    out = json.loads(_background_jobs["smollm_reference"].stdout("HF's reference"))
     return default_model_dir, out["prompts"], [tuple(r) for r in out["reference"]]
 
 

@@ -54,21 +54,15 @@ def _read_with_ggufs_reader(session: background.Session) -> background.Job:
     return background.python("-c", GGUFS_OWN_HEADER, str(find_default_gguf()))
 
 
-def _collect(job: background.Job, what: str) -> str:
-    done = job.result(timeout_s=600)
-    assert done.returncode == 0, f"{what} failed (exit {done.returncode}):\n{done.stderr[-4000:]}"
-    return done.stdout
-
-
 @pytest.fixture(scope="module")
 def q4_1(_background_jobs):
-    _collect(_background_jobs["q4_1"], "extracting the shipped file's tokenizer")
+    _background_jobs["q4_1"].stdout("extracting the shipped file's tokenizer")
     return find_default_gguf()
 
 
 @pytest.fixture(scope="module")
 def ggufs_own_header(_background_jobs):
-    return json.loads(_collect(_background_jobs["ggufs_own_header"], "gguf's reader of the shipped file"))
+    return json.loads(_background_jobs["ggufs_own_header"].stdout("gguf's reader of the shipped file"))
 
 
 def test_the_header_reads_as_ggufs_own_reader_reads_it(q4_1, ggufs_own_header):
