@@ -13,6 +13,7 @@ gguf = pytest.importorskip("gguf", reason="the gguf package (a dependency) is no
 from gguf import quants  # noqa: E402
 
 from phaseflip import LLM, SamplingParams  # noqa: E402
+from phaseflip.cache import cache_dir  # noqa: E402
 from phaseflip.engine.checkpoint import gguf_model  # noqa: E402
 from phaseflip.engine.checkpoint.default_model import find_default_gguf  # noqa: E402
 from phaseflip.engine.checkpoint.gguf_file import StringArray, read_gguf  # noqa: E402
@@ -27,7 +28,8 @@ AGREEMENT = 0.90   # the issue's floor: greedy Q4_1 tokens equal to the dequanti
 
 
 # gguf's own reader of the shipped file, beside the suite (it parses the whole file in numpy): each
-# metadata field (a list of strings as its length) and each tensor's name, offset and size, as JSON
+# metadata field (a list of strings as its length and its strings joined) and each tensor's name, offset
+# and size, as JSON
 GGUFS_OWN_HEADER = """
 import json, sys, gguf
 reader, fields = gguf.GGUFReader(sys.argv[1]), {}
@@ -35,18 +37,9 @@ for key, field in reader.fields.items():
     if not key.startswith("GGUF."):   # the header's own counts, not metadata
         value = field.contents()
         strings = isinstance(value, list) and value and isinstance(value[0], str)
-        fields[key] = {"strings": len(value)} if strings else value
+        fields[key] = {"strings": len(value), "text": "\\n".join(value)} if strings else value
 print(json.dumps({"fields": fields, "tensors": [[t.name, int(t.data_offset), int(t.n_bytes)] for t in reader.tensors]}))
 """
-
-
-@background.register("q4_1")
-def _extract_the_tokenizer(session: background.Session) -> background.Job:
-    """The shipped file's tokenizer, extracted once into the session's cache by transformers' GGUF reader
-    (which parses the whole file), beside the suite; the tests then load it as a boot does."""
-    return background.python("-c", "from phaseflip.engine.checkpoint.default_model import find_default_gguf\n"
-                             "from phaseflip.engine.checkpoint.tokenizer import load_tokenizer\n"
-                             "load_tokenizer(find_default_gguf())")
 
 
 @background.register("ggufs_own_header")
@@ -55,8 +48,7 @@ def _read_with_ggufs_reader(session: background.Session) -> background.Job:
 
 
 @pytest.fixture(scope="module")
-def q4_1(_background_jobs):
-    _background_jobs["q4_1"].stdout("extracting the shipped file's tokenizer")
+def q4_1():
     return find_default_gguf()
 
 
@@ -65,19 +57,15 @@ def ggufs_own_header(_background_jobs):
     return json.loads(_background_jobs["ggufs_own_header"].stdout("gguf's reader of the shipped file"))
 
 
-def test_the_header_reads_as_ggufs_own_reader_reads_it(q4_1, ggufs_own_header):
-    ours = read_gguf(q4_1)
-    for key, value in ggufs_own_header["fields"].items():
-        want = StringArray(value["strings"]) if isinstance(value, dict) else value
-        assert ours.metadata[key] == want, key
-    assert [list(t) for t in ggufs_own_header["tensors"]] == \
-        [[t.name, t.offset, t.num_bytes] for t in ours.tensors.values()]
-
-
 def test_config_and_tokenizer_are_the_converted_models(q4_1, default_model_dir):
     ours, converted = load_model_config(q4_1), load_model_config(default_model_dir)
     assert ours.torch_dtype is None and ours == type(converted)(**{**converted.__dict__, "torch_dtype": None})
-    tok, want = load_tokenizer(q4_1), load_tokenizer(default_model_dir)
+    tok, want = load_tokenizer(q4_1), load_tokenizer(default_model_dir)   # built from its metadata
+    built = gguf_model.gguf_tokenizer_dir(q4_1, cache_dir())
+    # what transformers' converter wrote, from the same metadata
+    assert json.loads((built / "tokenizer.json").read_text()) == \
+        json.loads((default_model_dir / "tokenizer.json").read_text())
+    assert (built / "chat_template.jinja").read_text() == (default_model_dir / "chat_template.jinja").read_text()
     for text in SMOLLM_TEXTS:
         assert tok.encode(text) == want.encode(text)
     chat = [{"role": "user", "content": "Hi"}]
@@ -247,3 +235,15 @@ def test_a_llama3_scaled_file_reads_its_rope_freqs_and_serves_as_hf(tiny_model_d
             use_tqdm=False)]
     ok, ties, msg = compare_greedy(ours, hf_greedy(hf, prompts, 16))
     assert ok, msg
+
+
+# last: gguf's reader runs beside the tests above
+def test_the_header_reads_as_ggufs_own_reader_reads_it(q4_1, ggufs_own_header):
+    ours = read_gguf(q4_1)
+    for key, value in ggufs_own_header["fields"].items():
+        want = StringArray(value["strings"]) if isinstance(value, dict) else value
+        assert ours.metadata[key] == want, key
+        if isinstance(value, dict):
+            assert "\n".join(ours.strings(key)) == value["text"], key
+    assert [list(t) for t in ggufs_own_header["tensors"]] == \
+        [[t.name, t.offset, t.num_bytes] for t in ours.tensors.values()]

@@ -17,8 +17,9 @@ kernels/cpu/quant.py), so that a machine without the `gguf` package reads a file
 from __future__ import annotations
 
 import functools
+import mmap
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -37,8 +38,10 @@ FLOAT_SIZES = {0: ("F32", 4), 1: ("F16", 2), 30: ("BF16", 2)}   # GGML's id -> (
 
 @dataclass(frozen=True)
 class StringArray:
-    """An array of strings, not decoded: its length."""
+    """An array of strings, not decoded: its length, and where its first string starts in the file
+    (`GGUFFile.strings` decodes it)."""
     count: int
+    offset: int = field(default=0, compare=False)
 
 
 @dataclass(frozen=True)
@@ -60,6 +63,19 @@ class GGUFFile:
             raise CheckpointError(f"{path}: damaged GGUF header at byte {self._pos} ({e})") from e
         finally:
             del self._map
+
+    def strings(self, key: str) -> list[str]:
+        """The array of strings under metadata `key`, decoded (a vocabulary, its merges)."""
+        array = self.metadata.get(key)
+        if not isinstance(array, StringArray):
+            raise CheckpointError(f"{self.path}: metadata {key!r} is not an array of strings ({array!r})")
+        pos, out = array.offset, []
+        with open(self.path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
+            for _ in range(array.count):
+                n = struct.unpack_from("<Q", data, pos)[0]
+                out.append(data[pos + 8:pos + 8 + n].decode("utf-8"))
+                pos += 8 + n
+        return out
 
     def mapped(self) -> np.memmap:
         """The whole file as uint8, mapped copy-on-write (arrays torch can wrap; the file is never written)."""
@@ -115,9 +131,10 @@ class GGUFFile:
             self._pos += dtype.itemsize * count
             return values
         if item == _STRING:
+            offset = self._pos
             for _ in range(count):   # skipped: lengths only
                 self._pos += 8 + struct.unpack_from("<Q", self._map, self._pos)[0]
-            return StringArray(count)
+            return StringArray(count, offset)
         return [self._value(item) for _ in range(count)]
 
     def _tensor_info(self) -> tuple[str, tuple[int, ...], int, int]:

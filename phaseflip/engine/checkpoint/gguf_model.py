@@ -6,7 +6,8 @@ llama, mistral, qwen2, qwen3 and phi3 files; a sliding window on every layer),
 `load_gguf_weights` (HF-named tensors: F32 / F16 / BF16 cast to the compute dtype; the block formats of
 kernels/cpu/quant.py as uint8 [rows, blocks, block bytes], the layout the quantized products read; phi3's
 fused attn_qkv and ffn_up handed on as row views under the separate names), `quantized_types`,
-`column_units` (the blocks a TP split of o_proj and down_proj must keep whole) and `gguf_tokenizer_dir`.
+`column_units` (the blocks a TP split of o_proj and down_proj must keep whole) and `gguf_tokenizer_dir`
+(the tokenizer's files, written once: gguf_tokenizer.py builds a byte-level BPE vocabulary).
 llama.cpp's converter interleaves the rows of a llama's q and k projections for its rotary; they are put
 back in HF's order here, whole rows of blocks at a time (a permutation of rows never touches a block).
 What the engine cannot serve as the file has it (another architecture, rope scaling, a tensor type
@@ -24,6 +25,7 @@ from pathlib import Path
 import torch
 
 from phaseflip.engine.checkpoint.gguf_file import MAGIC, read_gguf, type_name
+from phaseflip.engine.checkpoint import gguf_tokenizer
 from phaseflip.engine.checkpoint.gguf_tensors import FLOAT_TYPES, read_tensors
 from phaseflip.engine.checkpoint.fused import unfused
 from phaseflip.engine.checkpoint.loader import CheckpointError, check_shapes
@@ -190,8 +192,9 @@ def _unpermute(rows: torch.Tensor, heads: int) -> torch.Tensor:
 
 def gguf_tokenizer_dir(path: str | Path, cache_root: Path) -> Path:
     """A directory holding the GGUF file's tokenizer: the file's own directory where a tokenizer.json lies
-    next to it, else one extracted from its metadata once (by transformers' GGUF converter, a one-time
-    conversion like `phaseflip convert`) under cache_root, keyed by the file's size and mtime and name."""
+    next to it, else one written from its metadata once under cache_root, keyed by the file's size and
+    mtime and name: a byte-level BPE vocabulary by gguf_tokenizer.py, another (sentencepiece) by
+    transformers' GGUF converter, a one-time conversion like `phaseflip convert`."""
     path = Path(path)
     if (path.parent / "tokenizer.json").is_file():
         return path.parent
@@ -206,23 +209,32 @@ def gguf_tokenizer_dir(path: str | Path, cache_root: Path) -> Path:
 
 def _extract_tokenizer(path: Path, target: Path) -> None:
     """Write tokenizer.json, tokenizer_config.json and chat_template.jinja of the GGUF file into target."""
-    try:
-        import transformers
-    except ImportError as e:
-        raise CheckpointError(f"{path}: its tokenizer is read from the GGUF metadata by transformers, which is "
-                              f"not installed ({e}); put the model's tokenizer.json next to the file, or "
-                              "pip install transformers gguf") from e
-    from phaseflip.engine.checkpoint.gguf_convert import save_tokenizer
     file = read_gguf(path)
-    max_length = _field(file, f"{_field(file, 'general.architecture')}.context_length")
-    tokenizer = transformers.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=".tokenizer-", dir=target.parent))
     try:
-        save_tokenizer(tokenizer, max_length, staging)
+        if gguf_tokenizer.reads_vocabulary(file):
+            gguf_tokenizer.write_tokenizer(file, staging)
+        else:
+            _convert_tokenizer(path, file, staging)
         os.rename(staging, target)
     except OSError:   # another process extracted it first
         if not (target / "tokenizer.json").is_file():
             raise
     finally:
         shutil.rmtree(staging, ignore_errors=True)
+
+
+def _convert_tokenizer(path: Path, file, out_dir: Path) -> None:
+    """A vocabulary gguf_tokenizer.py does not build (sentencepiece, a split it does not know), written by
+    transformers' GGUF converter."""
+    try:
+        import transformers
+    except ImportError as e:
+        raise CheckpointError(f"{path}: its {_field(file, 'tokenizer.ggml.model')!r} tokenizer (split "
+                              f"{_field(file, 'tokenizer.ggml.pre')!r}) is read from the GGUF metadata by "
+                              f"transformers, which is not installed ({e}); put the model's tokenizer.json next "
+                              "to the file, or pip install transformers gguf") from e
+    from phaseflip.engine.checkpoint.gguf_convert import save_tokenizer
+    max_length = _field(file, f"{_field(file, 'general.architecture')}.context_length")
+    save_tokenizer(transformers.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name), max_length, out_dir)
