@@ -9,7 +9,8 @@ import pytest
 from phaseflip.engine.simulator import rig as sim_rig, run as sim, trace as sim_trace
 from phaseflip.engine.policy.decide import decide
 from phaseflip.engine.policy.terms import Decision, PolicyConfig, PolicyInputs
-from phaseflip.tools.simulate import best_static_tok_s, compare, format_table
+from phaseflip.tools.simulate import best_static_tok_s, format_table
+from tests import shipped_rigs
 
 BUDGET_S = 5.0
 
@@ -250,12 +251,11 @@ def test_unfundable_flip_idles_under_the_naive_rule():
 
 # -- acceptance: simulated on both shipped rigs ----------------------------------------------------------
 @pytest.fixture(scope="module")
-def tables(trace):
+def tables():
     out = {}
     for name in ("hetero-3card", "pcie4-4card"):
-        rig = sim_rig.load_rig(name)
-        out[name] = (rig, compare(rig, trace, BUDGET_S))
-        print("\n" + format_table(rig, out[name][1], BUDGET_S))
+        out[name] = shipped_rigs.rows(name, BUDGET_S)
+        print("\n" + format_table(*out[name], BUDGET_S))
     return out
 
 
