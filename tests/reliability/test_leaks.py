@@ -32,7 +32,7 @@ def random_batch(rng: random.Random) -> tuple[list[list[int]], list[SamplingPara
 
 def test_rss_is_bounded_over_200_calls_with_forced_flips(model):
     rng = random.Random(2)
-    with LLM(model=model, **ENGINE, world_size=2, flip_every_steps=2, num_kv_blocks=8) as llm, \
+    with LLM(model=model, **ENGINE, world_size=2, flip_every_steps=4, num_kv_blocks=8) as llm, \
             deadline(240, f"{NUM_CALLS} generate calls"):
         pids = {"controller": None, **{f"rank {r}": p for r, p in enumerate(llm.stats()["rank_pids"])}}
         rss: dict[str, dict[int, int]] = {name: {} for name in pids}
