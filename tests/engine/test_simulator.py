@@ -171,9 +171,9 @@ def test_a_request_larger_than_the_pool_is_refused():
 
 # -- the step model ---------------------------------------------------------------------------------------
 def test_static_layouts_never_flip_and_finish_every_request(trace):
-    rig = sim_rig.load_rig("pcie4-4card")
+    _, rows = shipped_rigs.rows("pcie4-4card", BUDGET_S)    # the static rows, on the trace's arrival times
     for start in ("pp", "tp"):
-        r = sim.simulate(rig, trace, PolicyConfig(), decide_fn=sim.static_decide, start=start)
+        r = row(rows, f"static {start}").online
         assert r.completed and r.flips == 0 and r.idle_polls_with_work == 0
         assert r.prompt_tokens == sum(t.prompt_tokens for t in trace)
         assert r.output_tokens == sum(t.output_tokens for t in trace)
@@ -299,9 +299,8 @@ def test_policy_beats_the_better_static_layout_by_1_2x_on_hetero(tables):
 def test_naive_drain_rule_fails_the_simulated_acceptance(trace, name):
     """Today's drain rule: on pcie4 it reaches ~1.2x offline but its online p95 TTFT blows the budget;
     on hetero it loses to static PP."""
-    rig = sim_rig.load_rig(name)
-    static = max(sim.simulate(rig, trace, PolicyConfig(), decide_fn=sim.static_decide, start=s, offline=True).tok_s
-                 for s in ("pp", "tp"))
+    rig, rows = shipped_rigs.rows(name, BUDGET_S)
+    static = best_static_tok_s(rows)
     offline = sim.simulate(rig, trace, PolicyConfig(), decide_fn=naive_drain_rule, offline=True)
     online = sim.simulate(rig, trace, PolicyConfig(), decide_fn=naive_drain_rule, offline=False)
     assert offline.tok_s < 1.2 * static or online.ttft_pct(95) > BUDGET_S
