@@ -48,10 +48,10 @@ def write_tokenizer(file: GGUFFile, out_dir: Path) -> None:
     tokens = file.strings("tokenizer.ggml.tokens")
     backend = _backend(tokens, file.strings("tokenizer.ggml.merges"), meta.get("tokenizer.ggml.token_type") or (),
                        SPLITS[meta.get("tokenizer.ggml.pre")])
-    config = {name: tokens[meta[key]] for name, key in _SPECIAL_IDS.items() if meta.get(key) is not None}
-    _add_special(backend, config, bool(meta.get("tokenizer.ggml.add_bos_token")),
+    specials = {name: tokens[meta[key]] for name, key in _SPECIAL_IDS.items() if meta.get(key) is not None}
+    _add_special(backend, specials, bool(meta.get("tokenizer.ggml.add_bos_token")),
                  bool(meta.get("tokenizer.ggml.add_eos_token")))
-    config["tokenizer_class"] = "PreTrainedTokenizerFast"
+    config = {**specials, "tokenizer_class": "PreTrainedTokenizerFast"}
     max_length = meta.get(f"{meta.get('general.architecture')}.context_length")
     if max_length is not None:
         config["model_max_length"] = int(max_length)
@@ -103,12 +103,12 @@ def _backend(tokens: list[str], merges: list[str], token_types, split: str | Non
     return backend
 
 
-def _add_special(backend, config: dict, add_bos: bool, add_eos: bool) -> None:
-    """The special tokens' texts as special tokens, and the template that puts BOS / EOS around a text
-    where the file asks for them."""
+def _add_special(backend, specials: dict[str, str], add_bos: bool, add_eos: bool) -> None:
+    """The special tokens' texts ({"bos_token": text, ...}) as special tokens, and the template that puts
+    BOS / EOS around a text where the file asks for them."""
     from tokenizers import AddedToken, processors
-    backend.add_special_tokens([AddedToken(t, normalized=False, special=True) for t in config.values()])
-    bos, eos = config.get("bos_token") if add_bos else None, config.get("eos_token") if add_eos else None
+    backend.add_special_tokens([AddedToken(t, normalized=False, special=True) for t in specials.values()])
+    bos, eos = specials.get("bos_token") if add_bos else None, specials.get("eos_token") if add_eos else None
     single = " ".join([*([f"{bos}:0"] if bos else []), "$A:0", *([f"{eos}:0"] if eos else [])])
     pair = " ".join([single, *([f"{bos}:1"] if bos else []), "$B:1", *([f"{eos}:1"] if eos else [])])
     specials = [(t, backend.token_to_id(t)) for t in (bos, eos) if t]
