@@ -65,12 +65,17 @@ def test_llama_every_layout_matches_hf(ref, name):
 OTHER_KINDS = ("qwen2", "qwen3", "phi3", "qwen2window", "mistralwindow", "gemma2", "gemma3")
 
 
-# Three TP ranks shard each family by default; three PP stages and flips every 3 steps run by default on
-# Llama above (every family's PP and flips at 2 ranks: test_parity.py), and the windowed ones' flips here.
+# Three TP ranks shard each family's parts by default: Qwen2's biases with Qwen2's window (qwen2window),
+# Mistral's window with it too; three PP stages and flips every 3 steps run by default on Llama above
+# (every family's PP and flips at 2 ranks: test_parity.py), and the windowed ones' flips here.
+TP3_BY_DEFAULT = {"qwen3", "phi3", "qwen2window", "gemma2", "gemma3"}
+
+
 @pytest.mark.parametrize("kind,name", cells(
     [(k, n) for k in OTHER_KINDS for n in ("tp3", "pp3", "every3")],
-    default=lambda k, n: n == "tp3" or (n == "every3" and k in WINDOW_KINDS),
-    why="Llama runs this layout by default, and every family runs PP and flips at 2 ranks"))
+    default=lambda k, n: (n == "tp3" and k in TP3_BY_DEFAULT) or (n == "every3" and k in WINDOW_KINDS),
+    why="a family holding the same parts runs this layout by default (Llama, Qwen2 with a window), and "
+        "every family runs PP and flips at 2 ranks"))
 def test_other_families_layouts_match_hf(ref, kind, name):
     """Phi-3 (q/k/v and gate/up fused in the file), windowed layers (Mistral's giving blocks back between
     flips), Gemma: HF's tokens over 3 ranks in each layout and with flips."""
@@ -81,11 +86,14 @@ def test_other_families_layouts_match_hf(ref, kind, name):
     assert ok, msg
 
 
-# Experts over 3 TP ranks by default; whole MoE layers in 3 stages and a flip every step at 2 ranks are
-# Llama's PP path here and test_parity.py's two-rank flipping test for each MoE family.
+# Experts over 3 TP ranks by default on Qwen2-MoE (routed experts and the shared one; Qwen3-MoE's q/k norms
+# run in qwen3's cell); whole MoE layers in 3 stages and a flip every step at 2 ranks are Llama's PP path
+# here and test_parity.py's two-rank flipping test for each MoE family.
 @pytest.mark.parametrize("kind,name", cells(
-    [(k, n) for k in MOE_KINDS for n in ("tp3", "pp3", "every1")], default=lambda k, n: n == "tp3",
-    why="the same path runs by default: PP3 on Llama, a flip every step at 2 ranks in test_parity.py"))
+    [(k, n) for k in MOE_KINDS for n in ("tp3", "pp3", "every1")],
+    default=lambda k, n: n == "tp3" and k == "qwen2moe",
+    why="the same path runs by default: experts over 3 TP ranks on Qwen2-MoE, PP3 on Llama, a flip every "
+        "step at 2 ranks in test_parity.py"))
 def test_mixtures_of_experts_match_hf_in_every_layout(ref, kind, name):
     """Experts sharded like the MLP over 3 TP ranks (32 columns: 11/11/10), whole layers in PP, and a
     flip every step at 2 ranks: HF's tokens."""
