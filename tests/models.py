@@ -244,8 +244,8 @@ SMOLLM_TEXTS = ("The capital of France is", "def fibonacci(n):", "Once upon a ti
 def hf_generate_greedy(model_dir, prompts_token_ids, max_new_tokens: int):
     """HF generate with its KV cache, fp32 greedy, no EOS stop: [(ids, top2_gaps)] per prompt. For real
     models, where hf_greedy's full recompute per token would take minutes on 2 cores. The prompts go as
-    one left-padded batch with their attention mask (HF's batched generation: 32 steps, not 32 a prompt;
-    on SmolLM2 the same tokens as one prompt at a time, the gaps within 4e-5)."""
+    one left-padded batch with their attention mask (HF's batched generation: max_new_tokens steps in
+    all, not for each prompt)."""
     import torch
     from transformers import AutoModelForCausalLM
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()

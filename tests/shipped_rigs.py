@@ -1,5 +1,5 @@
 """The policy simulator's rows for a shipped rig on the shipped trace (`phaseflip simulate`'s own
-computation, ~10 s a rig on 2 cores), computed once a session: tests/engine/test_simulator.py holds the
+computation, 8 simulated runs a rig), computed once a session: tests/engine/test_simulator.py holds the
 acceptance to them and tests/tools/test_simulate.py has the command print them."""
 from __future__ import annotations
 

@@ -12,7 +12,7 @@ from phaseflip.kernels.reference import activation, norm, rotary
 from tests.matrix import cells
 
 
-# Through Triton's interpreter a case costs ~1-8 s on 2 cores: by default every group, head size, page
+# Triton's interpreter runs a case slowly on the CPU: by default every group, head size, page
 # and split count of the attention matrix once (a decode and a prefill of each split form), every
 # other kernel's cases all; the GPU check runs every case on the device.
 INTERPRETED_BY_DEFAULT = {"attention/decode-g1-d64-page16-splits3", "attention/decode-g3-d128-page32-splits3",
