@@ -29,7 +29,7 @@ RECORD_VERSION = 1
 KEEP_RECORDS, KEEP_STEPS = 64, 16
 # the reports a record keeps: the forms measured in rank/runtime.py, the compile choices of
 # rank/compile_choice.py (per role, and the LM head)
-RECORDED = ("ladder", "small_rows", "wide_rows", "gemv", "head", "prefill", "decode")
+RECORDED = ("ladder", "small_rows", "wide_rows", "block_rows", "gemv", "head", "prefill", "decode")
 
 
 @functools.cache

@@ -131,6 +131,14 @@ class LayoutRunner:
             found.append((self.weights.lm_head, None, self.shapes.max_num_seqs))
         return [p for p in found if not _quantized(p[0])]
 
+    def block_weights(self) -> list[torch.Tensor]:
+        """The first layer's weights held in GGUF blocks (a Split's parts one by one), in the order a step
+        multiplies them: what the boot times the block products' forms on (forms.choose_block_rows)."""
+        if not self.weights.layers:
+            return []
+        found = [w for w, _ in _products(self.weights.layers[0]) if _quantized(w)]
+        return [part for w in found for part in (w.parts if isinstance(w, Split) else (w,))]
+
     def capture_all(self, pool=None, stream=None) -> None:
         """Record one step per bucket of both phases (boot only): CUDA graphs when a pool is given."""
         if pool is not None and self.compile.measure_graphs:

@@ -259,6 +259,10 @@ class RankRuntime:
                                                             recorded=record.get("small_rows"))
             report["wide_rows"] = forms.choose_wide_forms(weights, model=runner.cfg,
                                                           recorded=record.get("wide_rows"))
+        blocks = runner.block_weights()
+        if blocks:
+            report["block_rows"] = forms.choose_block_rows(blocks, runner.weights.dtype, model=runner.cfg,
+                                                           recorded=record.get("block_rows"))
         layers = runner.layer_projections()
         if boot.compile != "off" and layers and runner.compile.compiles_one_row(boot.compile):
             report["gemv"] = forms.choose_gemv(layers, model=runner.cfg, recorded=record.get("gemv"))

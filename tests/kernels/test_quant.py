@@ -1,7 +1,9 @@
 """kernels/cpu/quant.cpp: products on GGUF block-format weights against gguf's own decoder
 (gguf.quants.dequantize) followed by F.linear of x as the kernel sees it (rounded to int8 per block
 where it takes integer products), over random blocks, 1-300 rows of x, float32 and bfloat16
-activations; a format not served, and rows that are not whole blocks, are refused by name."""
+activations; a format not served, and rows that are not whole blocks, are refused by name. The few-rows
+limit the boot sets (kernels/cpu/few_rows.h) moves rows between the two int8 forms, both giving the
+product; forms.choose_block_rows measures it per format and sets it, or takes a recorded one."""
 import numpy as np
 import pytest
 import torch
@@ -10,7 +12,7 @@ import torch.nn.functional as F
 gguf = pytest.importorskip("gguf", reason="the gguf package (a dependency) is not installed")
 from gguf import quants  # noqa: E402
 
-from phaseflip.kernels.cpu import quant  # noqa: E402
+from phaseflip.kernels.cpu import forms, quant  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -145,3 +147,65 @@ def test_the_torch_reference_decodes_as_gguf_does(name):
     assert blocks.shape == (12, fmt.row_bytes(512)) and blocks.dtype == torch.uint8
     want = torch.from_numpy(quants.dequantize(blocks.numpy(), gguf.GGMLQuantizationType[name]))
     torch.testing.assert_close(quant_ref.dequantize(blocks, fmt.type_id), want, rtol=0, atol=0)
+
+
+@pytest.fixture
+def default_limits():
+    """Each format's few-rows limit back to its default after the test."""
+    yield
+    for fmt in quant.FORMATS.values():
+        quant.set_few_rows(fmt, None)
+
+
+@pytest.mark.parametrize("name", sorted(quant.FORMATS))
+@pytest.mark.parametrize("limit", [0, 64])   # the wide tile at every row count; the dots in passes up to 64
+def test_either_form_at_any_row_count_gives_the_product(op, name, limit, default_limits):
+    """The limit the boot sets (kernels/cpu/few_rows.h) moves rows from one form to the other: both give
+    F.linear of x rounded to int8, from 1 row (the wide tile on one row) to 64 (eight passes of dots)."""
+    fmt = quant.block_format(name)
+    if not quant.int8_x(fmt, torch.bfloat16):
+        pytest.skip("this CPU's kernels multiply bf16 x as it is (no AVX2 integer dots): one form")
+    blocks, w = _blocks(fmt, 102, 768, seed=11)
+    default = quant.few_rows(fmt)
+    assert quant.set_few_rows(fmt, limit) == default and quant.few_rows(fmt) == limit
+    for rows in (1, 5, 9, 24, 48, 64):
+        x = torch.randn(rows, 768, generator=torch.Generator().manual_seed(rows)).to(torch.bfloat16)
+        want = F.linear(quant.quantize_rows_int8(x, fmt), w)
+        got = quant.quant_linear(x, blocks, fmt)
+        torch.testing.assert_close(got.float(), want, rtol=2 ** -7, atol=1e-6 * want.abs().max().item(),
+                                   msg=lambda m: f"{rows} rows: {m}")
+    assert quant.set_few_rows(fmt, None) == limit and quant.few_rows(fmt) == default
+
+
+def test_a_bad_limit_is_refused_by_value(op, default_limits):
+    with pytest.raises(RuntimeError, match="rows must be >= 0 .or -1: the default., got -2"):
+        quant.set_few_rows(quant.FORMATS["Q8_0"], -2)
+
+
+def test_the_dots_serve_up_to_the_last_row_count_they_win_from_the_first():
+    faster, slower = {"dots": 1.0, "wide": 2.0}, {"dots": 2.0, "wide": 1.0}
+    assert forms._dots_limit({9: faster, 12: faster, 16: slower, 24: faster}) == 12
+    assert forms._dots_limit({9: slower, 12: faster}) == quant.FEW_ROWS   # not even at the first: 8
+    assert forms._dots_limit({9: faster, 48: faster}) == 48
+
+
+def test_the_boot_measures_each_formats_limit_and_the_products_take_it(op, monkeypatch, default_limits):
+    """choose_block_rows times both forms at every BLOCK_ROWS count for each format of the weights it is
+    given, sets each limit by its rule, and a recorded report sets them without timing anything."""
+    if not quant.int8_x(quant.FORMATS["Q8_0"], torch.bfloat16):
+        pytest.skip("this CPU's kernels multiply bf16 x as it is (no AVX2 integer dots): one form")
+    monkeypatch.setattr(forms, "_measured", {})
+    weights = [_blocks(quant.FORMATS[name], 64, 512, seed=3)[0].view(64, -1, quant.FORMATS[name].block_bytes)
+               for name in ("Q8_0", "Q4_K", "Q8_0")]
+    report = forms.choose_block_rows(weights, torch.bfloat16, passes=1, model="m")
+    assert set(report["limits"]) == {"Q8_0", "Q4_K"} and report["weights"] == 3
+    for name, limit in report["limits"].items():
+        table = report["ms"][name]
+        assert sorted(table) == list(forms.BLOCK_ROWS) and all(v > 0 for t in table.values() for v in t.values())
+        assert limit == forms._dots_limit(table) and quant.few_rows(quant.FORMATS[name]) == limit
+    assert forms.choose_block_rows(weights, torch.float32, model="m")["limits"] == {}   # float32 x: one form
+
+    monkeypatch.setattr(forms, "_block_rows_ms", lambda *a: pytest.fail("a recorded report was measured again"))
+    recorded = {**report, "limits": {"Q8_0": 12, "Q4_K": 40}}
+    assert forms.choose_block_rows(weights, torch.bfloat16, model="n", recorded=recorded) is recorded
+    assert quant.few_rows(quant.FORMATS["Q8_0"]) == 12 and quant.few_rows(quant.FORMATS["Q4_K"]) == 40

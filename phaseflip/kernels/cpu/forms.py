@@ -5,10 +5,11 @@ Owns: `choose_small_forms` (1, 2 and SMALL_BATCH rows: the library's product, th
 one or the few-rows kernel), `choose_wide_forms` (more rows: the kernel's
 wide form or the ladder's product), `choose_gemv` (a compiled step's one-row products: inductor's
 reductions or the eager product, over a pass of the layers), `choose_ladder_form` (bfloat16 on the
-ladder: the library's bf16 product or float32 on oneDNN) and `_measured`, every report of this process
+ladder: the library's bf16 product or float32 on oneDNN), `choose_block_rows` (products on GGUF blocks:
+up to which rows the few-rows dots, past them the wide integer tile) and `_measured`, every report of this process
 by (what, dtype, model); each takes `recorded`, the report an earlier boot measured, in place of
 measuring (rank/boot_record.py). Each choice makes the dtype's products follow its report
-(linear.follow): the last model measured.
+(linear.follow; quant.set_few_rows for the blocks): the last model measured.
 """
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from functools import partial
 
 import torch
 
-from phaseflip.kernels.cpu import library
+from phaseflip.kernels.cpu import library, quant
 from phaseflip.kernels.cpu import linear as lin
 
 # a form other than the few-rows kernel is chosen only where measured this much faster: the kernel
@@ -213,3 +214,70 @@ def choose_wide_forms(weights: list[torch.Tensor], passes: int = 2, model=None,
     report = _once("wide", dtype, model, weights, measure, recorded)
     lin.follow(dtype, wide=report["forms"])
     return report
+
+
+BLOCK_ROWS = (9, 12, 16, 24, 32, 48)   # the rows past the few-rows kernel's 8 at which choose_block_rows times
+
+
+def choose_block_rows(weights: list[torch.Tensor], dtype: torch.dtype, passes: int = 3, model=None,
+                      recorded: dict | None = None) -> dict:
+    """Measure once per process, dtype and model (_once) up to which rows of x of `dtype` the products on
+    each GGUF block format among `weights` (one layer's quantized weights, read as a step reads them) take
+    the few-rows dots, in passes of 8 rows that each read the weights again, rather than the wide integer
+    tile (kernels/cpu/few_rows.h): at each of BLOCK_ROWS the two forms over that format's weights,
+    alternating, best of `passes`. A format's limit is the last of the row counts, from the first on, at
+    which the dots are faster (8 where they are not at the first); CPUs with the same instruction set
+    differ by 2x here. Only formats whose products take int8 x (quant.int8_x) have the two forms. Sets each
+    limit (quant.set_few_rows) and returns the report."""
+    by_format: dict[str, list[torch.Tensor]] = {}
+    for w in weights:
+        fmt = quant.weight_format(w)
+        if fmt is not None and quant.int8_x(fmt, dtype):
+            by_format.setdefault(fmt.name, []).append(w.flatten(1))
+    if not by_format:
+        return {"choice": f"not measured (no block products with int8 x of {dtype})", "limits": {}, "ms": None}
+
+    def measure() -> dict:
+        ms = {name: _block_rows_ms(quant.FORMATS[name], ws, dtype, passes) for name, ws in by_format.items()}
+        limits = {name: _dots_limit(table) for name, table in ms.items()}
+        return {"choice": ", ".join(f"{name}: dots up to {rows} rows" for name, rows in limits.items()),
+                "limits": limits, "ms": ms, "rule": "the dots up to the last row count of the run, from the "
+                "first on, at which they are faster", "weights": sum(len(ws) for ws in by_format.values())}
+    report = _once("block_rows", dtype, model, weights, measure, recorded)
+    for name, rows in report["limits"].items():
+        quant.set_few_rows(quant.FORMATS[name], rows)
+    return report
+
+
+def _block_rows_ms(fmt: quant.BlockFormat, weights: list[torch.Tensor], dtype: torch.dtype, passes: int) -> dict:
+    """choose_block_rows' timings of one format: rows -> {"dots": ms, "wide": ms} over its weights (each
+    form warmed first: the wide tile's buffers are made on a thread's first call)."""
+    def values(w: torch.Tensor) -> int:
+        return w.shape[1] // fmt.block_bytes * fmt.block_values
+
+    def products(limit: int, xs: dict[int, torch.Tensor]) -> None:
+        quant.set_few_rows(fmt, limit)
+        for w in weights:
+            quant.quant_linear(xs[values(w)], w, fmt)
+    table = {}
+    try:
+        for m in BLOCK_ROWS:
+            xs = {k: torch.randn(m, k, dtype=dtype) for k in {values(w) for w in weights}}
+            runs = {"dots": partial(products, max(BLOCK_ROWS), xs), "wide": partial(products, quant.FEW_ROWS, xs)}
+            for run in runs.values():
+                run()
+            table[m] = _alternating_ms(runs, passes)
+    finally:
+        quant.set_few_rows(fmt, None)
+    return table
+
+
+def _dots_limit(table: dict[int, dict[str, float]]) -> int:
+    """The rows up to which the dots serve: the last row count of the run from the first at which they were
+    measured faster than the wide tile (quant.FEW_ROWS where the first was not)."""
+    limit = quant.FEW_ROWS
+    for m in sorted(table):
+        if table[m]["dots"] >= table[m]["wide"]:
+            break
+        limit = m
+    return limit

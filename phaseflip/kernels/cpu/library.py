@@ -55,7 +55,7 @@ SOURCES = tuple(Path(__file__).with_name(name)
 HEADERS = tuple(Path(__file__).with_name(name)   # included by the sources (part of the build's key)
                 for name in ("simd.h", "dtype.h", "parallel.h", "dot.h", "tile.h", "paged.h", "wide.h", "int8.h",
                                   "int8_x.h", "int8_k.h", "int8_groups.h", "blocks.h", "qrow.h", "layer_weights.h",
-                                  "int8_wide.h"))
+                                  "int8_wide.h", "few_rows.h"))
 KEEP_BUILDS = 8   # the most recently used builds kept in the cache (each source edit makes a new one)
 MAX_ROWS = 256    # the kernel's rows a pass (gemv.cpp's MAX_ROWS): more take equal passes
 MOE_ROWS = 4      # the most tokens cpu_moe_rows takes (moe.cpp's MAX_TOKENS)

@@ -4,7 +4,7 @@
 // is (it reads every weight). bfloat16 x, where the CPU has AVX2 (qrow::int8_x), is quantized to int8 per
 // block of the format's values (32, or 256 for the K formats) at every row count (llama.cpp's approach) and
 // multiplied by integer dot products: up to FEW_ROWS rows of x, each weight row's blocks read once for all of
-// them (int8.h; a few such passes up to few_rows_limit rows); more, 16 (VNNI) or 8 (AVX2) weight rows at a
+// them (int8.h; a few such passes up to few_rows.h's limit); more, 16 (VNNI) or 8 (AVX2) weight rows at a
 // time unpacked into L1 for an integer register tile (int8_wide.h). float32 x is never rounded (its products
 // are those of the decoded weights), nor is x on a CPU without AVX2: up to FEW_ROWS rows each block is
 // decoded in registers and multiplied with every row as it is (qrow.h's fused_dot); more, x is packed into
@@ -26,6 +26,7 @@
 #include "blocks.h"
 #include "dot.h"
 #include "dtype.h"
+#include "few_rows.h"
 #include "int8.h"
 #include "int8_wide.h"
 #include "parallel.h"
@@ -36,9 +37,10 @@
 
 namespace {
 
-constexpr int64_t FEW_ROWS = 8;     // rows of x up to which each weight row is read once for all of them
 constexpr int64_t PASS_ROWS = 256;  // more rows: at most this many a pass (x's panels or int8 rows stay in L2)
 using blocks::QK;
+using few_rows::FEW_ROWS;
+using few_rows::few_rows_limit;
 using qrow::decode_row;
 
 #ifdef PF_LANES
@@ -183,29 +185,6 @@ void in_passes(int64_t M, int64_t most, const Fn& fn) {
   for (int64_t m0 = 0; m0 < M; m0 += step) fn(m0, std::min(step, M - m0));
 }
 
-#ifdef PF_INT8_DOT
-// Rows of x up to which the few-rows dots, in passes of at most FEW_ROWS rows that each read the weights
-// again, beat the wide product, whose unpacking of every group of weight rows costs a fixed share that
-// more rows pay back (docs/performance.md). With AVX512-VNNI (measured on a Zen 4): past 16 rows for the
-// 32-value formats, 24 for Q4_K, 48 for Q6_K. AVX2's tile (measured on a Zen 3) pays back sooner: past
-// FEW_ROWS for Q4_0 and Q4_1, 12 for Q8_0, 24 for the K formats; Q5's limit was not measured there. A
-// pass's dots compute from the blocks at a fraction of the memory's rate, so reading the weights again
-// from DRAM costs no more than from L3.
-template <typename B>
-constexpr int64_t few_rows_limit() {
-#ifdef PF_INT8_VNNI
-  if constexpr (std::is_same_v<B, blocks::Q6_K>) return 48;
-  if constexpr (std::is_same_v<B, blocks::Q4_K>) return 24;
-  return 16;
-#else
-  if constexpr (std::is_same_v<B, blocks::Q6_K> || std::is_same_v<B, blocks::Q4_K>) return 24;
-  if constexpr (std::is_same_v<B, blocks::Q8_0>) return 12;
-  if constexpr (std::is_same_v<B, blocks::Q4_0> || std::is_same_v<B, blocks::Q4_1>) return FEW_ROWS;
-  return 16;
-#endif
-}
-#endif
-
 template <typename B, typename X>
 void run(const at::Tensor& x, const at::Tensor& w, at::Tensor& y) {
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0), ldw = w.stride(0);
@@ -290,6 +269,19 @@ bool quant_int8_x(int64_t type, at::ScalarType dtype) {
   return dtype::dispatch("quant_int8_x", dtype, [](auto zero) { return qrow::int8_x<decltype(zero)>; });
 }
 
+// the rows of x up to which the format's products with int8 x take the few-rows dots (few_rows_limit)
+int64_t quant_few_rows(int64_t type) {
+  return blocks::with_format(type, [](auto b) { return few_rows_limit<decltype(b)>(); });
+}
+
+// set quant_few_rows(type) to `rows` (>= 0), or back to its default (-1); returns the limit it replaced
+int64_t quant_set_few_rows(int64_t type, int64_t rows) {
+  TORCH_CHECK(rows >= -1, "quant_set_few_rows: rows must be >= 0 (or -1: the default), got ", rows);
+  const int64_t before = quant_few_rows(type);   // the type checked
+  few_rows::set(type, rows);
+  return before;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(phaseflip, m) {
@@ -298,4 +290,6 @@ TORCH_LIBRARY_FRAGMENT(phaseflip, m) {
   m.def("cpu_quant_rows(Tensor blocks, Tensor ids, int type) -> Tensor");
   m.impl("cpu_quant_rows", c10::DispatchKey::CPU, TORCH_FN(quant_rows));
   m.def("cpu_quant_int8_x(int type, ScalarType dtype) -> bool", TORCH_FN(quant_int8_x));
+  m.def("cpu_quant_few_rows(int type) -> int", TORCH_FN(quant_few_rows));
+  m.def("cpu_quant_set_few_rows(int type, int rows) -> int", TORCH_FN(quant_set_few_rows));
 }

@@ -1,12 +1,13 @@
 """Products on weights kept in a GGUF block format (kernels/cpu/quant.cpp): the formats served, their
 geometry, and `quant_linear` (x @ W^T with W's blocks as the file holds them).
 
-Owns: `FORMATS` (name -> `BlockFormat`: GGML's type id, values and bytes a block), `format_of_type`, `block_format`
-(a name, checked: another names what is served), `weight_format`, `storage` and `storage_name` (what a
-weight of the arena holds: a quantized one is uint8 [rows, blocks, block bytes], and the bytes a block
-takes name its format), `quant_linear`, `quant_rows` (rows of W decoded by index: a quantized
-embedding's lookup), `dequantize`, and `int8_x` / `block_x` / `quantize_rows_int8` (whether the kernel multiplies
-int8 activations, how a report names that, and what they are).
+Owns: `FORMATS` (name -> `BlockFormat`: GGML's type id, values and bytes a block), `format_of_type`,
+`block_format` (a name, checked: another names what is served), `weight_format`, `storage` and
+`storage_name` (what a weight of the arena holds: a quantized one is uint8 [rows, blocks, block bytes],
+and the bytes a block takes name its format), `quant_linear`, `few_rows` / `set_few_rows` (up to which
+rows of x its products take the few-rows dots), `quant_rows` (rows of W decoded by index: a quantized
+embedding's lookup), `dequantize`, and `int8_x` / `block_x` / `quantize_rows_int8` (whether the kernel
+multiplies int8 activations, how a report names that, and what they are).
 """
 from __future__ import annotations
 
@@ -46,6 +47,7 @@ def block_format(name: str) -> BlockFormat:
     return FORMATS[name]
 
 
+FEW_ROWS = 8   # the rows of x the few-rows dots take at once (kernels/cpu/few_rows.h)
 _BY_BLOCK_BYTES = {f.block_bytes: f for f in FORMATS.values()}   # each format's block has its own size
 _BY_TYPE_ID = {f.type_id: f for f in FORMATS.values()}
 
@@ -81,6 +83,18 @@ def quant_linear(x: torch.Tensor, blocks: torch.Tensor, fmt: BlockFormat) -> tor
     """x [M, K] (float32 or bfloat16) @ W^T, W [N, K] held as `blocks` [N, fmt.row_bytes(K)] uint8: the
     product in x's dtype, summed in float32."""
     return _kernels().cpu_quant_linear(x, blocks, fmt.type_id)
+
+
+def few_rows(fmt: BlockFormat) -> int:
+    """The rows of x up to which fmt's products with int8 x (int8_x) read each weight row once a pass of
+    at most 8 rows (the few-rows dots), above which they take the wide integer tile (kernels/cpu/few_rows.h)."""
+    return _kernels().cpu_quant_few_rows(fmt.type_id)
+
+
+def set_few_rows(fmt: BlockFormat, rows: int | None) -> int:
+    """Set few_rows(fmt) to `rows` (None: the build's default for this instruction set); returns the limit
+    it replaced."""
+    return _kernels().cpu_quant_set_few_rows(fmt.type_id, -1 if rows is None else rows)
 
 
 def quant_rows(blocks: torch.Tensor, ids: torch.Tensor, fmt: BlockFormat) -> torch.Tensor:
