@@ -42,11 +42,12 @@ template <> struct Lanes<c10::BFloat16> {
 constexpr int dot_unroll(int m) { return pf::LANES == 16 ? 2 : m <= 2 ? 4 : m <= 4 ? 2 : 1; }
 
 // out[r * M + m] = weight row r (of R, `ld` apart) . x's row m, for M rows of x: each weight row read front
-// to back, U independent accumulators per (weight row, row of x). Neighbouring rows read side by side are
-// slower (streams of one row each, too short for the prefetchers; software prefetch no faster): R rows
-// are one of each of R parts (gemv_range). One row alone wants dot_unroll(M) accumulators (one chain of
-// dependent FMAs is slower, four no faster with AVX-512); R rows give R chains. The unroll pragmas keep
-// acc in registers: without them GCC keeps it on the stack, a store and a reload around every FMA
+// to back, U independent accumulators per (weight row, row of x), each stream prefetched ahead
+// (pf::prefetch_ahead). Neighbouring rows read side by side are slower (streams of one row each, too short
+// for the prefetchers): R rows are one of each of R parts (gemv_range). One row alone wants dot_unroll(M)
+// accumulators (one chain of dependent FMAs is slower, four no faster with AVX-512); R rows give R chains.
+// The unroll pragmas keep acc in registers: without them GCC keeps it on the stack, a store and a reload
+// around every FMA
 template <typename W, int M, int R, int U>
 inline void rows_dot(const W* w, int64_t ld, const typename Lanes<W>::X* x, int64_t K, float* out) {
   using L = Lanes<W>;
@@ -58,7 +59,9 @@ inline void rows_dot(const W* w, int64_t ld, const typename Lanes<W>::X* x, int6
 #pragma GCC unroll 8
       for (int u = 0; u < U; ++u) acc[r][m][u] = pf::zero();
   int64_t k = 0;
-  for (; k + U * L::step <= K; k += U * L::step)
+  for (; k + U * L::step <= K; k += U * L::step) {
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) pf::prefetch_ahead<U * L::step * sizeof(W)>(w + r * ld + k);
 #pragma GCC unroll 8
     for (int u = 0; u < U; ++u)
 #pragma GCC unroll 8
@@ -66,6 +69,7 @@ inline void rows_dot(const W* w, int64_t ld, const typename Lanes<W>::X* x, int6
 #pragma GCC unroll 8
         for (int m = 0; m < M; ++m)
           acc[r][m][u] = L::fma(acc[r][m][u], w + r * ld + k + u * L::step, x + m * K + k + u * L::step);
+  }
   for (; k + L::step <= K; k += L::step)
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r)

@@ -30,7 +30,7 @@ inline void dot_q80(const uint8_t* row, int64_t ld, int64_t runs, const Rows& x,
 #pragma GCC unroll 4
     for (int r = 0; r < R; ++r) {
       const uint8_t* blk = row + r * ld + b * blocks::Q8_0::bytes;
-      if (b % 2 == 0) prefetch_ahead<2 * blocks::Q8_0::bytes>(blk);
+      if (b % 2 == 0) pf::prefetch_ahead<2 * blocks::Q8_0::bytes>(blk);
       const __m256i w = load32(blk + 2), magnitude = _mm256_sign_epi8(w, w);
       const __m256 d = _mm256_set1_ps(half_at(blk));
 #pragma GCC unroll 8

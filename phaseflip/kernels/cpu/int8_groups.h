@@ -124,7 +124,7 @@ inline void group(const uint8_t* row, int64_t ld, int64_t runs, int64_t b, int n
 #pragma GCC unroll 4
   for (int r = 0; r < R; ++r) {
     const uint8_t* blk = row + r * ld + b * B::bytes;
-    if constexpr (whole) prefetch_ahead<8 * B::bytes>(blk);
+    if constexpr (whole) pf::prefetch_ahead<8 * B::bytes>(blk);
     __m256i u[8];
 #pragma GCC unroll 8
     for (int i = 0; i < 8; ++i) u[i] = i < n ? unsigned_bytes<B>(blk + i * B::bytes) : _mm256_setzero_si256();

@@ -26,7 +26,7 @@ inline void dot_k4(const uint8_t* row, int64_t ld, int64_t runs, const Rows& x, 
 #pragma GCC unroll 4
     for (int r = 0; r < R; ++r) {
       const uint8_t* blk = row + r * ld + b * blocks::Q4_K::bytes;
-      prefetch_ahead<blocks::Q4_K::bytes>(blk);
+      pf::prefetch_ahead<blocks::Q4_K::bytes>(blk);
       uint64_t sc, mn;
       k4_bytes(blk, sc, mn);
       const __m256i s32 = _mm256_cvtepu8_epi32(_mm_cvtsi64_si128(static_cast<int64_t>(sc)));
@@ -75,7 +75,7 @@ inline void dot_k6(const uint8_t* row, int64_t ld, int64_t runs, const Rows& x, 
 #pragma GCC unroll 4
     for (int r = 0; r < R; ++r) {
       const uint8_t* blk = row + r * ld + b * blocks::Q6_K::bytes;
-      prefetch_ahead<blocks::Q6_K::bytes>(blk);
+      pf::prefetch_ahead<blocks::Q6_K::bytes>(blk);
       const __m128i sc = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 192));
       __m256i pairs[2];   // scale g (of values 16g .. 16g + 15) in both int16 halves of word g % 8
 #pragma GCC unroll 2

@@ -95,19 +95,6 @@ struct Rows {
   __m256i run(int64_t j) const { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q.data() + j * QK)); }
 };
 
-// How far ahead of its reads a few-rows dot asks for a weight row's next bytes: one core's hardware
-// prefetchers keep too few cache misses in flight for a decode step's stream of blocks (latency-bound at
-// well under the memory's bandwidth), and 1 KiB ahead in each of the R streams covers the latency
-// (docs/performance.md, "GGUF on an Intel Xeon with AMX"). A prefetch past the weights' end is harmless.
-constexpr int64_t PREFETCH_AHEAD = 1024;
-
-// Prefetch the `bytes` bytes PREFETCH_AHEAD past p, a cache line at a time
-template <int64_t bytes>
-inline void prefetch_ahead(const uint8_t* p) {
-#pragma GCC unroll 4
-  for (int64_t o = 0; o < bytes; o += 64) _mm_prefetch(reinterpret_cast<const char*>(p + PREFETCH_AHEAD + o), _MM_HINT_T0);
-}
-
 inline __m256i load32(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
 inline __m256i low4(__m256i v) { return _mm256_and_si256(v, _mm256_set1_epi8(0x0F)); }
 inline __m256i shift_right(__m256i v, int n) { return _mm256_srl_epi16(v, _mm_cvtsi32_si128(n)); }  // then mask

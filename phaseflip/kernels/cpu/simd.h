@@ -24,6 +24,20 @@ namespace pf {
 
 constexpr int64_t LANES = PF_LANES;
 
+// How far ahead of its reads a product of a few rows of x asks for a weight stream's next bytes: one
+// core's hardware prefetchers keep too few cache misses in flight for a decode step's stream of weights
+// (latency-bound, well under the memory's bandwidth), and 1 KiB ahead in each stream covers the latency
+// (docs/performance.md, "A decode step's weights prefetched"). A prefetch past the weights' end is harmless.
+constexpr int64_t PREFETCH_AHEAD = 1024;
+
+// Prefetch the `bytes` bytes PREFETCH_AHEAD past p, a cache line at a time
+template <int64_t bytes>
+inline void prefetch_ahead(const void* p) {
+  const char* at = static_cast<const char*>(p) + PREFETCH_AHEAD;
+#pragma GCC unroll 8
+  for (int64_t o = 0; o < bytes; o += 64) _mm_prefetch(at + o, _MM_HINT_T0);
+}
+
 // 8 vectors of 8 32-bit lanes transposed in place: r[k]'s lane i becomes r[i]'s lane k (bit patterns kept:
 // the integer kernels pass bytes through it)
 inline void transpose8x8(__m256 (&r)[8]) {
