@@ -227,8 +227,8 @@ def choose_block_rows(weights: list[torch.Tensor], dtype: torch.dtype, passes: i
     tile (kernels/cpu/few_rows.h): at each of BLOCK_ROWS the two forms over that format's weights,
     alternating, best of `passes`. A format's limit is the last of the row counts, from the first on, at
     which the dots are faster (8 where they are not at the first); CPUs with the same instruction set
-    differ by 2x here. Only formats whose products take int8 x (quant.int8_x) have the two forms. Sets each
-    limit (quant.set_few_rows) and returns the report."""
+    disagree on it (docs/performance.md). Only formats whose products take int8 x (quant.int8_x) have the
+    two forms. Sets each limit (quant.set_few_rows) and returns the report."""
     by_format: dict[str, list[torch.Tensor]] = {}
     for w in weights:
         fmt = quant.weight_format(w)
