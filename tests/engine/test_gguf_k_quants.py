@@ -1,14 +1,17 @@
 """A GGUF file of mixed block formats served as it is, as llama.cpp's Q4_K_M files are made: Q4_K and Q6_K
 (256-value blocks), Q5_0 / Q5_1 / Q8_0 (32), a fused projection whose parts differ in format (q and k in
 one, v in another: a Split), layers that differ from each other. Held to HF transformers on what the
-file's blocks decode to (gguf's decoder), and two ranks flipping every step to one rank."""
+file's blocks decode to (gguf's decoder), and two ranks flipping every step to one rank; a bf16 boot
+measures each format's few-rows limit and records it."""
 import pytest
+import torch
 
 gguf = pytest.importorskip("gguf", reason="the gguf package (a dependency) is not installed")
 
 from phaseflip import LLM, SamplingParams  # noqa: E402
 from phaseflip.engine.checkpoint import gguf_model  # noqa: E402
 from phaseflip.engine.checkpoint.tokenizer import load_tokenizer  # noqa: E402
+from phaseflip.kernels.cpu import forms, quant  # noqa: E402
 from tests.gguf_files import dequantized_reference, write_llama_gguf  # noqa: E402
 from tests.models import hf_greedy, make_tiny_model  # noqa: E402
 
@@ -99,3 +102,22 @@ def test_a_phi3_file_with_its_fused_tensors_serves_as_hf_runs_it(tmp_path):
     same = sum(a == b for x, y in zip(ours, want) for a, b in zip(x, y))
     print(f"phi3 GGUF vs HF on its decoded blocks: {same}/{sum(map(len, want))} greedy tokens equal")
     assert same >= AGREEMENT * sum(map(len, want))
+
+
+def test_a_bf16_boot_measures_each_formats_few_rows_limit_and_a_second_boot_takes_it(k_quant_file, monkeypatch):
+    """bf16 activations take int8 products on blocks: the boot times the few-rows dots against the wide tile
+    for each format of the first layer (forms.choose_block_rows) and reports the limits it set; the next
+    boot of the same key takes them from its record."""
+    path, _ = k_quant_file
+    if not quant.int8_x(quant.FORMATS["Q4_K"], torch.bfloat16):
+        pytest.skip("this CPU's kernels multiply bf16 x as it is (no AVX2 integer dots): one form")
+    reports = []
+    for _ in range(2):
+        monkeypatch.setattr(forms, "_measured", {})   # a fresh process as far as the measured forms go
+        with LLM(str(path), dtype="bfloat16") as llm:
+            reports.append(llm.inspect()["ranks"][0]["compile"]["pp"])
+    first, again = (r["block_rows"] for r in reports)
+    assert set(first["limits"]) == {"Q4_K", "Q6_K", "Q5_0", "Q5_1"}   # layer 0's formats
+    for name, limit in first["limits"].items():
+        assert limit in (quant.FEW_ROWS, *forms.BLOCK_ROWS) and sorted(first["ms"][name]) == list(forms.BLOCK_ROWS)
+    assert not reports[0]["record"]["used"] and reports[1]["record"]["used"] and again == first
