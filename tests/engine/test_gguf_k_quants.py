@@ -112,10 +112,14 @@ def test_a_bf16_boot_measures_each_formats_few_rows_limit_and_a_second_boot_take
     if not quant.int8_x(quant.FORMATS["Q4_K"], torch.bfloat16):
         pytest.skip("this CPU's kernels multiply bf16 x as it is (no AVX2 integer dots): one form")
     reports = []
-    for _ in range(2):
-        monkeypatch.setattr(forms, "_measured", {})   # a fresh process as far as the measured forms go
-        with LLM(str(path), dtype="bfloat16") as llm:
-            reports.append(llm.inspect()["ranks"][0]["compile"]["pp"])
+    try:
+        for _ in range(2):
+            monkeypatch.setattr(forms, "_measured", {})   # a fresh process as far as the measured forms go
+            with LLM(str(path), dtype="bfloat16") as llm:
+                reports.append(llm.inspect()["ranks"][0]["compile"]["pp"])
+    finally:   # the rank ran in this process: the later tests' products take the defaults again
+        for fmt in quant.FORMATS.values():
+            quant.set_few_rows(fmt, None)
     first, again = (r["block_rows"] for r in reports)
     assert set(first["limits"]) == {"Q4_K", "Q6_K", "Q5_0", "Q5_1"}   # layer 0's formats
     for name, limit in first["limits"].items():
