@@ -146,6 +146,16 @@ def _background_jobs(request, tmp_path_factory, _private_cache, _eager_by_defaul
     background.kill(jobs)
 
 
+@pytest.fixture
+def default_few_rows():
+    """Each GGUF block format's few-rows limit (kernels/cpu/few_rows.h) back to its default after the test:
+    a limit a test or an in-process boot sets stays set in the CPU kernels for the tests after it."""
+    yield
+    from phaseflip.kernels.cpu import quant
+    for fmt in quant.FORMATS.values():
+        quant.set_few_rows(fmt, None)
+
+
 def pytest_addoption(parser):
     parser.addoption("--runslow", action="store_true", default=False,
                      help="also run tests marked slow (the full matrix; `make test-slow`)")

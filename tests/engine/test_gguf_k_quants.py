@@ -104,7 +104,8 @@ def test_a_phi3_file_with_its_fused_tensors_serves_as_hf_runs_it(tmp_path):
     assert same >= AGREEMENT * sum(map(len, want))
 
 
-def test_a_bf16_boot_measures_each_formats_few_rows_limit_and_a_second_boot_takes_it(k_quant_file, monkeypatch):
+def test_a_bf16_boot_measures_each_formats_few_rows_limit_and_a_second_boot_takes_it(k_quant_file, monkeypatch,
+                                                                                    default_few_rows):
     """bf16 activations take int8 products on blocks: the boot times the few-rows dots against the wide tile
     for each format of the first layer (forms.choose_block_rows) and reports the limits it set; the next
     boot of the same key takes them from its record."""
@@ -112,14 +113,10 @@ def test_a_bf16_boot_measures_each_formats_few_rows_limit_and_a_second_boot_take
     if not quant.int8_x(quant.FORMATS["Q4_K"], torch.bfloat16):
         pytest.skip("this CPU's kernels multiply bf16 x as it is (no AVX2 integer dots): one form")
     reports = []
-    try:
-        for _ in range(2):
-            monkeypatch.setattr(forms, "_measured", {})   # a fresh process as far as the measured forms go
-            with LLM(str(path), dtype="bfloat16") as llm:
-                reports.append(llm.inspect()["ranks"][0]["compile"]["pp"])
-    finally:   # the rank ran in this process: the later tests' products take the defaults again
-        for fmt in quant.FORMATS.values():
-            quant.set_few_rows(fmt, None)
+    for _ in range(2):   # the rank runs in this process (its limits undone by default_few_rows)
+        monkeypatch.setattr(forms, "_measured", {})   # a fresh process as far as the measured forms go
+        with LLM(str(path), dtype="bfloat16") as llm:
+            reports.append(llm.inspect()["ranks"][0]["compile"]["pp"])
     first, again = (r["block_rows"] for r in reports)
     assert set(first["limits"]) == {"Q4_K", "Q6_K", "Q5_0", "Q5_1"}   # layer 0's formats
     for name, limit in first["limits"].items():

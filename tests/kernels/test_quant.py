@@ -149,17 +149,9 @@ def test_the_torch_reference_decodes_as_gguf_does(name):
     torch.testing.assert_close(quant_ref.dequantize(blocks, fmt.type_id), want, rtol=0, atol=0)
 
 
-@pytest.fixture
-def default_limits():
-    """Each format's few-rows limit back to its default after the test."""
-    yield
-    for fmt in quant.FORMATS.values():
-        quant.set_few_rows(fmt, None)
-
-
 @pytest.mark.parametrize("name", sorted(quant.FORMATS))
 @pytest.mark.parametrize("limit", [0, 64])   # the wide tile at every row count; the dots in passes up to 64
-def test_either_form_at_any_row_count_gives_the_product(op, name, limit, default_limits):
+def test_either_form_at_any_row_count_gives_the_product(op, name, limit, default_few_rows):
     """The limit the boot sets (kernels/cpu/few_rows.h) moves rows from one form to the other: both give
     F.linear of x rounded to int8, from 1 row (the wide tile on one row) to 64 (eight passes of dots)."""
     fmt = quant.block_format(name)
@@ -177,7 +169,7 @@ def test_either_form_at_any_row_count_gives_the_product(op, name, limit, default
     assert quant.set_few_rows(fmt, None) == limit and quant.few_rows(fmt) == default
 
 
-def test_a_bad_limit_is_refused_by_value(op, default_limits):
+def test_a_bad_limit_is_refused_by_value(op, default_few_rows):
     with pytest.raises(RuntimeError, match="rows must be >= 0 .or -1: the default., got -2"):
         quant.set_few_rows(quant.FORMATS["Q8_0"], -2)
 
@@ -189,7 +181,7 @@ def test_the_dots_serve_up_to_the_last_row_count_they_win_from_the_first():
     assert forms._dots_limit({9: faster, 48: faster}) == 48
 
 
-def test_the_boot_measures_each_formats_limit_and_the_products_take_it(op, monkeypatch, default_limits):
+def test_the_boot_measures_each_formats_limit_and_the_products_take_it(op, monkeypatch, default_few_rows):
     """choose_block_rows times both forms at every BLOCK_ROWS count for each format of the weights it is
     given, sets each limit by its rule, and a recorded report sets them without timing anything."""
     if not quant.int8_x(quant.FORMATS["Q8_0"], torch.bfloat16):
