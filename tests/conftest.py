@@ -156,6 +156,16 @@ def default_few_rows():
         quant.set_few_rows(fmt, None)
 
 
+@pytest.fixture
+def int8_products():
+    """quant.set_int8_x, the products on GGUF blocks' process setting (int8 x or exact), put back as it was
+    after the test: a setting a test or an in-process boot makes stays for the tests after it."""
+    from phaseflip.kernels.cpu import quant
+    before = quant.int8_x()
+    yield quant.set_int8_x
+    quant.set_int8_x(before)
+
+
 def pytest_addoption(parser):
     parser.addoption("--runslow", action="store_true", default=False,
                      help="also run tests marked slow (the full matrix; `make test-slow`)")

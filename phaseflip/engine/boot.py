@@ -1,6 +1,7 @@
 """Boot planning: every value derived from the config, the model and the machine, computed once.
 
-Owns: BootPlan (device, dtype, max_model_len, KV block count, bucket sets, the two layouts), the
+Owns: BootPlan (device, dtype, how products on GGUF blocks take x, max_model_len, KV block count, bucket
+sets, the two layouts), the
 RankBoot message each rank boots from, and `policy_key` (what the policy's recorded rates depend on).
 Checkpoint problems are raised by the loader before any rank allocates its KV region, and a KV budget
 that cannot hold one sequence of max_model_len tokens is refused here, saying what to change. On CUDA,
@@ -43,6 +44,7 @@ class BootPlan:
     layout_plan: LayoutPlan
     budgets_bytes: tuple[int, ...] | None   # memory budget per rank (the ledger sums to it)
     kv_utilization: float | None = None     # gpu_memory_utilization the ranks size the KV by, if they do
+    block_products: str | None = None       # "int8" | "exact" where weights are in GGUF blocks, else None
 
 
 CPU_KV_GIB = 2.0                       # the CPU's KV pool when kv_cache_memory_gib is not given
@@ -65,6 +67,25 @@ def resolve_compile(option: str | None) -> str:
     if value not in ("auto", "on", "off"):
         raise ValueError(f"PHASEFLIP_COMPILE={value!r} is invalid: allowed are auto, on, off")
     return value
+
+
+def resolve_block_products(option: str, device: str, quantized: set[str]) -> str | None:
+    """How the products on a model's GGUF blocks take x: "int8" (quantized per block of the weights' values,
+    llama.cpp's numerics: the CPU kernels' integer dots) or "exact" (x as it is times the decoded weights);
+    "auto" is int8 where the CPU kernels have integer dots (AVX2), else exact (CUDA's Triton kernels take x
+    as it is). None for a model without blocks (`quantized` empty)."""
+    if not quantized:
+        return None
+    from phaseflip.kernels.cpu import quant
+    if option == "int8" and device != "cpu":
+        raise ValueError(f"block_products='int8' is the CPU kernels' (integer dots): on {device} the Triton "
+                         "kernels multiply x as it is; allowed there: auto, exact")
+    if option == "int8" and not quant.has_int8_dot():
+        raise ValueError("block_products='int8' needs the CPU kernels' integer dots, which this CPU or build "
+                         "lacks (AVX2, and a C++ compiler); allowed here: auto, exact")
+    if option == "auto":
+        return "int8" if device == "cpu" and quant.has_int8_dot() else "exact"
+    return option
 
 
 def default_decode_buckets(max_num_seqs: int) -> tuple[int, ...]:
@@ -182,6 +203,7 @@ def make_plan(cfg: EngineConfig, mc: ModelConfig, model_dir: str) -> BootPlan:
         raise ValueError(f"{model_dir}: weights stored as {', '.join(sorted(quantized))} are multiplied on "
                          f"{device} by Triton kernels, and triton is not installed; allowed without it: a GGUF "
                          "of F32 / F16 / BF16 tensors, or safetensors")
+    block_products = resolve_block_products(cfg.block_products, device, quantized)
     layout_plan = plan_layouts(mc, budgets, pp_split=cfg.pp_split, tp_kv_split=cfg.tp_kv_split,
                                column_units=column_units(model_dir))
     budget = cfg.max_num_batched_tokens
@@ -194,7 +216,7 @@ def make_plan(cfg: EngineConfig, mc: ModelConfig, model_dir: str) -> BootPlan:
     utilization = kv_utilization(cfg, device)
     num_blocks = None if utilization else _kv_blocks(cfg, mc, layout_plan, dtype, max_model_len)
     return BootPlan(model_dir, device, dtype, max_model_len, num_blocks, shapes, layout_plan,
-                    memory_budgets(cfg, device), utilization)
+                    memory_budgets(cfg, device), utilization, block_products)
 
 
 def kv_reason(cfg: EngineConfig, sizing: dict | None) -> str:
@@ -218,7 +240,7 @@ def rank_boot(cfg: EngineConfig, plan: BootPlan) -> RankBoot:
                     max_model_len=plan.max_model_len, park=cfg.park, seed=cfg.seed,
                     capture=not cfg.enforce_eager, num_threads=cfg.num_threads,
                     compile=resolve_compile(cfg.compile), compile_cache_dir=str(cache_dir() / "compile"),
-                    remeasure=cfg.remeasure,
+                    remeasure=cfg.remeasure, block_products=plan.block_products,
                     budgets_bytes=plan.budgets_bytes,
                     flip_staging_bytes=None if cfg.flip_staging_mib is None else int(cfg.flip_staging_mib * 2**20))
 

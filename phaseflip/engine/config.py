@@ -24,6 +24,8 @@ def _int_tuple(name: str, values) -> tuple[int, ...] | None:
 class EngineConfig:
     model: str | None = None            # HF-format directory or GGUF file; None = the embedded SmolLM2
     dtype: str = "auto"                 # float32 | bfloat16 | float16 | auto (float32 on CPU)
+    block_products: str = "auto"        # GGUF blocks: int8 (x quantized per block, llama.cpp's numerics)
+                                        # | exact (x as it is) | auto (int8 where the CPU has integer dots)
     device: str = "auto"                # cpu | cuda | auto
     max_model_len: int | None = None    # None = the model's max_position_embeddings
     max_num_seqs: int = 64              # sequences running at once
@@ -60,6 +62,8 @@ class EngineConfig:
     def __post_init__(self):
         require(self.dtype in ("auto", "float32", "fp32", "bfloat16", "bf16", "float16", "fp16", "half"),
                 f"dtype={self.dtype!r} is invalid: allowed are auto, float32, bfloat16, float16")
+        require(self.block_products in ("auto", "int8", "exact"),
+                f"block_products={self.block_products!r} is invalid: allowed are auto, int8, exact")
         require(self.device in ("auto", "cpu", "cuda"),
                 f"device={self.device!r} is invalid: allowed are auto, cpu, cuda")
         require(self.max_model_len is None or self.max_model_len >= 2,

@@ -54,13 +54,12 @@ class HostImage:
 EXPERT_WEIGHTS = ("experts_gate_up", "experts_down")
 
 
-def weight_report(image: HostImage, experts_read: float = 1.0, dtype: torch.dtype = torch.float32,
-                  device: str = "cpu") -> dict:
+def weight_report(image: HostImage, experts_read: float = 1.0, device: str = "cpu") -> dict:
     """What a layout's weights are stored as: bytes per storage type (a GGUF block format by its name,
     else the dtype's), each tensor's storage, the bytes one decode token reads (every weight once,
     of an embedding that is not also the head only the one row it looks up, of an MoE's experts the
-    fraction `experts_read` a token routes to: top_k / num_experts), and how products on blocks see x of
-    the activations' `dtype` on `device` (quant.block_x), where a weight is in blocks (else None)."""
+    fraction `experts_read` a token routes to: top_k / num_experts), and how products on blocks see x on
+    `device` (quant.block_x), where a weight is in blocks (else None)."""
     names_at = Counter(slot.offset for slot in image.slots.values())   # tied tensors share a slot
     tensors = {name: storage_name(slot.dtype, slot.shape) for name, slot in image.slots.items()}
     by_type: dict[str, int] = {}
@@ -72,7 +71,7 @@ def weight_report(image: HostImage, experts_read: float = 1.0, dtype: torch.dtyp
                  round(slot.num_bytes * experts_read) if name.endswith(EXPERT_WEIGHTS) else slot.num_bytes)
     blocks = any(kind in FORMATS for kind in by_type)
     return {"bytes_by_storage": by_type, "storage": tensors, "bytes_read_per_token": read,
-            "block_products_x": block_x(dtype, device) if blocks else None}
+            "block_products_x": block_x(device) if blocks else None}
 
 
 def experts_read(cfg) -> float:

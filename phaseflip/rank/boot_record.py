@@ -67,8 +67,10 @@ def kernels_build(device: str) -> str | None:
     return library.kernel_report().get("path")
 
 
-def record_key(runner, device: str, compile_mode: str, kernels: str | None) -> dict:
-    """What this rank's choices and compiled graphs for runner's layout depend on."""
+def record_key(runner, device: str, compile_mode: str, kernels: str | None,
+               block_products: str | None = None) -> dict:
+    """What this rank's choices and compiled graphs for runner's layout depend on (block_products: how
+    products on GGUF blocks take x, engine/boot.py)."""
     gpu = torch.cuda.get_device_name(torch.device(device)) if device.startswith("cuda") else None
     return {"version": RECORD_VERSION, "machine": machine(), "gpu": gpu, "threads": torch.get_num_threads(),
             "torch": torch.__version__, "kernels": kernels, "source": source_digest(),
@@ -77,12 +79,12 @@ def record_key(runner, device: str, compile_mode: str, kernels: str | None) -> d
             "layout": runner.layout, "shard": repr(runner.shard), "ranks": len(runner.shards),
             "block_table": (runner.shapes.max_blocks_per_seq, runner.shapes.block_size),
             "shapes": repr(runner.shapes), "samples_in_step": runner.samples_in_step,
-            "compile": compile_mode}
+            "compile": compile_mode, "block_products": block_products}
 
 
 # key fields a compiled step does not depend on: the buckets (its guards take the shapes it serves),
-# where the boot samples, the compile mode
-NOT_IN_GRAPHS = ("shapes", "samples_in_step", "compile")
+# where the boot samples, the compile mode, how the products on blocks (opaque calls) take x
+NOT_IN_GRAPHS = ("shapes", "samples_in_step", "compile", "block_products")
 
 
 @dataclasses.dataclass

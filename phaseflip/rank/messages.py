@@ -120,6 +120,7 @@ class RankBoot:
     faults: tuple["ArmFault", ...] = ()                  # test hook: faults armed before boot starts
     kv_utilization: float | None = None                  # gpu_memory_utilization, when num_kv_blocks is None
     remeasure: bool = False                              # measure the boot's choices though a record has them
+    block_products: str | None = None                    # "int8" | "exact": products on GGUF blocks (CPU)
 
 
 @dataclass(frozen=True)

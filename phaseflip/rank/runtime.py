@@ -18,7 +18,7 @@ import torch
 from phaseflip.graphs.buffers import BufferSpec, StaticBuffers
 from phaseflip.graphs.compile import import_compiler, use_cache_dir
 from phaseflip.graphs.registry import GraphRegistry
-from phaseflip.kernels.cpu import forms, fused_layer, linear
+from phaseflip.kernels.cpu import forms, fused_layer, linear, quant
 from phaseflip.kernels.reference.rotary import cos_sin_table
 from phaseflip.rank.boot_record import BootRecord, kernels_build, record_key
 from phaseflip.rank.arena import (WeightArena, allocate_arena, arena_bases, image_slots, pack_image,
@@ -211,12 +211,15 @@ class RankRuntime:
             break_graphs_at_collectives()
             if boot.compile_cache_dir is not None:
                 self.compile_caches = use_cache_dir(boot.compile_cache_dir)
+        if not cuda and boot.block_products is not None:   # a process setting, read by products on blocks
+            quant.set_int8_x(boot.block_products == "int8")
         for name in boot.layouts:
             self.arena.refill(name)
             runner = self.runners[name]
             with self._timed(f"gemm_warm:{name}"), _rss_growth() as grown:
                 kernels = kernels_build(self.device)   # loads the CPU kernels (once) the products call
-                record = BootRecord.load(record_key(runner, self.device, boot.compile, kernels), boot.remeasure)
+                key = record_key(runner, self.device, boot.compile, kernels, boot.block_products)
+                record = BootRecord.load(key, boot.remeasure)
                 if not cuda and runner.layer_projections():   # bf16's ladder form decides what `warm` builds
                     runner.compile.report["ladder"] = forms.choose_ladder_form(
                         list(runner.layer_projections()[0]), model=runner.cfg, recorded=record.get("ladder"))
@@ -310,7 +313,7 @@ class RankRuntime:
             steps=steps, compile={name: dict(r.compile.report) for name, r in self.runners.items()},
             memory=dict(self.memory), eager_fallbacks=stats.eager_fallbacks, chunked_runs=stats.chunked_runs,
             micro_batched_runs=stats.micro_batched_runs,
-            weights={name: weight_report(img, experts_read(self.cfg), self.kv.dtype, self.device)
+            weights={name: weight_report(img, experts_read(self.cfg), self.device)
                      for name, img in self.arena.images.items()})
 
     def stats(self) -> RankStats:

@@ -40,6 +40,9 @@ def _add_engine_options(f, budget: int):
         click.option("--model", default=None, help="HF-format model directory or GGUF file (default: the embedded "
                      "SmolLM2-135M-Instruct)."),
         click.option("--dtype", default="auto", show_default=True, help="float32 | bfloat16 | float16 | auto"),
+        click.option("--block-products", type=click.Choice(["auto", "int8", "exact"]), default="auto",
+                     show_default=True, help="GGUF blocks: int8 (x quantized per block of the weights' values, "
+                     "llama.cpp's numerics) | exact (x as it is) | auto (int8 where the CPU has integer dots)."),
         click.option("--max-model-len", type=int, default=None, help="Longest sequence (default: the model's)."),
         click.option("--max-num-seqs", type=int, default=64, show_default=True, help="Sequences running at once."),
         click.option("--max-num-batched-tokens", type=int, default=budget, show_default=True,
@@ -72,15 +75,16 @@ def _add_engine_options(f, budget: int):
     return f
 
 
-def _engine_kwargs(model, dtype, max_model_len, max_num_seqs, max_num_batched_tokens, seed, kv_cache_memory_gib,
-                   gpu_memory_utilization, world_size, layouts, park, flip_every_steps, pp_micro_batches,
-                   compile_mode, remeasure, policy, ttft_budget_s) -> dict:
+def _engine_kwargs(model, dtype, block_products, max_model_len, max_num_seqs, max_num_batched_tokens, seed,
+                   kv_cache_memory_gib, gpu_memory_utilization, world_size, layouts, park, flip_every_steps,
+                   pp_micro_batches, compile_mode, remeasure, policy, ttft_budget_s) -> dict:
     """The engine options of the command line as LLM(...) keyword arguments."""
     from phaseflip.rank.comm import env_rank
     if world_size is None:
         world_size = env_rank()[1] if env_rank() else 1
-    return dict(model=model, dtype=dtype, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
-                max_num_batched_tokens=max_num_batched_tokens, seed=seed, kv_cache_memory_gib=kv_cache_memory_gib,
+    return dict(model=model, dtype=dtype, block_products=block_products, max_model_len=max_model_len,
+                max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, seed=seed,
+                kv_cache_memory_gib=kv_cache_memory_gib,
                 gpu_memory_utilization=gpu_memory_utilization, world_size=world_size,
                 layouts=tuple(layouts.split(",")) if layouts else None, park=park,
                 flip_every_steps=flip_every_steps, pp_micro_batches=pp_micro_batches, compile=compile_mode,

@@ -67,7 +67,7 @@ def weights_table(m: dict) -> list[str]:
     for r in m["ranks"]:
         for lay, w in (r.get("weights") or {}).items():   # absent from older manifests
             kinds = ", ".join(f"{k} {_mib(v)}" for k, v in sorted(w["bytes_by_storage"].items()))
-            blocks = f"; blocks multiply x as {w['block_products_x']}" if w.get("block_products_x") else ""
+            blocks = f"; blocks multiply x {w['block_products_x']}" if w.get("block_products_x") else ""
             read = _mib(w["bytes_read_per_token"])
             lines.append(f"  rank {r['rank']} {lay:3} {kinds}; read per token {read}{blocks}")
     return lines

@@ -1,10 +1,9 @@
 """A GGUF file of mixed block formats served as it is, as llama.cpp's Q4_K_M files are made: Q4_K and Q6_K
 (256-value blocks), Q5_0 / Q5_1 / Q8_0 (32), a fused projection whose parts differ in format (q and k in
 one, v in another: a Split), layers that differ from each other. Held to HF transformers on what the
-file's blocks decode to (gguf's decoder), and two ranks flipping every step to one rank; a bf16 boot
-measures each format's few-rows limit and records it."""
+file's blocks decode to (gguf's decoder) and two ranks flipping every step to one rank, the products exact
+(x as it is); a boot with int8 products measures each format's few-rows limit and records it."""
 import pytest
-import torch
 
 gguf = pytest.importorskip("gguf", reason="the gguf package (a dependency) is not installed")
 
@@ -17,8 +16,8 @@ from tests.models import hf_greedy, make_tiny_model  # noqa: E402
 
 PROMPTS = ("The quick brown fox", "What is 2 + 2?", "Hello, world!", "Pack my box", "Sphinx of black quartz",
            "A large language model", "Numbers 0123456789", "Pipeline parallel stages hold layers")
-AGREEMENT = 0.90   # greedy tokens equal to HF's on the decoded weights (the quantized kernels' products
-#                    differ from F.linear's in summation order, and at few rows multiply int8 activations)
+AGREEMENT = 0.90   # greedy tokens equal to HF's on the decoded weights (the quantized kernels' exact products
+#                    differ from F.linear's in summation order)
 
 
 def _kinds(layers: int) -> dict[str, str]:
@@ -56,7 +55,7 @@ def test_the_file_serves_as_hf_runs_its_decoded_blocks(k_quant_file):
     path, reference = k_quant_file
     assert gguf_model.quantized_types(path) == {"Q4_K", "Q5_0", "Q5_1", "Q6_K", "Q8_0"}
     assert gguf_model.column_units(path) == (32, 256)
-    with LLM(str(path)) as llm:
+    with LLM(str(path), block_products="exact") as llm:
         ours = _greedy(llm)
         report = llm.inspect()["ranks"][0]["weights"]["pp"]
     storage = report["storage"]
@@ -73,9 +72,9 @@ def test_the_file_serves_as_hf_runs_its_decoded_blocks(k_quant_file):
 
 def test_two_ranks_flipping_every_step_give_one_ranks_tokens(k_quant_file):
     path, _ = k_quant_file
-    with LLM(str(path)) as llm:
+    with LLM(str(path), block_products="exact") as llm:
         want = _greedy(llm, 12)
-    with LLM(str(path), world_size=2, layouts=("pp", "tp"), flip_every_steps=1) as llm:
+    with LLM(str(path), world_size=2, layouts=("pp", "tp"), flip_every_steps=1, block_products="exact") as llm:
         assert _greedy(llm, 12) == want
         assert llm.stats()["flips"] >= 6
 
@@ -94,7 +93,7 @@ def test_a_phi3_file_with_its_fused_tensors_serves_as_hf_runs_it(tmp_path):
     decoded = write_llama_gguf(hf, out / "tiny-phi3.gguf", kinds, arch="phi3")
     reference = dequantized_reference(hf, decoded, tmp_path / "ref")
     assert gguf_model.quantized_types(out / "tiny-phi3.gguf") == {"Q8_0", "Q5_1"}
-    with LLM(str(out / "tiny-phi3.gguf")) as llm:
+    with LLM(str(out / "tiny-phi3.gguf"), block_products="exact") as llm:
         assert llm.model_config.architecture == "Phi3ForCausalLM"
         ours = _greedy(llm)
     tok = load_tokenizer(reference)
@@ -104,18 +103,18 @@ def test_a_phi3_file_with_its_fused_tensors_serves_as_hf_runs_it(tmp_path):
     assert same >= AGREEMENT * sum(map(len, want))
 
 
-def test_a_bf16_boot_measures_each_formats_few_rows_limit_and_a_second_boot_takes_it(k_quant_file, monkeypatch,
-                                                                                    default_few_rows):
-    """bf16 activations take int8 products on blocks: the boot times the few-rows dots against the wide tile
-    for each format of the first layer (forms.choose_block_rows) and reports the limits it set; the next
-    boot of the same key takes them from its record."""
+def test_an_int8_boot_measures_each_formats_few_rows_limit_and_a_second_boot_takes_it(k_quant_file, monkeypatch,
+                                                                                     default_few_rows, int8_products):
+    """Int8 products on blocks (the default where the CPU has integer dots): the boot times the few-rows
+    dots against the wide tile for each format of the first layer (forms.choose_block_rows) and reports the
+    limits it set; the next boot of the same key takes them from its record."""
     path, _ = k_quant_file
-    if not quant.int8_x(quant.FORMATS["Q4_K"], torch.bfloat16):
-        pytest.skip("this CPU's kernels multiply bf16 x as it is (no AVX2 integer dots): one form")
+    if not quant.has_int8_dot():
+        pytest.skip("this CPU's kernels have no integer dots (AVX2): one form")
     reports = []
     for _ in range(2):   # the rank runs in this process (its limits undone by default_few_rows)
         monkeypatch.setattr(forms, "_measured", {})   # a fresh process as far as the measured forms go
-        with LLM(str(path), dtype="bfloat16") as llm:
+        with LLM(str(path), block_products="int8") as llm:
             reports.append(llm.inspect()["ranks"][0]["compile"]["pp"])
     first, again = (r["block_rows"] for r in reports)
     assert set(first["limits"]) == {"Q4_K", "Q6_K", "Q5_0", "Q5_1"}   # layer 0's formats

@@ -4,6 +4,7 @@ blocks decode to exactly those values, llama.cpp's q/k row order undone), greedy
 dequantized run, two ranks flipping every step against one; the header reader against gguf's own; what
 is not served refused by name before any weight is read."""
 import json
+import math
 
 import numpy as np
 import pytest
@@ -92,8 +93,9 @@ def _greedy(llm, n=32):
 
 @pytest.fixture(scope="module")
 def one_rank_run(q4_1):
-    """The shipped file on one rank: its greedy tokens (8 prompts x 32) and its manifest."""
-    with LLM(str(q4_1)) as llm:
+    """The shipped file on one rank, its blocks' products exact (x as it is, as the dequantized run takes
+    it): its greedy tokens (8 prompts x 32) and its manifest."""
+    with LLM(str(q4_1), block_products="exact") as llm:
         assert llm.model_config.tie_word_embeddings
         return _greedy(llm), llm.inspect()
 
@@ -123,15 +125,66 @@ def _check_weights_report(manifest, path):
     assert report["bytes_by_storage"]["Q8_0"] == stored["Q8_0"]
     assert report["storage"]["layers.0.qkv_proj"] == "Q4_1" and report["storage"]["lm_head"] == "Q8_0"
     assert report["bytes_read_per_token"] == sum(report["bytes_by_storage"].values())
-    assert report["block_products_x"] == "float32, never rounded"   # the default dtype's activations
+    assert report["block_products_x"] == "as it is, never rounded (exact)"   # the run's block_products
     table = "\n".join(weights_table(manifest))
-    assert "Q4_1 " in table and "blocks multiply x as float32, never rounded" in table
+    assert "Q4_1 " in table and "blocks multiply x as it is, never rounded (exact)" in table
 
 
 def test_two_ranks_flipping_every_step_give_one_ranks_tokens(q4_1, one_rank_run):
-    with LLM(str(q4_1), world_size=2, layouts=("pp", "tp"), flip_every_steps=1) as llm:
+    """Exact products (x as it is): the ranks' sums in another order move no token. With int8 x they can (a
+    value at a rounding step's edge rounds to the next step, as in bf16)."""
+    with LLM(str(q4_1), world_size=2, layouts=("pp", "tp"), flip_every_steps=1, block_products="exact") as llm:
         assert _greedy(llm, 16) == [tokens[:16] for tokens in one_rank_run[0]]
         assert llm.stats()["flips"] >= 10
+
+
+def _perplexity(llm, ids: list[int], ctx: int = 256) -> float:
+    """llama-perplexity's protocol (benchmarks/perplexity.py): windows of ctx tokens, in each the tokens
+    after its first half scored given every token before them in the window."""
+    params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0)
+    nll = []
+    for start in range(0, len(ids) - ctx + 1, ctx):
+        part = ids[start:start + ctx]
+        out = llm.generate([{"prompt_token_ids": part}], params, use_tqdm=False)[0]
+        nll += [-out.prompt_logprobs[j][part[j]] for j in range(ctx // 2 + 1, ctx)]
+    return math.exp(sum(nll) / len(nll))
+
+
+def test_the_default_int8_products_score_a_text_as_the_exact_ones_do(q4_1, one_rank_run, int8_products):
+    """block_products="auto" takes x rounded to int8 per block where the CPU has integer dots (llama.cpp's
+    numerics and speed): the shipped file's perplexity on a text (Python's reference topics) within 1% of
+    the exact products'. Greedy tokens are no measure here: a near tie goes either way (printed)."""
+    if not quant.has_int8_dot():
+        pytest.skip("this CPU's kernels have no integer dots (AVX2): auto takes x as it is")
+    from pydoc_data.topics import topics
+    body = "\n\n".join(topics[k] for k in sorted(topics))[:6000]
+    with LLM(str(q4_1), max_model_len=512) as llm:
+        report = llm.inspect()["ranks"][0]["weights"]["pp"]
+        assert report["block_products_x"].startswith("rounded to int8 per block")
+        ids = llm.get_tokenizer().encode(body, add_special_tokens=False)
+        ours, tokens = _perplexity(llm, ids), _greedy(llm)
+    with LLM(str(q4_1), max_model_len=512, block_products="exact") as llm:
+        exact = _perplexity(llm, ids)
+    same = sum(a == b for x, y in zip(tokens, one_rank_run[0]) for a, b in zip(x, y))
+    print(f"Q4_1, int8 x: perplexity {ours:.4f} against exact {exact:.4f} over {len(ids)} tokens; "
+          f"{same}/{sum(map(len, tokens))} greedy tokens equal to the exact run's")
+    assert abs(ours / exact - 1) <= 0.01
+
+
+def test_block_products_are_checked_before_any_work(q4_1, monkeypatch):
+    """A value not served, int8 where no CPU kernel takes it (CUDA's Triton kernels decode the blocks; a CPU
+    without integer dots), each refused naming what is allowed; auto takes what the device can."""
+    from phaseflip.engine.boot import resolve_block_products
+    with pytest.raises(ValueError, match="block_products='int4' is invalid: allowed are auto, int8, exact"):
+        LLM(str(q4_1), block_products="int4")
+    with pytest.raises(ValueError, match="block_products='int8' is the CPU kernels'.*allowed there: auto, exact"):
+        resolve_block_products("int8", "cuda", {"Q4_1"})
+    assert resolve_block_products("auto", "cuda", {"Q4_1"}) == "exact"
+    assert resolve_block_products("int8", "cpu", set()) is None   # no blocks: nothing to set
+    monkeypatch.setattr(quant, "has_int8_dot", lambda: False)
+    with pytest.raises(ValueError, match="needs the CPU kernels' integer dots.*allowed here: auto, exact"):
+        resolve_block_products("int8", "cpu", {"Q4_1"})
+    assert resolve_block_products("auto", "cpu", {"Q4_1"}) == "exact"
 
 
 def _write(path, arch="llama", tensors=None, **metadata):

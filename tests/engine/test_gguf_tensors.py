@@ -67,7 +67,7 @@ def test_the_shipped_q4_1_file_reads_whole_and_its_blocks_multiply_as_gguf_decod
     down = next(t for t in tensors if t.name == "blk.0.ffn_down.weight")
     assert down.shape == (576, 1536) and down.stored == "Q4_1"
     x = torch.randn(3, 1536, generator=torch.Generator().manual_seed(0))
-    seen = quant.quantize_rows_int8(x, down.fmt) if quant.int8_x(down.fmt, x.dtype) else x   # as the kernel sees x
+    seen = quant.quantize_rows_int8(x, down.fmt) if quant.int8_x() else x   # as the kernel sees x
     want = F.linear(seen, torch.from_numpy(quants.dequantize(down.data.numpy(), T.Q4_1)))
     torch.testing.assert_close(quant.quant_linear(x, down.data, down.fmt), want, rtol=1e-4, atol=1e-4)
 

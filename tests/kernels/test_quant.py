@@ -1,7 +1,8 @@
 """kernels/cpu/quant.cpp: products on GGUF block-format weights against gguf's own decoder
 (gguf.quants.dequantize) followed by F.linear of x as the kernel sees it (rounded to int8 per block
-where it takes integer products), over random blocks, 1-300 rows of x, float32 and bfloat16
-activations; a format not served, and rows that are not whole blocks, are refused by name. The few-rows
+where it takes integer products, as it is where exact), over random blocks, 1-300 rows of x, float32 and
+bfloat16 activations, both settings of the products (quant.set_int8_x); a format not served, and rows
+that are not whole blocks, are refused by name. The few-rows
 limit the boot sets (kernels/cpu/few_rows.h) moves rows between the two int8 forms, both giving the
 product; forms.choose_block_rows measures it per format and sets it, or takes a recorded one."""
 import numpy as np
@@ -18,6 +19,13 @@ from phaseflip.kernels.cpu import forms, quant  # noqa: E402
 @pytest.fixture(scope="module")
 def op(cpu_kernels):
     return cpu_kernels.quant_linear_op()
+
+
+def _products(set_int8_x, products: str) -> None:
+    """The process's products on blocks set to `products` ("int8" | "exact"); int8 skipped without the dots."""
+    if products == "int8" and not quant.has_int8_dot():
+        pytest.skip("this CPU's kernels have no integer dots (AVX2): products on blocks take x as it is")
+    set_int8_x(products == "int8")
 
 
 # where each format keeps its fp16 scales (gguf's Python quantizer writes no K-format block: theirs are
@@ -45,9 +53,11 @@ def _blocks(fmt: quant.BlockFormat, n: int, k: int, seed: int):
 
 @pytest.mark.parametrize("name", sorted(quant.FORMATS))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-# few-rows forms up to 8 rows, bf16's in passes up to 8-24 rows (48 for Q6_K with VNNI), wide past
+@pytest.mark.parametrize("products", ["int8", "exact"])
+# few-rows forms up to 8 rows, int8's in passes up to 8-24 rows (48 for Q6_K with VNNI), wide past
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 9, 17, 24, 33, 48, 64, 300])
-def test_matches_gguf_dequantize_then_f_linear(op, name, dtype, rows):
+def test_matches_gguf_dequantize_then_f_linear(op, name, dtype, products, rows, int8_products):
+    _products(int8_products, products)
     fmt = quant.block_format(name)
     # weights of their own for each case (a row the kernel failed to write must not hold a close answer left
     # by the case before); 102 rows: the wide forms' last group of 16 holds 6, the one-row form's 4 parts
@@ -56,24 +66,28 @@ def test_matches_gguf_dequantize_then_f_linear(op, name, dtype, rows):
     assert blocks.shape == (102, fmt.row_bytes(768)) and blocks.dtype == torch.uint8
     x = torch.randn(rows, 768, generator=torch.Generator().manual_seed(rows)).to(dtype)
     got = quant.quant_linear(x, blocks, fmt)
-    # bf16 x with integer products (AVX2, VNNI where present): the kernel multiplies x rounded to int8 per block
-    want = F.linear(quant.quantize_rows_int8(x, fmt) if quant.int8_x(fmt, dtype) else x.float(), w)
+    # integer products (AVX2, VNNI where present): the kernel multiplies x rounded to int8 per block
+    want = F.linear(quant.quantize_rows_int8(x, fmt) if products == "int8" else x.float(), w)
     assert got.dtype == dtype and got.shape == (rows, 102)
     tol = 1e-4 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(got.float(), want, rtol=tol, atol=tol * want.abs().max().item())
 
 
 @pytest.mark.parametrize("name", sorted(quant.FORMATS))
-def test_bf16_x_is_int8_at_every_row_count(op, name):
-    """Where int8_x holds, every form (the few-rows dots, their passes, the wide product) multiplies x rounded
-    to int8 per block exactly as quantize_rows_int8 rounds it: y is F.linear of that x rounded to bf16, but
-    where the float32 sums' order tips a value to the next bf16 step (x as it is differs in ~70% of them)."""
+def test_int8_x_is_int8_at_every_row_count(op, name, int8_products):
+    """With int8 products every form (the few-rows dots, their passes, the wide product) multiplies x of
+    either dtype rounded to int8 per block exactly as quantize_rows_int8 rounds it: bf16's y is F.linear of
+    that x rounded to bf16, but where the float32 sums' order tips a value to the next bf16 step (x as it is
+    differs in ~70% of them); float32's y is within its sums' order of it (x as it is: ~1e-3 off)."""
+    _products(int8_products, "int8")
     fmt = quant.block_format(name)
-    if not quant.int8_x(fmt, torch.bfloat16):
-        pytest.skip("this CPU's kernels multiply bf16 x as it is (no AVX2 integer dots)")
     blocks, w = _blocks(fmt, 40, 768, seed=7)
     for rows in (1, 8, 9, 25, 33, 49, 300):
-        x = (torch.randn(rows, 768, generator=torch.Generator().manual_seed(rows)) * 3).to(torch.bfloat16)
+        x = torch.randn(rows, 768, generator=torch.Generator().manual_seed(rows)) * 3
+        want = F.linear(quant.quantize_rows_int8(x, fmt), w)
+        torch.testing.assert_close(quant.quant_linear(x, blocks, fmt), want, rtol=1e-5,
+                                   atol=1e-5 * want.abs().max().item(), msg=lambda m: f"float32, {rows} rows: {m}")
+        x = x.to(torch.bfloat16)
         want = F.linear(quant.quantize_rows_int8(x, fmt), w)
         got = quant.quant_linear(x, blocks, fmt)
         assert (got != want.bfloat16()).float().mean() <= 0.01, f"{rows} rows"
@@ -88,16 +102,18 @@ def test_rows_of_blocks_not_a_multiple_of_8(op, name, k, rows):
     blocks, w = _blocks(fmt, 40, k, seed=k + rows)
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(k)).to(torch.bfloat16)
     got = quant.quant_linear(x, blocks, fmt)
-    want = F.linear(quant.quantize_rows_int8(x, fmt) if quant.int8_x(fmt, x.dtype) else x.float(), w)
+    want = F.linear(quant.quantize_rows_int8(x, fmt) if quant.int8_x() else x.float(), w)
     torch.testing.assert_close(got.float(), want, rtol=2e-2, atol=2e-2 * want.abs().max().item())
 
 
-def test_a_strided_x_and_no_rows(op):
+@pytest.mark.parametrize("products", ["int8", "exact"])
+def test_a_strided_x_and_no_rows(op, products, int8_products):
+    _products(int8_products, products)
     fmt = quant.block_format("Q4_1")
     blocks, w = _blocks(fmt, 40, 64, seed=1)
     for rows in (6, 20):                         # the few-rows and the wide forms
         x = torch.randn(64, rows).t()            # rows 1 apart, values `rows` apart
-        seen = quant.quantize_rows_int8(x, fmt) if quant.int8_x(fmt, x.dtype) else x
+        seen = quant.quantize_rows_int8(x, fmt) if products == "int8" else x
         torch.testing.assert_close(quant.quant_linear(x, blocks, fmt), F.linear(seen, w), rtol=1e-4, atol=1e-4)
     assert quant.quant_linear(torch.empty(0, 64), blocks, fmt).shape == (0, 40)
 
@@ -151,12 +167,11 @@ def test_the_torch_reference_decodes_as_gguf_does(name):
 
 @pytest.mark.parametrize("name", sorted(quant.FORMATS))
 @pytest.mark.parametrize("limit", [0, 64])   # the wide tile at every row count; the dots in passes up to 64
-def test_either_form_at_any_row_count_gives_the_product(op, name, limit, default_few_rows):
+def test_either_form_at_any_row_count_gives_the_product(op, name, limit, default_few_rows, int8_products):
     """The limit the boot sets (kernels/cpu/few_rows.h) moves rows from one form to the other: both give
     F.linear of x rounded to int8, from 1 row (the wide tile on one row) to 64 (eight passes of dots)."""
+    _products(int8_products, "int8")
     fmt = quant.block_format(name)
-    if not quant.int8_x(fmt, torch.bfloat16):
-        pytest.skip("this CPU's kernels multiply bf16 x as it is (no AVX2 integer dots): one form")
     blocks, w = _blocks(fmt, 102, 768, seed=11)
     default = quant.few_rows(fmt)
     assert quant.set_few_rows(fmt, limit) == default and quant.few_rows(fmt) == limit
@@ -181,11 +196,11 @@ def test_the_dots_serve_up_to_the_last_row_count_they_win_from_the_first():
     assert forms._dots_limit({9: faster, 48: faster}) == 48
 
 
-def test_the_boot_measures_each_formats_limit_and_the_products_take_it(op, monkeypatch, default_few_rows):
+def test_the_boot_measures_each_formats_limit_and_the_products_take_it(op, monkeypatch, default_few_rows,
+                                                                       int8_products):
     """choose_block_rows times both forms at every BLOCK_ROWS count for each format of the weights it is
     given, sets each limit by its rule, and a recorded report sets them without timing anything."""
-    if not quant.int8_x(quant.FORMATS["Q8_0"], torch.bfloat16):
-        pytest.skip("this CPU's kernels multiply bf16 x as it is (no AVX2 integer dots): one form")
+    _products(int8_products, "int8")
     monkeypatch.setattr(forms, "_measured", {})
     weights = [_blocks(quant.FORMATS[name], 64, 512, seed=3)[0].view(64, -1, quant.FORMATS[name].block_bytes)
                for name in ("Q8_0", "Q4_K", "Q8_0")]
@@ -195,7 +210,9 @@ def test_the_boot_measures_each_formats_limit_and_the_products_take_it(op, monke
         table = report["ms"][name]
         assert sorted(table) == list(forms.BLOCK_ROWS) and all(v > 0 for t in table.values() for v in t.values())
         assert limit == forms._dots_limit(table) and quant.few_rows(quant.FORMATS[name]) == limit
-    assert forms.choose_block_rows(weights, torch.float32, model="m")["limits"] == {}   # float32 x: one form
+    int8_products(False)
+    assert forms.choose_block_rows(weights, torch.float32, model="x")["limits"] == {}   # exact: one form
+    int8_products(True)
 
     monkeypatch.setattr(forms, "_block_rows_ms", lambda *a: pytest.fail("a recorded report was measured again"))
     recorded = {**report, "limits": {"Q8_0": 12, "Q4_K": 40}}

@@ -2,6 +2,7 @@
 import pytest
 import torch
 
+from phaseflip.kernels.cpu import quant
 from phaseflip.rank import arena
 
 
@@ -48,9 +49,9 @@ def test_host_bytes_are_whole_zeroed_and_writable(num_bytes):
     assert int(t.sum()) == 7 * num_bytes
 
 
-def test_the_weight_report_counts_each_storage_and_what_a_token_reads():
+def test_the_weight_report_counts_each_storage_and_what_a_token_reads(cpu_kernels, int8_products):
     """An untied embedding is read one row a token; a tied one is read whole by the head; blocks count
-    as stored."""
+    as stored; how the products on blocks take x is the process's setting on the CPU."""
     slots = {"embed_tokens": arena.Slot(0, (100, 8), torch.float32),          # 3200 bytes, 32 a row
              "layers.0.qkv_proj": arena.Slot(3328, (6, 2, 18), torch.uint8),  # Q4_0: 216 bytes
              "lm_head": arena.Slot(3584, (100, 8), torch.float32)}
@@ -59,10 +60,13 @@ def test_the_weight_report_counts_each_storage_and_what_a_token_reads():
     assert report["bytes_by_storage"] == {"float32": 6400, "Q4_0": 216}
     assert report["storage"]["layers.0.qkv_proj"] == "Q4_0"
     assert report["bytes_read_per_token"] == 32 + 216 + 3200
-    assert report["block_products_x"] == "float32, never rounded"   # float32 activations, on the CPU
+    int8_products(False)
+    assert arena.weight_report(image)["block_products_x"] == "as it is, never rounded (exact)"
+    if quant.has_int8_dot():
+        int8_products(True)
+        assert arena.weight_report(image)["block_products_x"].startswith("rounded to int8 per block")
     tied = arena.HostImage(image.data, {**slots, "lm_head": slots["embed_tokens"]})
     assert arena.weight_report(tied)["bytes_read_per_token"] == 3200 + 216
     dense = arena.HostImage(image.data, {k: v for k, v in slots.items() if k != "layers.0.qkv_proj"})
     assert arena.weight_report(dense)["block_products_x"] is None
-    assert arena.weight_report(image, dtype=torch.bfloat16, device="cuda:0")["block_products_x"].startswith(
-        "bfloat16 as it is")
+    assert arena.weight_report(image, device="cuda:0")["block_products_x"] == "as it is (Triton decodes the blocks)"

@@ -227,15 +227,15 @@ def choose_block_rows(weights: list[torch.Tensor], dtype: torch.dtype, passes: i
     tile (kernels/cpu/few_rows.h): at each of BLOCK_ROWS the two forms over that format's weights,
     alternating, best of `passes`. A format's limit is the last of the row counts, from the first on, at
     which the dots are faster (8 where they are not at the first); CPUs with the same instruction set
-    disagree on it (docs/performance.md). Only formats whose products take int8 x (quant.int8_x) have the
-    two forms. Sets each limit (quant.set_few_rows) and returns the report."""
+    disagree on it (docs/performance.md). Only products that take int8 x (quant.int8_x) have the two forms.
+    Sets each limit (quant.set_few_rows) and returns the report."""
     by_format: dict[str, list[torch.Tensor]] = {}
     for w in weights:
         fmt = quant.weight_format(w)
-        if fmt is not None and quant.int8_x(fmt, dtype):
+        if fmt is not None and quant.int8_x():
             by_format.setdefault(fmt.name, []).append(w.flatten(1))
     if not by_format:
-        return {"choice": f"not measured (no block products with int8 x of {dtype})", "limits": {}, "ms": None}
+        return {"choice": "not measured (no block products with int8 x)", "limits": {}, "ms": None}
 
     def measure() -> dict:
         ms = {name: _block_rows_ms(quant.FORMATS[name], ws, dtype, passes) for name, ws in by_format.items()}

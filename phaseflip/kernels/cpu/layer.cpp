@@ -94,7 +94,7 @@ void rotate(const W* x, W* out, const float* cos_sin, int64_t d) {
 // its own, before its products
 template <typename W>
 void prepare(const Proj& w, const typename Scratch<W>::X* x, int64_t K, qrow::Input& in) {
-  if (w.blocks()) in.set<W>(x, K, w.blocks32, w.blocks256);
+  if (w.blocks()) in.set(x, K, w.blocks32, w.blocks256);
 }
 
 // Columns [r.begin, r.end) of y's M rows (ldy apart) = w's rows . x's M rows (K values each), each part's

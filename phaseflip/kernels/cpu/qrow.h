@@ -1,10 +1,11 @@
 // One weight row in a GGUF block format (blocks.h) dotted with rows of x: decoded into float32
 // (`decode_row`), decoded in registers and multiplied with up to a few rows of float32 x as it is
-// (`fused_dot`), and one row of x as a one-token product reads it (`Input`, `dots`): bfloat16 x quantized to
-// int8 per block of the weights' format (32 or 256 values) for integer products where the CPU has
-// AVX2 (`int8_x`, int8.h), float32 x as it is. quant.cpp's products and the fused one-token decoder
+// (`fused_dot`), and one row of x as a one-token product reads it (`Input`, `dots`): x quantized to int8 per
+// block of the weights' format (32 or 256 values) for integer products where the process takes them (`int8_x`,
+// int8.h; the CPU has AVX2), else float32 x as it is. quant.cpp's products and the fused one-token decoder
 // layers (layer.cpp) share these, so a token's product has one answer whichever of them runs it.
 #pragma once
+#include <atomic>
 #include <cstdint>
 #include <type_traits>
 #include <vector>
@@ -60,18 +61,24 @@ void fused_dot(const uint8_t* row, int64_t K, const float* x, float* out) {
 }
 #endif
 
-// Whether x of type X is quantized to int8 (per block of the weights' values) for its products with blocks:
-// bfloat16 x (its values already rounded) where the CPU has the integer dot (int8.h); float32 x never (its
-// products are those of the decoded weights, as the reference computes them)
-template <typename X>
+// Whether products on blocks quantize x to int8 per block of the weights' values and multiply by integer dot
+// products (int8.h: llama.cpp's numerics, and the fast path), x of every dtype, or multiply x as it is with
+// the decoded weights (the "exact" products, as a dequantize-then-linear reference computes them). A process
+// setting, as a rank process serves one model: int8 where the CPU has the integer dot (AVX2) until the boot
+// sets the engine's choice (`set_int8_x`; kernels/cpu/quant.py); exact always on a CPU without it.
 #ifdef PF_INT8_DOT
-constexpr bool int8_x = !std::is_same_v<X, float>;
+constexpr bool has_int8_dot = true;
 #else
-constexpr bool int8_x = false;
+constexpr bool has_int8_dot = false;
 #endif
+inline std::atomic<bool> int8_setting{has_int8_dot};
+inline bool int8_x() { return has_int8_dot && int8_setting.load(std::memory_order_relaxed); }
 
-// One row of x (K values) as `dot` reads it: int8 where int8_x of the activations' type A, quantized per 32
-// and per 256 values as the formats that will read it need (`set`'s flags), else float32
+// Set int8_x() to `on` (on only where has_int8_dot); returns the setting it replaced
+inline bool set_int8_x(bool on) { return int8_setting.exchange(on, std::memory_order_relaxed); }
+
+// One row of x (K values) as `dot` reads it: int8 where int8_x(), quantized per 32 and per 256 values as the
+// formats that will read it need (`set`'s flags), else float32
 struct Input {
   int64_t K = 0;
   bool int8 = false;
@@ -80,11 +87,11 @@ struct Input {
   int8dot::Rows q32, q256;
   const int8dot::Rows& per(int64_t values) const { return values == QK ? q32 : q256; }
 #endif
-  // x's values of activations of type A, held as X (a bf16 step may hold them widened to float32), for
-  // blocks of 32 values (per32) and of 256 (per256)
-  template <typename A, typename X>
+  // x's values, held as X (a bf16 step may hold them widened to float32), for blocks of 32 values (per32)
+  // and of 256 (per256)
+  template <typename X>
   void set(const X* x, int64_t k, bool per32, bool per256) {
-    K = k, int8 = int8_x<A>;
+    K = k, int8 = int8_x();
     f.resize(k);
     for (int64_t i = 0; i < k; ++i) f[i] = static_cast<float>(x[i]);
 #ifdef PF_INT8_DOT

@@ -1,13 +1,14 @@
 // Products x @ W^T with W in a GGUF block format, as the file holds it: each weight row a run of blocks, each
 // block scales and small integers (the formats: blocks.h). x [M, K] float32 or bfloat16 (the output is x's
 // dtype), float32 sums. The weight is read once a product, at its quantized size: what a decode step's time
-// is (it reads every weight). bfloat16 x, where the CPU has AVX2 (qrow::int8_x), is quantized to int8 per
-// block of the format's values (32, or 256 for the K formats) at every row count (llama.cpp's approach) and
-// multiplied by integer dot products: up to FEW_ROWS rows of x, each weight row's blocks read once for all of
-// them (int8.h; a few such passes up to few_rows.h's limit); more, 16 (VNNI) or 8 (AVX2) weight rows at a
-// time unpacked into L1 for an integer register tile (int8_wide.h). float32 x is never rounded (its products
-// are those of the decoded weights), nor is x on a CPU without AVX2: up to FEW_ROWS rows each block is
-// decoded in registers and multiplied with every row as it is (qrow.h's fused_dot); more, x is packed into
+// is (it reads every weight). Where the process takes int8 products (qrow::int8_x: the CPU has AVX2, and the
+// engine's block_products is int8), x is quantized to int8 per block of the format's values (32, or 256 for
+// the K formats) at every row count (llama.cpp's approach) and multiplied by integer dot products: up to
+// FEW_ROWS rows of x, each weight row's blocks read once for all of them (int8.h; a few such passes up to
+// few_rows.h's limit); more, 16 (VNNI) or 8 (AVX2) weight rows at a time unpacked into L1 for an integer
+// register tile (int8_wide.h). Otherwise x is never rounded (the "exact" products, those of the decoded
+// weights): up to FEW_ROWS rows each block is decoded in registers and multiplied with every row as it is
+// (qrow.h's fused_dot); more, x is packed into
 // panels as for the float32 kernel's wide form and a few weight rows at a time are decoded into an L1 buffer
 // for its register tile (`tiled`). Without vectors, each weight row is decoded into float32 and dotted with
 // every row of x. Also rows of W decoded to float32 by index (`quant_rows`: a quantized embedding's lookup).
@@ -20,7 +21,6 @@
 #include <torch/library.h>
 #include <algorithm>
 #include <cstring>
-#include <type_traits>
 #include <utility>
 #include <vector>
 #include "blocks.h"
@@ -191,7 +191,7 @@ void run(const at::Tensor& x, const at::Tensor& w, at::Tensor& y) {
   const uint8_t* wp = w.data_ptr<uint8_t>();
   X* yp = y.data_ptr<X>();
 #ifdef PF_INT8_DOT
-  if constexpr (qrow::int8_x<X>) {
+  if (qrow::int8_x()) {
     if (M <= few_rows_limit<B>())
       return in_passes(M, FEW_ROWS, [&](int64_t m0, int64_t rows) {
         int8_rows<B, X>(x.narrow(0, m0, rows), wp, ldw, N, yp + m0 * N);
@@ -262,11 +262,17 @@ at::Tensor quant_rows(const at::Tensor& w, const at::Tensor& ids, int64_t type) 
   return out;
 }
 
-// whether this build multiplies the format's blocks with x of dtype `dtype` quantized to int8 per block of
-// the format's values (at every row count); else x stays float32
-bool quant_int8_x(int64_t type, at::ScalarType dtype) {
-  blocks::with_format(type, [](auto) { return 0; });   // the type checked
-  return dtype::dispatch("quant_int8_x", dtype, [](auto zero) { return qrow::int8_x<decltype(zero)>; });
+// whether this build has the integer dot products (the CPU has AVX2): int8 products can be set
+bool quant_has_int8_dot() { return qrow::has_int8_dot; }
+
+// whether products on blocks quantize x to int8 per block of the format's values now (qrow::int8_x)
+bool quant_int8_x() { return qrow::int8_x(); }
+
+// set quant_int8_x() to `on`; returns the setting it replaced
+bool quant_set_int8_x(bool on) {
+  TORCH_CHECK(!on || qrow::has_int8_dot, "quant_set_int8_x: this build has no integer dot products (the CPU "
+              "lacks AVX2): products on blocks multiply x as it is");
+  return qrow::set_int8_x(on);
 }
 
 // the rows of x up to which the format's products with int8 x take the few-rows dots (few_rows_limit)
@@ -289,7 +295,9 @@ TORCH_LIBRARY_FRAGMENT(phaseflip, m) {
   m.impl("cpu_quant_linear", c10::DispatchKey::CPU, TORCH_FN(quant_linear));
   m.def("cpu_quant_rows(Tensor blocks, Tensor ids, int type) -> Tensor");
   m.impl("cpu_quant_rows", c10::DispatchKey::CPU, TORCH_FN(quant_rows));
-  m.def("cpu_quant_int8_x(int type, ScalarType dtype) -> bool", TORCH_FN(quant_int8_x));
+  m.def("cpu_quant_has_int8_dot() -> bool", TORCH_FN(quant_has_int8_dot));
+  m.def("cpu_quant_int8_x() -> bool", TORCH_FN(quant_int8_x));
+  m.def("cpu_quant_set_int8_x(bool on) -> bool", TORCH_FN(quant_set_int8_x));
   m.def("cpu_quant_few_rows(int type) -> int", TORCH_FN(quant_few_rows));
   m.def("cpu_quant_set_few_rows(int type, int rows) -> int", TORCH_FN(quant_set_few_rows));
 }

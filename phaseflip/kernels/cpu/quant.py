@@ -6,8 +6,9 @@ Owns: `FORMATS` (name -> `BlockFormat`: GGML's type id, values and bytes a block
 `storage_name` (what a weight of the arena holds: a quantized one is uint8 [rows, blocks, block bytes],
 and the bytes a block takes name its format), `quant_linear`, `few_rows` / `set_few_rows` (up to which
 rows of x its products take the few-rows dots), `quant_rows` (rows of W decoded by index: a quantized
-embedding's lookup), `dequantize`, and `int8_x` / `block_x` / `quantize_rows_int8` (whether the kernel
-multiplies int8 activations, how a report names that, and what they are).
+embedding's lookup), `dequantize`, and how the products take x: `has_int8_dot`, `int8_x` / `set_int8_x`
+(whether they quantize x to int8 per block, a process setting the boot sets from the engine's
+block_products), `block_x` (how a report names that) and `quantize_rows_int8` (what x becomes).
 """
 from __future__ import annotations
 
@@ -102,22 +103,33 @@ def quant_rows(blocks: torch.Tensor, ids: torch.Tensor, fmt: BlockFormat) -> tor
     return _kernels().cpu_quant_rows(blocks, ids, fmt.type_id)
 
 
-def int8_x(fmt: BlockFormat, dtype: torch.dtype) -> bool:
-    """Whether the kernels, as built for this CPU, quantize x of `dtype` to int8 per block of fmt's values
-    (32, or 256 for the K formats: quantize_rows_int8) for integer products with fmt's blocks, at every row
-    count: bfloat16 x where the CPU has AVX2 (llama.cpp's numerics; kernels/cpu/qrow.h, int8.h, int8_wide.h;
-    AVX512-VNNI's dot where present); float32 x never (the decoded weights' products)."""
-    return bool(_kernels().cpu_quant_int8_x(fmt.type_id, dtype))
+def has_int8_dot() -> bool:
+    """Whether the kernels, as built for this CPU, have integer dot products (AVX2; AVX512-VNNI's where
+    present): products on blocks can then take x quantized to int8 (int8_x)."""
+    return library.quant_linear_op() is not None and bool(_kernels().cpu_quant_has_int8_dot())
 
 
-def block_x(dtype: torch.dtype, device: str) -> str:
-    """How products on blocks see x of `dtype` on `device` (what the weights report says): the CPU's
-    kernels int8 per block of the weights' values (int8_x) or float32 as it is; CUDA's Triton kernels x as it is."""
+def int8_x() -> bool:
+    """Whether products on blocks quantize x (of any dtype) to int8 per block of the weights' values (32, or
+    256 for the K formats: quantize_rows_int8) for integer products, at every row count (llama.cpp's
+    numerics; kernels/cpu/qrow.h, int8.h, int8_wide.h), or multiply x as it is with the decoded weights
+    (exact). A process setting: int8 wherever has_int8_dot until set_int8_x."""
+    return bool(_kernels().cpu_quant_int8_x())
+
+
+def set_int8_x(on: bool) -> bool:
+    """Set int8_x() (on: only where has_int8_dot); returns the setting it replaced."""
+    return bool(_kernels().cpu_quant_set_int8_x(bool(on)))
+
+
+def block_x(device: str) -> str:
+    """How products on blocks see x on `device` (what the weights report says): the CPU's kernels int8 per
+    block of the weights' values (int8_x) or x as it is; CUDA's Triton kernels x as it is."""
     if str(device).startswith("cuda"):
-        return f"{str(dtype).removeprefix('torch.')} as it is (Triton decodes the blocks)"
-    if dtype != torch.float32 and library.quant_linear_op() is not None and int8_x(FORMATS["Q8_0"], dtype):
-        return "int8 per block of the weights' values, 32 or 256 (llama.cpp's numerics)"
-    return "float32, never rounded"
+        return "as it is (Triton decodes the blocks)"
+    if library.quant_linear_op() is not None and int8_x():
+        return "rounded to int8 per block of the weights' values, 32 or 256 (llama.cpp's numerics)"
+    return "as it is, never rounded (exact)"
 
 
 def quantize_rows_int8(x: torch.Tensor, fmt: BlockFormat) -> torch.Tensor:
