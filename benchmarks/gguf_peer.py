@@ -127,15 +127,17 @@ def _batches(value: str) -> tuple[int, ...]:
               help="The 200+100 workload's batch sizes, comma-separated (1 alone for a large model).")
 @click.option("--dtype", default="auto", show_default=True,
               help="phaseflip's activations (LLM's dtype): auto (float32 on the CPU) or bfloat16.")
+@click.option("--block-products", type=click.Choice(["auto", "int8", "exact"]), default="auto", show_default=True,
+              help="phaseflip's products on blocks (LLM's block_products): x rounded to int8 per block or as it is.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of the tables.")
 @click.argument("files", nargs=-1, required=True, type=click.Path(exists=True, dir_okay=False, path_type=Path))
-def main(llama_bench, llama_batched_bench, threads, rounds, repeats, batches, dtype, as_json, files):
+def main(llama_bench, llama_batched_bench, threads, rounds, repeats, batches, dtype, block_products, as_json, files):
     """Benchmark phaseflip against llama.cpp on each GGUF file, interleaved, and print the ratios."""
     o = {"llama_bench": llama_bench, "llama_batched_bench": llama_batched_bench, "threads": threads,
          "repeats": repeats, "batches": batches}
     results = {}
     for path in files:
-        llm = boot(path, threads, batches, dtype=dtype)
+        llm = boot(path, threads, batches, dtype=dtype, block_products=block_products)
         try:
             nbytes = decode_bytes(llm)
             got = []

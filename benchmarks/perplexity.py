@@ -56,11 +56,12 @@ def llama_ids(binary: str, model: str, body: str) -> list[int]:
 
 
 def phaseflip_ppl(model: str, body: str, ctx: int, threads: int, given: list[int] | None = None,
-                  dtype: str = "auto") -> dict:
+                  dtype: str = "auto", block_products: str = "auto") -> dict:
     """given: the token ids to score (llama.cpp's), else the text tokenised by the model's tokenizer."""
     from phaseflip import LLM, SamplingParams
     t0 = time.perf_counter()
-    with LLM(model, num_threads=threads, max_model_len=ctx + 8, max_num_seqs=1, dtype=dtype) as llm:
+    with LLM(model, num_threads=threads, max_model_len=ctx + 8, max_num_seqs=1, dtype=dtype,
+             block_products=block_products) as llm:
         tok = llm.get_tokenizer()
         ids = given if given is not None else tok.encode(body, add_special_tokens=False)
         bos = tok.bos_token_id if tok.encode("a")[:1] == [tok.bos_token_id] else None
@@ -112,13 +113,15 @@ def main() -> None:
     ap.add_argument("--ctx", type=int, default=512)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--dtype", default="auto", help="phaseflip's activations: auto (float32 on the CPU), bfloat16")
+    ap.add_argument("--block-products", default="auto", choices=("auto", "int8", "exact"),
+                    help="phaseflip's products on blocks: x rounded to int8 per block, or as it is")
     a = ap.parse_args()
     body = text(a.chars)
     ids = {path: llama_ids(a.llama_tokenize, path, body) if a.llama_tokenize else None for path in a.files}
     if a.hf_dir:
         print(json.dumps({"hf": a.hf_dir, **hf_ppl(a.hf_dir, body, a.ctx, a.threads, ids[a.files[0]])}), flush=True)
     for path in a.files:
-        ours = phaseflip_ppl(path, body, a.ctx, a.threads, ids[path], a.dtype)
+        ours = phaseflip_ppl(path, body, a.ctx, a.threads, ids[path], a.dtype, a.block_products)
         theirs = llama_ppl(a.llama_perplexity, path, body, a.ctx, a.threads)
         print(json.dumps({"file": Path(path).name, "phaseflip": ours, "llama.cpp": theirs,
                           "phaseflip_over_llama": round(ours["ppl"] / theirs["ppl"] - 1, 5)}), flush=True)
