@@ -1,8 +1,8 @@
 """Boot planning: every value derived from the config, the model and the machine, computed once.
 
 Owns: BootPlan (device, dtype, how products on GGUF blocks take x, max_model_len, KV block count, bucket
-sets, the two layouts), the
-RankBoot message each rank boots from, and `policy_key` (what the policy's recorded rates depend on).
+sets, the two layouts), the RankBoot message each rank boots from, and `policy_key` (what the policy's
+recorded rates depend on).
 Checkpoint problems are raised by the loader before any rank allocates its KV region, and a KV budget
 that cannot hold one sequence of max_model_len tokens is refused here, saying what to change. On CUDA,
 unless kv_cache_memory_gib or num_kv_blocks is given, the block count is left to the ranks: each

@@ -8,10 +8,10 @@
 // few_rows.h's limit); more, 16 (VNNI) or 8 (AVX2) weight rows at a time unpacked into L1 for an integer
 // register tile (int8_wide.h). Otherwise x is never rounded (the "exact" products, those of the decoded
 // weights): up to FEW_ROWS rows each block is decoded in registers and multiplied with every row as it is
-// (qrow.h's fused_dot); more, x is packed into
-// panels as for the float32 kernel's wide form and a few weight rows at a time are decoded into an L1 buffer
-// for its register tile (`tiled`). Without vectors, each weight row is decoded into float32 and dotted with
-// every row of x. Also rows of W decoded to float32 by index (`quant_rows`: a quantized embedding's lookup).
+// (qrow.h's fused_dot); more, x is packed into panels as for the float32 kernel's wide form and a few weight
+// rows at a time are decoded into an L1 buffer for its register tile (`tiled`). Without vectors, each weight
+// row is decoded into float32 and dotted with every row of x. Also rows of W decoded to float32 by index
+// (`quant_rows`: a quantized embedding's lookup).
 // Vectors of AVX-512 or AVX2 (simd.h), plain loops on a CPU with neither. Built with the other kernels by
 // phaseflip/kernels/cpu/library.py; rows split over torch's threads (parallel.h's ranges).
 #include <ATen/core/Tensor.h>
