@@ -28,9 +28,11 @@ def main() -> None:
     kernels.start()
     headers = threading.Thread(target=lambda: (probe.join(), _first_compiles()), name="prepare-headers")
     headers.start()
-    print("default model:", ensure_default_model())
-    kernels.join()
-    headers.join()
+    try:
+        print("default model:", ensure_default_model())
+    finally:   # a failed conversion raises after the threads end (a compile at shutdown fails by itself)
+        kernels.join()
+        headers.join()
     print("CPU kernels:", library.kernel_report())
     print("inductor's vector ISAs:", ", ".join(vec_isas(root)) or "none builds")   # recorded by the probe
     print(f"prepared in {time.perf_counter() - t0:.1f} s")
