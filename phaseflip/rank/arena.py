@@ -6,7 +6,7 @@ boot), the per-layout views into it, and `refill(layout)`: ONE contiguous host->
 resident mode both images sit side by side in the arena and a flip copies nothing; on the CPU, where
 the host is the device, resident images are packed into the arena itself (no second copy). A flip may
 call `refill`; it must never call `allocate_arena` or `pack_image` (restore, never rebuild: tests
-fence those two entry points).
+fence those two entry points). `resident_images` decides, from the park option, which of the two it is.
 """
 from __future__ import annotations
 
@@ -206,3 +206,15 @@ class WeightArena:
         copied = 0 if self.resident else self._copy_in(layout)
         self.active = layout
         return copied
+
+
+def resident_images(park: str, device: str, sizes: dict[str, int]) -> bool:
+    """Whether the layouts' images (bytes by layout) all sit in the arena, side by side (a flip copies
+    nothing), or the inactive one waits in a host image: park "never" or one layout, resident; "always",
+    parked; "auto", resident on the CPU (the host is the device) and on CUDA where they take under half
+    the device's free memory."""
+    if park == "never" or len(sizes) == 1:
+        return True
+    if park == "always":
+        return False
+    return device == "cpu" or sum(sizes.values()) < 0.5 * torch.cuda.mem_get_info()[0]

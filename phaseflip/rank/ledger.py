@@ -3,7 +3,8 @@ sum of what was measured is from what the device says is used.
 
 Owns: `measure_memory` (what the process or device holds: RSS on the CPU; the driver's free memory and
 the caching allocator's reserved bytes on CUDA), `graph_pool_bytes` (a CUDA graph pool's segments, read
-from the allocator's own snapshot) and `rank_ledger`. Every term is measured on its own, never derived
+from the allocator's own snapshot), `rss_growth` / `add_growth` (what a boot phase added to the RSS) and
+`rank_ledger`. Every term is measured on its own, never derived
 as a remainder: arena, KV region (usable and unusable blocks of each view), graph pool (CPU: the RSS
 the boot's GEMM warm-up and product-form measurements added), compiled code (CPU: the RSS compiling
 added), static buffers, staging reserve, host images (CPU: those outside the arena), allocator cache (CUDA: reserved bytes no listed
@@ -13,6 +14,8 @@ shown as it is (signed) and never folded into another term; `free` is the budget
 that could not be measured is None, and then `free` is None too, with the reason in `unmeasured`.
 """
 from __future__ import annotations
+
+from contextlib import contextmanager
 
 import torch
 
@@ -26,6 +29,21 @@ def rss_bytes() -> int | None:
     except OSError:
         return None
     return None
+
+
+@contextmanager
+def rss_growth():
+    """Yields a list that holds, after the block, the bytes the process's RSS grew by (None where
+    /proc cannot be read)."""
+    before, out = rss_bytes(), []
+    yield out
+    after = rss_bytes()
+    out.append(None if before is None or after is None else after - before)
+
+
+def add_growth(total: int | None, grown: list) -> int | None:
+    """total plus what rss_growth measured; None where either is unmeasured."""
+    return None if total is None or grown[0] is None else total + grown[0]
 
 
 def measure_memory(device: str) -> dict:

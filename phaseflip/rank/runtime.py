@@ -21,46 +21,28 @@ from phaseflip.graphs.registry import GraphRegistry
 from phaseflip.kernels.cpu import forms, fused_layer, linear, quant
 from phaseflip.kernels.reference.rotary import cos_sin_table
 from phaseflip.rank.boot_record import BootRecord, kernels_build, record_key
-from phaseflip.rank.arena import (WeightArena, allocate_arena, arena_bases, image_slots, pack_image,
-                                  experts_read, weight_report)
+from phaseflip.rank.arena import (WeightArena, allocate_arena, arena_bases, experts_read, image_slots,
+                                  pack_image, resident_images, weight_report)
 from phaseflip.rank.comm import break_graphs_at_collectives
 from phaseflip.rank.compile_choice import ONE_ROW_UNUSED
-from phaseflip.rank.flip import (DEFAULT_STAGING_BYTES, DEFAULT_STAGING_FRACTION, InjectedFault,
-                                    allocate_staging, run_flip)
+from phaseflip.rank.faults import Faults
+from phaseflip.rank.flip import DEFAULT_STAGING_BYTES, DEFAULT_STAGING_FRACTION, allocate_staging, run_flip
 from phaseflip.rank.kv_sizing import (device_memory, fit_blocks, kept_outputs_bytes, profile_blocks,
                                          profile_batches, run_profile, too_small)
 from phaseflip.rank.kvcache import KVRegion, KVShape
-from phaseflip.rank.messages import (ArmFault, FlipCommand, FlipReport, RankBoot, RankManifest,
-                                        RankReady, RankStats, RunStep, StepReply)
+from phaseflip.rank.messages import (FlipCommand, FlipReport, RankBoot, RankManifest, RankReady, RankStats,
+                                        RunStep, StepReply)
 from phaseflip.rank.model_config import ModelConfig
 from phaseflip.rank.runner import LayoutPart, LayoutRunner, RankContext
 from phaseflip.rank.sampler import Sampler
 from phaseflip.rank.weights import RankWeights, shard_weights
 from phaseflip.rank.step_inputs import buffer_specs
-from phaseflip.rank.ledger import graph_pool_bytes, measure_memory, rank_ledger, rss_bytes
+from phaseflip.rank.ledger import add_growth, graph_pool_bytes, measure_memory, rank_ledger, rss_growth
 from phaseflip.rank.timing import timed
 
 log = logging.getLogger("phaseflip")
 
 Loader = Callable[[str, torch.dtype], tuple[ModelConfig, dict[str, torch.Tensor]]]
-
-
-class Faults:
-    """Armed test faults of this rank: (stage, chunk or None) -> pending. check() raises once per arming."""
-    def __init__(self, rank: int):
-        self.rank = rank
-        self.armed: set[tuple[str, int | None]] = set()
-
-    def arm(self, cmd: ArmFault) -> None:
-        if cmd.rank is None or cmd.rank == self.rank:
-            self.armed.add((cmd.stage, cmd.chunk))
-
-    def check(self, stage: str, chunk: int | None = None) -> None:
-        for key in ((stage, None), (stage, chunk)):
-            if key in self.armed:
-                self.armed.discard(key)
-                where = "" if chunk is None else f" (chunk {chunk})"
-                raise InjectedFault(f"injected fault at {stage!r}{where} on rank {self.rank}")
 
 
 class RankRuntime:
@@ -124,7 +106,7 @@ class RankRuntime:
         straight into the arena, which is then allocated here. Returns (images, that arena or None,
         resident)."""
         sizes = {name: image_slots(w)[1] for name, w in templates.items()}
-        resident = _resident(boot, sizes)
+        resident = resident_images(boot.park, boot.device, sizes)
         bases, num_bytes = arena_bases(sizes, resident)
         buffer = allocate_arena(num_bytes, "cpu") if resident and self.device == "cpu" else None
         images = {name: pack_image(w, pin=self.device != "cpu",
@@ -216,7 +198,7 @@ class RankRuntime:
         for name in boot.layouts:
             self.arena.refill(name)
             runner = self.runners[name]
-            with self._timed(f"gemm_warm:{name}"), _rss_growth() as grown:
+            with self._timed(f"gemm_warm:{name}"), rss_growth() as grown:
                 kernels = kernels_build(self.device)   # loads the CPU kernels (once) the products call
                 key = record_key(runner, self.device, boot.compile, kernels, boot.block_products)
                 record = BootRecord.load(key, boot.remeasure)
@@ -227,15 +209,15 @@ class RankRuntime:
                 if recorded_forms:   # the forms first: `warm` builds only the GEMMs they take
                     self._choose_forms(runner, boot, record)
                 gemms = linear.warm(runner.projections())
-            self.gemm_bytes = _add(self.gemm_bytes, grown)
+            self.gemm_bytes = add_growth(self.gemm_bytes, grown)
             if not cuda:   # measured after the warm (no GEMM built while timed), once per process, dtype and
-                with self._timed(f"forms:{name}"), _rss_growth() as grown:   # model: later layouts reuse
+                with self._timed(f"forms:{name}"), rss_growth() as grown:   # model: later layouts reuse
                     if not recorded_forms:
                         self._choose_forms(runner, boot, record)
-                self.gemm_bytes = _add(self.gemm_bytes, grown)   # the products' scratch, as the warm-up's
-            with self._timed(f"compile:{name}"), _rss_growth() as grown:
+                self.gemm_bytes = add_growth(self.gemm_bytes, grown)   # the products' scratch, as the warm-up's
+            with self._timed(f"compile:{name}"), rss_growth() as grown:
                 runner.compile.prepare(boot.compile, cuda, record)
-            self.compile_bytes = _add(self.compile_bytes, grown)
+            self.compile_bytes = add_growth(self.compile_bytes, grown)
             with self._timed(f"capture:{name}"):
                 self.faults.check("capture")
                 if boot.capture:
@@ -323,30 +305,3 @@ class RankRuntime:
                          {f"{k[0]}:{k[1]}": v for k, v in self.registry.chunked_runs.items()},
                          {f"{k[0]}:{k[1]}": v for k, v in self.registry.micro_batched_runs.items()},
                          self.arena.buffer.data_ptr(), self.arena.num_bytes)
-
-
-@contextmanager
-def _rss_growth():
-    """Yields a list that holds, after the block, the bytes the process's RSS grew by (None where
-    /proc cannot be read)."""
-    before, out = rss_bytes(), []
-    yield out
-    after = rss_bytes()
-    out.append(None if before is None or after is None else after - before)
-
-
-def _add(total: int | None, grown: list) -> int | None:
-    return None if total is None or grown[0] is None else total + grown[0]
-
-
-def _resident(boot: RankBoot, sizes: dict[str, int]) -> bool:
-    if boot.park == "never" or len(sizes) == 1:
-        return True
-    if boot.park == "always":
-        return False
-    return boot.device == "cpu" or _fits_side_by_side(sizes)
-
-
-def _fits_side_by_side(sizes: dict[str, int]) -> bool:
-    free, _ = torch.cuda.mem_get_info()
-    return sum(sizes.values()) < 0.5 * free
