@@ -1,17 +1,17 @@
 """The memory ledger of one rank: where every byte of its budget went, per layout, and how far the
 sum of what was measured is from what the device says is used.
 
-Owns: `measure_memory` (what the process or device holds: RSS on the CPU; the driver's free memory and
-the caching allocator's reserved bytes on CUDA), `graph_pool_bytes` (a CUDA graph pool's segments, read
-from the allocator's own snapshot), `rss_growth` / `add_growth` (what a boot phase added to the RSS) and
-`rank_ledger`. Every term is measured on its own, never derived
-as a remainder: arena, KV region (usable and unusable blocks of each view), graph pool (CPU: the RSS
-the boot's GEMM warm-up and product-form measurements added), compiled code (CPU: the RSS compiling
-added), static buffers, staging reserve, host images (CPU: those outside the arena), allocator cache (CUDA: reserved bytes no listed
-tensor holds), framework overhead (what the process or device used before the rank's first
-allocation). The identity is then checked against the measured use: `unexplained` is the difference,
-shown as it is (signed) and never folded into another term; `free` is the budget less both. A term
-that could not be measured is None, and then `free` is None too, with the reason in `unmeasured`.
+Owns: `measure_memory` (what the process or device holds: RSS on the CPU; the driver's free memory and the
+caching allocator's reserved bytes on CUDA), `graph_pool_bytes` (a CUDA graph pool's segments, read from the
+allocator's own snapshot), `rss_growth` / `add_growth` (what a boot phase added to the RSS) and
+`rank_ledger`. Every term is measured on its own, never derived as a remainder: arena, KV region (usable and
+unusable blocks of each view), graph pool (CPU: the RSS the boot's GEMM warm-up and product-form
+measurements added), compiled code (CPU: the RSS compiling added), static buffers, staging reserve, host
+images (CPU: those outside the arena), allocator cache (CUDA: reserved bytes no listed tensor holds),
+framework overhead (what the process or device used before the rank's first allocation). The identity is
+then checked against the measured use: `unexplained` is the difference, shown as it is (signed) and never
+folded into another term; `free` is the budget less both. A term that could not be measured is None, and
+then `free` is None too, with the reason in `unmeasured`.
 """
 from __future__ import annotations
 
