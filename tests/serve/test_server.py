@@ -150,17 +150,25 @@ def test_a_dropped_stream_is_aborted_and_its_blocks_freed(server, offline):
 
 
 def test_a_client_gone_before_its_unstreamed_answer_is_aborted_quietly(server):
-    before = server.wait_idle()
+    """The client closes its connection once /metrics shows the request running. On a fast machine the
+    tiny model's 4 x 240 tokens can all be out before that poll and the close reach the server: such a try
+    proves nothing and is made again (at most 3), each one that did not abort having run whole."""
     body = json.dumps({"model": "tiny", "prompt": "Hi", "max_tokens": 240, "n": 4, "temperature": 0,
                        "ignore_eos": True}).encode()
     host, port = server.url.removeprefix("http://").split(":")
-    with socket.create_connection((host, int(port))) as raw:   # closed once the request runs
-        raw.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                    b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
-        end = time.monotonic() + 30
-        while server.metrics()["phaseflip_requests_running"] == 0 and time.monotonic() < end:
-            time.sleep(0.005)
-    after = server.wait_idle()
+    for _ in range(3):
+        before = server.wait_idle()
+        with socket.create_connection((host, int(port))) as raw:   # closed once the request runs
+            raw.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                        b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+            end = time.monotonic() + 30
+            while server.metrics()["phaseflip_requests_running"] == 0 and time.monotonic() < end:
+                time.sleep(0.005)
+        after = server.wait_idle()
+        if after["phaseflip_requests_aborted_total"] > before["phaseflip_requests_aborted_total"]:
+            break
+        generated = after["phaseflip_generation_tokens_total"] - before["phaseflip_generation_tokens_total"]
+        assert generated == 4 * 240, "a request neither aborted nor run whole"
     assert after["phaseflip_requests_aborted_total"] == before["phaseflip_requests_aborted_total"] + 1
     assert after["phaseflip_kv_blocks_free"] == after["phaseflip_kv_blocks_total"]
     assert "Exception in ASGI application" not in server.log_path.read_text(errors="replace")
