@@ -230,9 +230,9 @@ def choose_block_rows(weights: list[torch.Tensor], dtype: torch.dtype, passes: i
     disagree on it (docs/performance.md). Only products that take int8 x (quant.int8_x) have the two forms.
     Sets each limit (quant.set_few_rows) and returns the report."""
     by_format: dict[str, list[torch.Tensor]] = {}
-    for w in weights:
+    for w in weights if quant.int8_x() else ():
         fmt = quant.weight_format(w)
-        if fmt is not None and quant.int8_x():
+        if fmt is not None:
             by_format.setdefault(fmt.name, []).append(w.flatten(1))
     if not by_format:
         return {"choice": "not measured (no block products with int8 x)", "limits": {}, "ms": None}
